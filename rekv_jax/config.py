@@ -1,0 +1,180 @@
+"""Model configuration: one frozen dataclass for the Qwen2 / Qwen3 / Llama decoder family.
+
+`ModelConfig` is hashable, so it can be a static argument of jitted functions. Presets carry the
+values of the published HF `config.json` files; `ModelConfig.from_hf` reads such a file and refuses
+settings this implementation does not compute (it never silently runs a different model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+MODEL_TYPES = ("qwen2", "qwen3", "llama")
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama-3.1 frequency-dependent RoPE rescaling (HF `rope_type: llama3`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a decoder-only GQA transformer (pre-norm, RoPE, SwiGLU)."""
+
+    name: str
+    model_type: str  # "qwen2" | "qwen3" | "llama"
+    num_layers: int  # L
+    hidden_size: int  # D
+    num_heads: int  # n_h (query heads)
+    num_kv_heads: int  # n_kv (K)
+    head_dim: int  # H (not always D / n_h: Qwen3)
+    intermediate_size: int  # F
+    vocab_size: int  # V
+    rope_theta: float
+    rms_norm_eps: float
+    qkv_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
+    tie_embeddings: bool = False  # LM head reuses the embedding matrix
+    rope_scaling: Llama3RopeScaling | None = None
+    max_position_embeddings: int = 32768
+
+    def __post_init__(self) -> None:
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"unknown model_type {self.model_type!r}; expected one of {MODEL_TYPES}")
+        for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                      "intermediate_size", "vocab_size"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads}) for grouped-query attention"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def q_per_kv(self) -> int:
+        """Query heads sharing one KV head (GQA group size)."""
+        return self.num_heads // self.num_kv_heads
+
+    def check_cut(self, cut: int) -> int:
+        """Validate a layer cut `c` in `0..L` and return it as an int."""
+        if isinstance(cut, bool) or not isinstance(cut, int) or not 0 <= cut <= self.num_layers:
+            raise ValueError(f"cut must be an integer in 0..{self.num_layers}, got {cut!r}")
+        return cut
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def preset(cls, name: str) -> ModelConfig:
+        """A named configuration: published HF models, plus `tiny` for tests and quick runs."""
+        try:
+            return _PRESETS[name]
+        except KeyError:
+            raise ValueError(f"unknown preset {name!r}; known: {sorted(_PRESETS)}") from None
+
+    @classmethod
+    def from_hf(cls, path_or_dict: str | Path | dict[str, Any], name: str | None = None
+                ) -> ModelConfig:
+        """Read an HF `config.json` (a path to it, to its folder, or the parsed dict)."""
+        if isinstance(path_or_dict, dict):
+            hf = path_or_dict
+            name = name or hf.get("_name_or_path") or hf.get("model_type", "hf")
+        else:
+            path = Path(path_or_dict)
+            if path.is_dir():
+                path = path / "config.json"
+            hf = json.loads(path.read_text())
+            name = name or str(path.parent)
+        return _from_hf_dict(hf, name)
+
+
+def _from_hf_dict(hf: dict[str, Any], name: str) -> ModelConfig:
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"unsupported HF model_type {model_type!r}; supported: {MODEL_TYPES}")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r}: only SiLU (SwiGLU MLP) is implemented")
+    if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
+        raise ValueError("sliding-window attention is enabled in this config; not implemented")
+    if model_type in ("llama", "qwen3") and hf.get("attention_bias"):
+        raise ValueError(f"attention_bias=True for {model_type} (bias on o_proj) is not implemented")
+    if hf.get("mlp_bias"):
+        raise ValueError("mlp_bias=True is not implemented")
+
+    # transformers >= 5 writes `rope_parameters` (theta + type); older files `rope_theta` +
+    # `rope_scaling`.
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        scaling = None
+    elif rope_type == "llama3":
+        scaling = Llama3RopeScaling(
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
+    else:
+        raise ValueError(f"unsupported rope_scaling type {rope_type!r}: only default and llama3")
+
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    if hf.get("head_dim") is None and hf["hidden_size"] % heads:
+        raise ValueError("hidden_size is not divisible by num_attention_heads and no head_dim given")
+    return ModelConfig(
+        name=name,
+        model_type=model_type,
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        intermediate_size=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"],
+        rope_theta=float(theta),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        qkv_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+    )
+
+
+def _qwen2(name: str, L: int, D: int, nh: int, nkv: int, F: int, V: int, tie: bool) -> ModelConfig:
+    return ModelConfig(name, "qwen2", L, D, nh, nkv, D // nh, F, V, rope_theta=1e6,
+                       rms_norm_eps=1e-6, qkv_bias=True, tie_embeddings=tie)
+
+
+_PRESETS: dict[str, ModelConfig] = {
+    c.name: c
+    for c in (
+        _qwen2("qwen2.5-0.5b", 24, 896, 14, 2, 4864, 151936, tie=True),
+        _qwen2("qwen2.5-3b", 36, 2048, 16, 2, 11008, 151936, tie=True),
+        _qwen2("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064, tie=False),
+        ModelConfig("qwen3-8b", "qwen3", 36, 4096, 32, 8, 128, 12288, 151936, rope_theta=1e6,
+                    rms_norm_eps=1e-6, qk_norm=True, max_position_embeddings=40960),
+        ModelConfig("llama-3.1-8b", "llama", 32, 4096, 32, 8, 128, 14336, 128256,
+                    rope_theta=500000.0, rms_norm_eps=1e-5,
+                    rope_scaling=Llama3RopeScaling(8.0, 1.0, 4.0, 8192),
+                    max_position_embeddings=131072),
+        # Qwen2 architecture, small enough that a 256-token prefill takes milliseconds on CPU.
+        ModelConfig("tiny", "qwen2", 6, 256, 4, 2, 64, 512, 512, rope_theta=10000.0,
+                    rms_norm_eps=1e-6, qkv_bias=True, max_position_embeddings=4096),
+    )
+}
+PRESETS: tuple[str, ...] = tuple(_PRESETS)
+
