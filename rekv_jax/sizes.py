@@ -1,0 +1,123 @@
+"""Byte accounting of a ReKV handoff (paper Eqs. 1, 2, 5, 7): the one place these formulas live.
+
+Every payload size used by the cost model, the planner, the CLI and the tables comes from here.
+A KV layer holds `E = 2 * B * S * K * H` elements (keys and values, `[B, S, K, H]` each). At 16
+bits it costs `2E` bytes; at `b` in {8, 4} bits it is sent as packed codes plus one float16 scale
+per group of `G = 64` elements along head_dim: `E * (b/8 + 2/G)` bytes (Eq. 7). The boundary
+state `h_c` is always BF16 (`B * S * D * 2` bytes, Eq. 1); full recomputation sends int32 token IDs.
+"""
+
+from __future__ import annotations
+
+from rekv_jax.action import BITS, Action
+from rekv_jax.config import ModelConfig
+
+GROUP_SIZE = 64  # elements sharing one scale (paper §2.2)
+SCALE_BYTES = 2  # float16 scale
+BOUNDARY_ELEM_BYTES = 2  # h_c is sent in BF16
+TOKEN_ID_BYTES = 4  # int32 token IDs
+MIB = 2**20
+
+
+def _check_positive(**values: int) -> None:
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+
+def _check_bits(bits: int) -> int:
+    if bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
+    return bits
+
+
+def quantized_bytes(num_elements: int, last_dim: int, bits: int,
+                    group_size: int = GROUP_SIZE) -> int:
+    """Bytes of `num_elements` values (last axis `last_dim`) at `bits`: codes plus scales."""
+    _check_bits(bits)
+    if bits == 16:
+        return num_elements * 2
+    if last_dim % group_size:
+        raise ValueError(f"last dim {last_dim} is not divisible by the group size {group_size}")
+    return num_elements * bits // 8 + num_elements // group_size * SCALE_BYTES
+
+
+def boundary_bytes(cfg: ModelConfig, seq_len: int, batch: int = 1) -> int:
+    """B_H (Eq. 1): the BF16 residual state h_c `[B, S, D]`."""
+    _check_positive(seq_len=seq_len, batch=batch)
+    return batch * seq_len * cfg.hidden_size * BOUNDARY_ELEM_BYTES
+
+
+def kv_layer_elements(cfg: ModelConfig, seq_len: int, batch: int = 1) -> int:
+    """E: elements of one layer's keys and values, `2 x [B, S, K, H]`."""
+    _check_positive(seq_len=seq_len, batch=batch)
+    return 2 * batch * seq_len * cfg.num_kv_heads * cfg.head_dim
+
+
+def kv_layer_bytes(cfg: ModelConfig, seq_len: int, batch: int = 1, bits: int = 16) -> int:
+    """B_KV (Eq. 2) at 16 bits; at 8/4 bits the packed codes plus float16 group scales (Eq. 7)."""
+    return quantized_bytes(kv_layer_elements(cfg, seq_len, batch), cfg.head_dim, bits)
+
+
+def prefix_bytes(cfg: ModelConfig, seq_len: int, cut: int, bits: int, batch: int = 1) -> int:
+    """KV payload of layers `0..cut-1` at `bits` (without the boundary state)."""
+    return cfg.check_cut(cut) * kv_layer_bytes(cfg, seq_len, batch, bits)
+
+
+def token_bytes(seq_len: int, batch: int = 1) -> int:
+    """Payload of full recomputation: the int32 token IDs `[B, S]`."""
+    _check_positive(seq_len=seq_len, batch=batch)
+    return batch * seq_len * TOKEN_ID_BYTES
+
+
+def handoff_bytes(cfg: ModelConfig, seq_len: int, bits: int, cut: int, batch: int = 1
+                  ) -> dict[str, int | float | str]:
+    """Bytes sent by the action (bits, cut): `cut == L` full KV at `bits` (no boundary),
+    `cut == 0` token IDs only (bits ignored), else the `bits` prefix plus the BF16 boundary (Eq. 7).
+    """
+    _check_bits(bits)
+    cfg.check_cut(cut)
+    L = cfg.num_layers
+    if cut == 0:
+        kind, prefix, boundary, tokens = "recompute", 0, 0, token_bytes(seq_len, batch)
+    else:
+        kind = "transfer" if cut == L else "joint"
+        prefix = prefix_bytes(cfg, seq_len, cut, bits, batch)
+        boundary = 0 if cut == L else boundary_bytes(cfg, seq_len, batch)
+        tokens = 0
+    total = prefix + boundary + tokens
+    layer16 = kv_layer_bytes(cfg, seq_len, batch)
+    return {
+        "model": cfg.name, "seq_len": seq_len, "batch": batch, "bits": bits, "cut": cut,
+        "suffix_len": L - cut, "kind": kind,
+        "boundary_bytes": boundary, "kv_layer_bytes_bf16": layer16,
+        "prefix_payload_bytes": prefix, "token_bytes": tokens, "total_bytes": total,
+        "boundary_mib": boundary / MIB, "kv_layer_mib_bf16": layer16 / MIB,
+        "prefix_payload_mib": prefix / MIB, "total_mib": total / MIB,
+    }
+
+
+def action_bytes(cfg: ModelConfig, action: Action, seq_len: int, batch: int = 1
+                 ) -> dict[str, int | float | str]:
+    """`handoff_bytes` of an `Action` (checked against the config's layer count)."""
+    if action.num_layers != cfg.num_layers:
+        raise ValueError(f"action {action} is for {action.num_layers} layers, "
+                         f"{cfg.name} has {cfg.num_layers}")
+    return handoff_bytes(cfg, seq_len, action.bits, action.cut, batch)
+
+
+def model_sizes(cfg: ModelConfig, seq_len: int, batch: int = 1) -> dict[str, int | float]:
+    """Per-layer and whole-model payload sizes, and the boundary break-even (Eqs. 3, 6)."""
+    b_h = boundary_bytes(cfg, seq_len, batch)
+    b_kv = kv_layer_bytes(cfg, seq_len, batch)
+    return {
+        "seq_len": seq_len, "batch": batch,
+        "boundary_bytes": b_h,
+        "kv_layer_bytes_bf16": b_kv,
+        "kv_layer_bytes_q8": kv_layer_bytes(cfg, seq_len, batch, 8),
+        "kv_layer_bytes_q4": kv_layer_bytes(cfg, seq_len, batch, 4),
+        "full_kv_bytes_bf16": cfg.num_layers * b_kv,
+        "token_bytes": token_bytes(seq_len, batch),
+        "boundary_to_kv_layer": b_h / b_kv,  # B_H / B_KV = n_h / (2 n_kv) when D = n_h * H
+        "min_saving_suffix_bf16": b_h // b_kv + 1,  # smallest r with r * B_KV > B_H (Eq. 6)
+    }
