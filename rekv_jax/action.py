@@ -21,7 +21,7 @@ _PREC_BITS = {v: k for k, v in _PREC_NAME.items()}
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Action:
-    """Precision `bits` of the transmitted prefix and layer `cut` (0..L) of a model with L layers."""
+    """Precision `bits` of the transmitted prefix and layer `cut` (0..L) of an L-layer model."""
 
     bits: int
     cut: int

@@ -48,7 +48,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
-            raise ValueError(f"unknown model_type {self.model_type!r}; expected one of {MODEL_TYPES}")
+            raise ValueError(
+                f"unknown model_type {self.model_type!r}; expected one of {MODEL_TYPES}")
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
                       "intermediate_size", "vocab_size"):
             if getattr(self, field) <= 0:
@@ -74,6 +75,36 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """Inverse of `to_dict`."""
+        scaling = d.get("rope_scaling")
+        return cls(**{**d, "rope_scaling": Llama3RopeScaling(**scaling) if scaling else None})
+
+    def to_hf(self) -> dict[str, Any]:
+        """An HF `config.json` dict for this model (inverse of `from_hf`)."""
+        arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "llama": "LlamaForCausalLM"}
+        hf = {
+            "architectures": [arch[self.model_type]],
+            "model_type": self.model_type,
+            "num_hidden_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+            "hidden_act": "silu",
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+        }
+        if self.rope_scaling is not None:
+            hf["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
+        return hf
 
     @classmethod
     def preset(cls, name: str) -> ModelConfig:
@@ -109,7 +140,7 @@ def _from_hf_dict(hf: dict[str, Any], name: str) -> ModelConfig:
     if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
         raise ValueError("sliding-window attention is enabled in this config; not implemented")
     if model_type in ("llama", "qwen3") and hf.get("attention_bias"):
-        raise ValueError(f"attention_bias=True for {model_type} (bias on o_proj) is not implemented")
+        raise ValueError(f"attention_bias=True for {model_type} (o_proj bias) is not implemented")
     if hf.get("mlp_bias"):
         raise ValueError("mlp_bias=True is not implemented")
 
@@ -133,7 +164,7 @@ def _from_hf_dict(hf: dict[str, Any], name: str) -> ModelConfig:
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     if hf.get("head_dim") is None and hf["hidden_size"] % heads:
-        raise ValueError("hidden_size is not divisible by num_attention_heads and no head_dim given")
+        raise ValueError("hidden_size is not divisible by num_attention_heads; give head_dim")
     return ModelConfig(
         name=name,
         model_type=model_type,

@@ -28,6 +28,13 @@ class KVCache:
         """Layers `start..stop-1` (a view-like slice along L)."""
         return KVCache(self.k[start:stop], self.v[start:stop])
 
+    def pad(self, capacity: int) -> KVCache:
+        """Zero-extend the sequence axis to `capacity` positions (room for decoding)."""
+        if capacity < self.seq_len:
+            raise ValueError(f"capacity {capacity} < current length {self.seq_len}")
+        widths = [(0, 0), (0, 0), (0, capacity - self.seq_len), (0, 0), (0, 0)]
+        return KVCache(jnp.pad(self.k, widths), jnp.pad(self.v, widths))
+
     @staticmethod
     def concat(*parts: KVCache) -> KVCache:
         """Join layer ranges in order, e.g. a restored prefix and a recomputed suffix."""

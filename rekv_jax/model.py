@@ -1,0 +1,392 @@
+"""Qwen2 / Qwen3 / Llama decoder in Flax NNX, split at a static layer cut (paper §2.2, §2.4).
+
+The layer stack is stored stacked (`[L, ...]` leaves, or `[1, ...]` when every layer shares one
+set of weights) and run with one `lax.scan` whose body is the same program for every entry point.
+`prefill` runs layers `0..L-1`; `run_prefix` runs `0..c-1` and returns the residual `h_c`;
+`run_suffix` runs `c..L-1` from `h_c`. Because each layer is fenced by an optimization barrier,
+XLA compiles the per-layer computation identically in all three, so the recomputed suffix KV
+and logits are bitwise equal to a full prefill's (tested property).
+
+Params are a plain nested dict of arrays (`nnx.to_pure_dict` of the `Transformer` state), so
+they work with optax, orbax and tree utilities directly; the functions below `nnx.merge` them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rekv_jax.config import ModelConfig
+from rekv_jax.kv import KVCache
+
+Params = dict  # nested dict of arrays, the pure-dict state of `Transformer`
+Past = tuple[jax.Array, jax.Array, jax.Array]  # one layer's cache k, v [B, C, K, H] and start
+_INIT = nnx.initializers.normal(0.02)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm computed in float32 and cast back (as HF does)."""
+
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * x32.astype(x.dtype)
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Param:
+    return nnx.Param(_INIT(rngs.params(), shape, dtype))
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention with optional q/k/v bias (Qwen2) and q/k RMSNorm (Qwen3)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype: jnp.dtype):
+        D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = _param(rngs, (D, N, H), dtype)
+        self.k_proj = _param(rngs, (D, K, H), dtype)
+        self.v_proj = _param(rngs, (D, K, H), dtype)
+        self.o_proj = _param(rngs, (N, H, D), dtype)
+        if cfg.qkv_bias:
+            self.q_bias = nnx.Param(jnp.zeros((N, H), dtype))
+            self.k_bias = nnx.Param(jnp.zeros((K, H), dtype))
+            self.v_bias = nnx.Param(jnp.zeros((K, H), dtype))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(H, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(H, cfg.rms_norm_eps, dtype)
+        self.cfg = cfg
+
+    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], past: Past | None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [B, T, D] -> (out [B, T, D], k, v): k/v [B, T, K, H], or [B, C, K, H] with a past."""
+        q = jnp.einsum("btd,dnh->btnh", x, self.q_proj[...])  # [B, T, N, H]
+        k = jnp.einsum("btd,dkh->btkh", x, self.k_proj[...])  # [B, T, K, H]
+        v = jnp.einsum("btd,dkh->btkh", x, self.v_proj[...])  # [B, T, K, H]
+        if self.cfg.qkv_bias:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if past is None:
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # [B, T, N, H]
+        else:  # write at `start` into a capacity-C cache; query t sees keys 0..start + t
+            past_k, past_v, start = past
+            k = jax.lax.dynamic_update_slice_in_dim(past_k, k, start, axis=1)  # [B, C, K, H]
+            v = jax.lax.dynamic_update_slice_in_dim(past_v, v, start, axis=1)  # [B, C, K, H]
+            T, C = q.shape[1], k.shape[1]
+            mask = jnp.arange(C)[None, :] <= start + jnp.arange(T)[:, None]  # [T, C]
+            out = jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])
+        return jnp.einsum("btnh,nhd->btd", out, self.o_proj[...]), k, v  # [B, T, D]
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype: jnp.dtype):
+        D, F = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _param(rngs, (D, F), dtype)
+        self.up_proj = _param(rngs, (D, F), dtype)
+        self.down_proj = _param(rngs, (F, D), dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate = jnp.einsum("btd,df->btf", x, self.gate_proj[...])  # [B, T, F]
+        up = jnp.einsum("btd,df->btf", x, self.up_proj[...])  # [B, T, F]
+        return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, self.down_proj[...])  # [B, T, D]
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)); also returns this layer's K, V."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype: jnp.dtype):
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.attn = Attention(cfg, rngs, dtype)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, rngs, dtype)
+
+    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], past: Past | None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        attn_out, k, v = self.attn(self.input_norm(x), rope, past)
+        x = x + attn_out
+        return x + self.mlp(self.post_attn_norm(x)), k, v
+
+
+class Transformer(nnx.Module):
+    """Embedding, a stacked layer stack (`[L]` or shared `[1]`), final norm, LM head."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.bfloat16,
+                 repeat_layers: bool = False):
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)  # [V, D]
+
+        @nnx.split_rngs(splits=1 if repeat_layers else cfg.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_layers(rngs: nnx.Rngs) -> DecoderLayer:
+            return DecoderLayer(cfg, rngs, dtype)
+
+        self.layers = make_layers(rngs)
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)  # [D, V]
+        self.cfg = cfg
+
+    def run_layers(self, x: jax.Array, positions: jax.Array, first: int, stop: int,
+                   past: KVCache | None = None) -> tuple[jax.Array, KVCache]:
+        """Layers `first..stop-1` on x [B, T, D] at `positions` [B, T]; returns their K/V.
+
+        With `past` (a capacity-C cache of all layers) the new K/V are written at `positions[0, 0]`
+        and the returned cache is the updated one.
+        """
+        layer_def, stacked = nnx.split(self.layers)
+        shared = jax.tree.leaves(stacked)[0].shape[0] == 1
+        rope = rope_tables(self.cfg, positions)
+
+        def body(x, xs):
+            i, past_kv = xs
+            layer_past = None if past is None else (*past_kv, positions[0, 0])
+            weights = jax.tree.map(lambda w: w[0 if shared else i], stacked)
+            # The barrier fences one layer: XLA cannot fuse it with neighbours (embedding, head,
+            # or an inlined 1-trip loop), so every entry point computes it identically.
+            x, weights, layer_rope, layer_past = jax.lax.optimization_barrier(
+                (x, weights, rope, layer_past))
+            x, k, v = nnx.merge(layer_def, weights)(x, layer_rope, layer_past)
+            return jax.lax.optimization_barrier((x, (k, v)))
+
+        past_kv = None if past is None else (past.k, past.v)
+        x, (k, v) = jax.lax.scan(body, x, (jnp.arange(first, stop), past_kv))
+        return x, KVCache(k, v)
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """x [..., D] -> float32 logits [..., V] (final norm, then LM head)."""
+        head = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]  # [D, V]
+        return jnp.einsum("...d,dv->...v", self.final_norm(x), head,
+                          preferred_element_type=jnp.float32)
+
+
+# ---------------------------------------------------------------------------- RoPE
+
+
+def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """RoPE inverse frequencies [H/2] (float32), with Llama-3.1 rescaling when configured."""
+    H = cfg.head_dim
+    inv = 1.0 / cfg.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H)
+    s = cfg.rope_scaling
+    if s is not None:
+        wavelen = 2 * math.pi / inv
+        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor)
+        scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, (1 - smooth) * scaled / s.factor + smooth * scaled, scaled)
+    return inv.astype(np.float32)
+
+
+def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """positions [B, T] -> (cos, sin), each [B, T, 1, H/2] float32."""
+    angles = positions[..., None].astype(jnp.float32) * inverse_frequencies(cfg)  # [B, T, H/2]
+    return jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (HF convention) on x [B, T, n, H], computed in float32."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # [B, T, n, H/2] each
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------- functional API
+
+
+@functools.lru_cache(maxsize=64)
+def _graphdef(cfg: ModelConfig) -> nnx.GraphDef:
+    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))[0]
+
+
+def _shapes(tree: dict) -> dict[str, tuple[int, ...]]:
+    """{"layers/attn/q_proj": shape, ...} for a nested dict of arrays."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    return {jax.tree_util.keystr(p, simple=True, separator="/"): tuple(x.shape) for p, x in leaves}
+
+
+@functools.lru_cache(maxsize=64)
+def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+    return _shapes(nnx.to_pure_dict(nnx.state(abstract)))
+
+
+def _model(cfg: ModelConfig, params: Params) -> Transformer:
+    return nnx.merge(_graphdef(cfg), params)
+
+
+def check_params(cfg: ModelConfig, params: Params) -> None:
+    """Raise ValueError unless `params` has exactly the entries and shapes `cfg` implies."""
+    expected = _expected_shapes(cfg)
+    try:
+        got = _shapes(params)
+    except AttributeError:
+        raise ValueError("params must be a nested dict of arrays (see init_params)") from None
+    if got.keys() != expected.keys():
+        raise ValueError(f"params do not match config {cfg.name!r}: missing "
+                         f"{sorted(expected.keys() - got.keys())}, unexpected "
+                         f"{sorted(got.keys() - expected.keys())}")
+    stacks = {shape[0] for name, shape in got.items() if name.startswith("layers/")}
+    if len(stacks) != 1 or not stacks <= {1, cfg.num_layers}:
+        raise ValueError(f"layer stack sizes {sorted(stacks)} must all be {cfg.num_layers} "
+                         "(or 1 for weights shared by every layer)")
+    for name, want in expected.items():
+        have = got[name]
+        if name.startswith("layers/"):
+            want, have = want[1:], have[1:]
+        if want != have:
+            raise ValueError(f"params[{name}] has shape {have}, config {cfg.name!r} needs {want}")
+
+
+def check_tokens(cfg: ModelConfig, tokens: jax.Array) -> None:
+    """Raise ValueError unless tokens are int ids [B, S] in 0..V-1 (values checked if concrete)."""
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be integers [B, S], got {tokens.dtype}{tokens.shape}")
+    if tokens.shape[1] == 0:
+        raise ValueError("tokens must hold at least one position")
+    if not isinstance(tokens, jax.core.Tracer):
+        host = np.asarray(tokens)
+        if host.min() < 0 or host.max() >= cfg.vocab_size:
+            raise ValueError(f"token ids must be in 0..{cfg.vocab_size - 1}, got range "
+                             f"{host.min()}..{host.max()}")
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.bfloat16,
+                repeat_layers: bool = False) -> Params:
+    """Synthetic weights (N(0, 0.02), unit norms); `repeat_layers` shares one layer's weights."""
+
+    @jax.jit
+    def make(key):
+        model = Transformer(cfg, nnx.Rngs(key), dtype, repeat_layers)
+        return nnx.to_pure_dict(nnx.state(model))
+
+    return make(key)
+
+
+def _positions(batch: int, start: int, length: int) -> jax.Array:
+    return jnp.broadcast_to(jnp.arange(start, start + length, dtype=jnp.int32), (batch, length))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _prefill(cfg: ModelConfig, params: Params, tokens: jax.Array) -> tuple[KVCache, jax.Array]:
+    model = _model(cfg, params)
+    B, S = tokens.shape
+    x, kv = model.run_layers(model.embed[...][tokens], _positions(B, 0, S), 0, cfg.num_layers)
+    return kv, model.logits(x[:, -1])
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "cut"))
+def _run_prefix(cfg: ModelConfig, params: Params, tokens: jax.Array, cut: int
+                ) -> tuple[jax.Array, KVCache]:
+    model = _model(cfg, params)
+    B, S = tokens.shape
+    return model.run_layers(model.embed[...][tokens], _positions(B, 0, S), 0, cut)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "cut"))
+def _run_suffix(cfg: ModelConfig, params: Params, h_c: jax.Array, cut: int, positions: jax.Array
+                ) -> tuple[KVCache, jax.Array]:
+    model = _model(cfg, params)
+    x, kv = model.run_layers(h_c, positions, cut, cfg.num_layers)
+    return kv, model.logits(x[:, -1])
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _extend(cfg: ModelConfig, params: Params, kv: KVCache, tokens: jax.Array, start: jax.Array
+            ) -> tuple[jax.Array, KVCache]:
+    model = _model(cfg, params)
+    B, T = tokens.shape
+    positions = start + _positions(B, 0, T)
+    x, kv = model.run_layers(model.embed[...][tokens], positions, 0, cfg.num_layers, past=kv)
+    return model.logits(x), kv
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _forward(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
+    model = _model(cfg, params)
+    B, S = tokens.shape
+    x, _ = model.run_layers(model.embed[...][tokens], _positions(B, 0, S), 0, cfg.num_layers)
+    return model.logits(x)
+
+
+def prefill(cfg: ModelConfig, params: Params, tokens: jax.Array) -> tuple[KVCache, jax.Array]:
+    """All L layers on tokens [B, S]: (KV [L, B, S, K, H], last-position logits [B, V] f32)."""
+    check_params(cfg, params)
+    check_tokens(cfg, tokens)
+    return _prefill(cfg, params, tokens)
+
+
+def run_prefix(cfg: ModelConfig, params: Params, tokens: jax.Array, cut: int
+               ) -> tuple[jax.Array, KVCache]:
+    """Layers 0..cut-1: (h_c [B, S, D], the residual entering layer `cut`; KV [cut, B, S, K, H])."""
+    cfg.check_cut(cut)
+    check_params(cfg, params)
+    check_tokens(cfg, tokens)
+    return _run_prefix(cfg, params, tokens, cut)
+
+
+def run_suffix(cfg: ModelConfig, params: Params, h_c: jax.Array, cut: int,
+               positions: jax.Array | None = None) -> tuple[KVCache, jax.Array]:
+    """Layers cut..L-1 from h_c [B, S, D]: (KV [L-cut, B, S, K, H], last-position logits [B, V])."""
+    cfg.check_cut(cut)
+    check_params(cfg, params)
+    if h_c.ndim != 3 or h_c.shape[-1] != cfg.hidden_size:
+        raise ValueError(f"h_c must be [B, S, {cfg.hidden_size}], got {h_c.shape}")
+    B, S, _ = h_c.shape
+    positions = _positions(B, 0, S) if positions is None else jnp.broadcast_to(positions, (B, S))
+    return _run_suffix(cfg, params, h_c, cut, positions)
+
+
+def extend(cfg: ModelConfig, params: Params, kv: KVCache, tokens: jax.Array, start: int
+           ) -> tuple[jax.Array, KVCache]:
+    """Run tokens [B, T] at positions start..start+T-1 on a cache of capacity C >= start + T.
+
+    Returns (logits [B, T, V] f32, the cache with the new K/V written in). Entries of `kv` at
+    or after `start` are ignored (masked), so a cache padded with `KVCache.pad` can be reused
+    step after step with one compiled program.
+    """
+    check_params(cfg, params)
+    check_tokens(cfg, tokens)
+    if kv.num_layers != cfg.num_layers:
+        raise ValueError(f"cache holds {kv.num_layers} layers, the model has {cfg.num_layers}")
+    if isinstance(start, int) and not 0 <= start <= kv.seq_len - tokens.shape[1]:
+        raise ValueError(f"start={start} + {tokens.shape[1]} tokens does not fit a cache of "
+                         f"capacity {kv.seq_len}; grow it with KVCache.pad")
+    return _extend(cfg, params, kv, tokens, jnp.asarray(start, jnp.int32))
+
+
+def decode_step(cfg: ModelConfig, params: Params, kv: KVCache, token: jax.Array, position: int
+                ) -> tuple[jax.Array, KVCache]:
+    """One autoregressive step: token [B] at `position` -> (logits [B, V] f32, updated cache)."""
+    logits, kv = extend(cfg, params, kv, token[:, None], position)
+    return logits[:, 0], kv
+
+
+def forward(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
+    """Logits at every position [B, S, V] f32 (training and teacher-forced scoring)."""
+    check_params(cfg, params)
+    check_tokens(cfg, tokens)
+    return _forward(cfg, params, tokens)
+
+
+def greedy_decode(cfg: ModelConfig, params: Params, kv: KVCache, logits: jax.Array, steps: int
+                  ) -> jax.Array:
+    """Greedy tokens [B, steps] after a prompt cache [L, B, S, K, H] and its last logits [B, V]."""
+    S = kv.seq_len
+    kv = kv.pad(S + steps)
+    tokens = []
+    for i in range(steps):
+        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        tokens.append(token)
+        logits, kv = decode_step(cfg, params, kv, token, S + i)
+    return jnp.stack(tokens, axis=1)

@@ -1,0 +1,151 @@
+"""Weights in and out: HF safetensors checkpoints (no torch) and orbax checkpoints.
+
+One small regex table maps HF tensor names to entries of the model's param dict and says how to
+reshape them (HF stores `[out, in]` matrices; the model uses `[in, out]` with heads split out).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from rekv_jax.config import ModelConfig
+from rekv_jax.model import Params, check_params
+
+# One row per tensor kind: (HF name, param path, variants of {x}, HF -> ours, ours -> HF).
+# `{i}` is the layer index (layer tensors are stacked along a leading L axis in params).
+_Reshape = Callable[[np.ndarray, ModelConfig], np.ndarray]
+_SAME: _Reshape = lambda w, c: w  # noqa: E731
+_T: _Reshape = lambda w, c: w.T  # noqa: E731
+_HF_MAP: list[tuple[str, str, str, _Reshape, _Reshape]] = [
+    ("model.embed_tokens.weight", "embed", "", _SAME, _SAME),
+    ("model.norm.weight", "final_norm/weight", "", _SAME, _SAME),
+    ("lm_head.weight", "lm_head", "", _T, _T),  # [V, D] <-> [D, V]
+    ("model.layers.{i}.self_attn.{x}_proj.weight", "layers/attn/{x}_proj", "q|k|v",
+     lambda w, c: w.T.reshape(c.hidden_size, -1, c.head_dim),  # [n*H, D] -> [D, n, H]
+     lambda w, c: w.reshape(c.hidden_size, -1).T),
+    ("model.layers.{i}.self_attn.{x}_proj.bias", "layers/attn/{x}_bias", "q|k|v",
+     lambda w, c: w.reshape(-1, c.head_dim), lambda w, c: w.reshape(-1)),  # [n*H] <-> [n, H]
+    ("model.layers.{i}.self_attn.o_proj.weight", "layers/attn/o_proj", "",
+     lambda w, c: w.T.reshape(-1, c.head_dim, c.hidden_size),  # [D, N*H] -> [N, H, D]
+     lambda w, c: w.reshape(-1, c.hidden_size).T),
+    ("model.layers.{i}.self_attn.{x}_norm.weight", "layers/attn/{x}_norm/weight", "q|k",
+     _SAME, _SAME),
+    ("model.layers.{i}.mlp.{x}_proj.weight", "layers/mlp/{x}_proj", "gate|up|down", _T, _T),
+    ("model.layers.{i}.input_layernorm.weight", "layers/input_norm/weight", "", _SAME, _SAME),
+    ("model.layers.{i}.post_attention_layernorm.weight", "layers/post_attn_norm/weight", "",
+     _SAME, _SAME),
+]
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq")  # buffers some old checkpoints carry
+
+
+def _regex(template: str, variants: str) -> re.Pattern:
+    """`model.layers.{i}.mlp.{x}_proj.weight` -> a pattern with groups `i` and `x`."""
+    pattern = re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)")
+    return re.compile(pattern.replace(r"\{x\}", f"(?P<x>{variants})"))
+
+
+def _match(name: str, column: int) -> tuple[re.Match, tuple] | None:
+    """The table row whose column (0: HF name, 1: param path) matches `name`."""
+    for row in _HF_MAP:
+        m = _regex(row[column], row[2]).fullmatch(name)
+        if m:
+            return m, row
+    return None
+
+
+def _set(tree: dict, path: str, value) -> None:
+    *parents, leaf = path.split("/")
+    for p in parents:
+        tree = tree.setdefault(p, {})
+    tree[leaf] = value
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {path}")
+    return files
+
+
+def load_hf(path: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> tuple[ModelConfig, Params]:
+    """Read an HF checkpoint folder (config.json + safetensors, single or sharded) into params."""
+    path = Path(path)
+    cfg = ModelConfig.from_hf(path)
+    layers: dict[str, list] = {}  # param path -> per-layer arrays
+    params: Params = {}
+    for file in _safetensors_files(path):
+        with safe_open(str(file), framework="numpy") as f:  # memory-mapped
+            for name in f.keys():
+                if _IGNORED.fullmatch(name) or (cfg.tie_embeddings and name == "lm_head.weight"):
+                    continue
+                found = _match(name, 0)
+                if found is None:
+                    raise ValueError(f"{file.name}: tensor {name!r} has no place in {cfg.name}")
+                m, (_, target, _, to_ours, _) = found
+                target = target.format(x=m.groupdict().get("x"))
+                w = to_ours(f.get_tensor(name), cfg).astype(dtype)
+                if "i" in m.groupdict():
+                    slots = layers.setdefault(target, [None] * cfg.num_layers)
+                    slots[int(m["i"])] = w
+                else:
+                    _set(params, target, jnp.asarray(w))
+    for target, slots in layers.items():
+        missing = [i for i, w in enumerate(slots) if w is None]
+        if missing:
+            raise ValueError(f"checkpoint lacks {target} for layers {missing}")
+        _set(params, target, jnp.asarray(np.stack(slots)))  # [L, ...]
+    check_params(cfg, params)
+    return cfg, params
+
+
+def save_hf(path: str | Path, cfg: ModelConfig, params: Params) -> None:
+    """Write params as an HF checkpoint folder (`model.safetensors` + `config.json`)."""
+    check_params(cfg, params)
+    tensors = {}
+    for p, w in jax.tree_util.tree_leaves_with_path(params):
+        key = jax.tree_util.keystr(p, simple=True, separator="/")
+        m, (hf_name, *_, to_hf) = _match(key, 1)
+        x = m.groupdict().get("x")
+        w = np.asarray(w)
+        if key.startswith("layers/"):  # unstack [L, ...]; shared weights are written per layer
+            for i in range(cfg.num_layers):
+                layer_w = to_hf(w[i if w.shape[0] > 1 else 0], cfg)
+                tensors[hf_name.format(i=i, x=x)] = np.ascontiguousarray(layer_w)
+        else:
+            tensors[hf_name.format(x=x)] = np.ascontiguousarray(to_hf(w, cfg))
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
+
+
+def save_params(path: str | Path, cfg: ModelConfig, params: Params) -> None:
+    """Write an orbax checkpoint of params plus `rekv_config.json` beside it."""
+    check_params(cfg, params)
+    path = Path(path).absolute()
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(path / "params", params)
+    (path / "rekv_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+
+
+def restore_params(path: str | Path) -> tuple[ModelConfig, Params]:
+    """Read what `save_params` wrote: (config, params)."""
+    path = Path(path).absolute()
+    cfg = ModelConfig.from_dict(json.loads((path / "rekv_config.json").read_text()))
+    with ocp.StandardCheckpointer() as ckpt:
+        params = ckpt.restore(path / "params")
+    check_params(cfg, params)
+    return cfg, params

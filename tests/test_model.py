@@ -1,0 +1,162 @@
+"""Model core: exact suffix equality at every cut, decoding from a split cache, bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rekv_jax import KVCache, ModelConfig
+from rekv_jax.config import Llama3RopeScaling
+from rekv_jax.model import (
+    decode_step,
+    extend,
+    forward,
+    greedy_decode,
+    init_params,
+    prefill,
+    run_prefix,
+    run_suffix,
+)
+
+# One small config per family; every Qwen3 one has head_dim != hidden / heads.
+FAMILIES = {
+    "qwen2": dict(model_type="qwen2", qkv_bias=True),
+    "qwen3": dict(model_type="qwen3", qk_norm=True),
+    "llama": dict(model_type="llama", tie_embeddings=True,
+                  rope_scaling=Llama3RopeScaling(8.0, 1.0, 4.0, 64)),
+}
+
+
+def small_config(family: str, layers: int = 4, kv_heads: int = 2, head_dim: int = 16
+                 ) -> ModelConfig:
+    return ModelConfig(name=f"small-{family}", num_layers=layers, hidden_size=64, num_heads=4,
+                       num_kv_heads=kv_heads, head_dim=head_dim if family != "qwen3" else 32,
+                       intermediate_size=96, vocab_size=97, rope_theta=10000.0,
+                       rms_norm_eps=1e-6, **FAMILIES[family])
+
+
+def random_params(cfg: ModelConfig, dtype, seed: int = 0) -> dict:
+    """Random weights with non-trivial biases and norm scales, so every weight matters."""
+    rng = np.random.default_rng(seed)
+
+    def perturb(path, w):
+        name = jax.tree_util.keystr(path)
+        noise = 0.1 * rng.standard_normal(w.shape, dtype=np.float32)
+        if "norm" in name:
+            return jnp.asarray(1 + noise, dtype)
+        return jnp.asarray(noise, dtype) if "bias" in name else w
+
+    return jax.tree_util.tree_map_with_path(perturb, init_params(cfg, jax.random.key(seed), dtype))
+
+
+def tokens_for(cfg: ModelConfig, batch: int, seq: int, seed: int = 0) -> jax.Array:
+    return jax.random.randint(jax.random.key(seed), (batch, seq), 0, cfg.vocab_size, jnp.int32)
+
+
+def assert_split_equals_prefill(cfg, params, tokens, cut):
+    kv, logits = prefill(cfg, params, tokens)
+    h_c, prefix = run_prefix(cfg, params, tokens, cut)
+    suffix, suffix_logits = run_suffix(cfg, params, h_c, cut)
+    assert prefix.k.shape == (cut, *kv.k.shape[1:])
+    assert h_c.shape == (*tokens.shape, cfg.hidden_size)
+    for got, want in [(prefix.k, kv.k[:cut]), (prefix.v, kv.v[:cut]),
+                      (suffix.k, kv.k[cut:]), (suffix.v, kv.v[cut:]), (suffix_logits, logits)]:
+        assert np.array_equal(np.asarray(got), np.asarray(want)), f"cut={cut}"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_cut_is_exact(family, dtype):
+    cfg = small_config(family)
+    params = random_params(cfg, dtype)
+    tokens = tokens_for(cfg, 2, 24)
+    for cut in range(0, cfg.num_layers + 1):
+        assert_split_equals_prefill(cfg, params, tokens, cut)
+
+
+@settings(max_examples=12, deadline=None)
+@given(family=st.sampled_from(list(FAMILIES)), layers=st.integers(2, 5),
+       kv_heads=st.sampled_from([1, 2, 4]), batch=st.integers(1, 3), seq=st.integers(1, 40),
+       dtype=st.sampled_from([jnp.float32, jnp.bfloat16]), data=st.data())
+def test_suffix_exact_property(family, layers, kv_heads, batch, seq, dtype, data):
+    cfg = small_config(family, layers=layers, kv_heads=kv_heads)
+    cut = data.draw(st.integers(1, layers - 1), label="cut")
+    params = random_params(cfg, dtype, seed=seq)
+    assert_split_equals_prefill(cfg, params, tokens_for(cfg, batch, seq, seed=seq), cut)
+
+
+def test_tiny_preset_bf16_exact_and_decodes_from_split_cache():
+    cfg = ModelConfig.preset("tiny")
+    params = init_params(cfg, jax.random.key(0))
+    tokens = tokens_for(cfg, 2, 256)
+    kv, logits = prefill(cfg, params, tokens)
+    cut = 3
+    h_c, prefix = run_prefix(cfg, params, tokens, cut)
+    suffix, suffix_logits = run_suffix(cfg, params, h_c, cut)
+    joined = KVCache.concat(prefix, suffix)
+    assert np.array_equal(joined.k, kv.k) and np.array_equal(joined.v, kv.v)
+    want = greedy_decode(cfg, params, kv, logits, 8)
+    got = greedy_decode(cfg, params, joined, suffix_logits, 8)
+    assert want.shape == (2, 8)
+    assert np.array_equal(got, want)
+
+
+def test_extend_matches_prefill_of_longer_prompt():
+    """Scoring T tokens on a cache equals a prefill of the whole sequence (f32, tolerance)."""
+    cfg = small_config("qwen3")
+    params = random_params(cfg, jnp.float32)
+    tokens = tokens_for(cfg, 2, 30)
+    with jax.default_matmul_precision("float32"):
+        kv, _ = prefill(cfg, params, tokens[:, :20])
+        logits, kv_all = extend(cfg, params, kv.pad(30), tokens[:, 20:], 20)
+        full = forward(cfg, params, tokens)
+        full_kv, _ = prefill(cfg, params, tokens)
+        step_logits, _ = decode_step(cfg, params, kv.pad(40), tokens[:, 20], 20)
+    np.testing.assert_allclose(logits, full[:, 20:], atol=1e-4)
+    np.testing.assert_allclose(step_logits, full[:, 20], atol=1e-4)
+    np.testing.assert_allclose(kv_all.k, full_kv.k, atol=1e-5)
+    with pytest.raises(ValueError, match="capacity"):
+        extend(cfg, params, kv, tokens[:, 20:], 20)
+
+
+def test_repeat_layers_shares_one_layer():
+    cfg = small_config("qwen2")
+    shared = init_params(cfg, jax.random.key(0), jnp.float32, repeat_layers=True)
+    assert all(x.shape[0] == 1 for x in jax.tree.leaves(shared["layers"]))
+    stacked = {**shared, "layers": jax.tree.map(
+        lambda w: jnp.repeat(w, cfg.num_layers, axis=0), shared["layers"])}
+    tokens = tokens_for(cfg, 1, 16)
+    kv_shared, logits_shared = prefill(cfg, shared, tokens)
+    kv_stacked, logits_stacked = prefill(cfg, stacked, tokens)
+    assert np.array_equal(kv_shared.k, kv_stacked.k)
+    assert np.array_equal(logits_shared, logits_stacked)
+    assert_split_equals_prefill(cfg, shared, tokens, 2)
+
+
+def test_bad_input_raises_value_error():
+    cfg = small_config("qwen2")
+    params = init_params(cfg, jax.random.key(0), jnp.float32)
+    tokens = tokens_for(cfg, 1, 8)
+    with pytest.raises(ValueError, match="cut"):
+        run_prefix(cfg, params, tokens, cfg.num_layers + 1)
+    with pytest.raises(ValueError, match="cut"):
+        run_suffix(cfg, params, jnp.zeros((1, 8, cfg.hidden_size)), -1)
+    with pytest.raises(ValueError, match="token ids"):
+        prefill(cfg, params, tokens.at[0, 3].set(cfg.vocab_size))
+    with pytest.raises(ValueError, match="token ids"):
+        prefill(cfg, params, tokens.at[0, 0].set(-1))
+    with pytest.raises(ValueError, match="integers"):
+        prefill(cfg, params, tokens.astype(jnp.float32))
+    other = small_config("qwen3")
+    with pytest.raises(ValueError, match="do not match"):
+        prefill(other, params, tokens)
+    wider = ModelConfig(**{**cfg.to_dict(), "intermediate_size": 128})
+    with pytest.raises(ValueError, match=r"mlp/\w+_proj\] has shape"):
+        prefill(wider, params, tokens)
+    deeper = ModelConfig(**{**cfg.to_dict(), "num_layers": 6})
+    with pytest.raises(ValueError, match="layer stack"):
+        prefill(deeper, params, tokens)
+    with pytest.raises(ValueError, match="h_c"):
+        run_suffix(cfg, params, jnp.zeros((1, 8, 3)), 1)
