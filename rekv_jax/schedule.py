@@ -204,27 +204,24 @@ def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, acti
     return Handoff(kv, first, _ms(t0, t_end), phases, fell_back)
 
 
-def check_cache(cfg: ModelConfig, params: Params, tokens: jax.Array, action: Action,
-                result: Handoff, backend: str | None = None) -> tuple[bool, str]:
-    """Compare a handoff with a single-process prefill: (first token matches, what held).
+def check_cache(reference: KVCache, action: Action, result: Handoff,
+                backend: str | None = None) -> str:
+    """What held of the handoff's cache against a single-process `prefill` cache.
 
     BF16 prefixes and every recomputed suffix must be bitwise equal to the prefill's; a Q8/Q4
     prefix must equal the prefill's prefix after one quantize/dequantize round trip, bitwise.
     """
-    ref_kv, ref_logits = prefill(cfg, params, tokens)
-    first_ok = bool(np.array_equal(result.first_token, jnp.argmax(ref_logits, axis=-1)))
-    c = 0 if result.fallback else action.cut
-    suffix_ok = np.array_equal(result.kv.k[c:], ref_kv.k[c:]) and np.array_equal(
-        result.kv.v[c:], ref_kv.v[c:])
-    want = ref_kv.layers(0, c)
+    c, L = (0 if result.fallback else action.cut), reference.num_layers
+    want_prefix = reference.layers(0, c)
     if c and action.bits != 16:
-        want = decode_prefix(encode_prefix(want, action.bits, backend), action.bits,
-                             ref_kv.k.dtype, backend)
-    prefix_ok = np.array_equal(result.kv.k[:c], want.k) and np.array_equal(
-        result.kv.v[:c], want.v)
-    if not (suffix_ok and prefix_ok):
-        failed = [name for name, ok in (("prefix", prefix_ok), ("suffix", suffix_ok)) if not ok]
-        return first_ok, f"MISMATCH in {' and '.join(failed)}"
+        want_prefix = decode_prefix(encode_prefix(want_prefix, action.bits, backend),
+                                    action.bits, reference.k.dtype, backend)
+    parts = [("prefix", result.kv.layers(0, c), want_prefix),
+             ("suffix", result.kv.layers(c, L), reference.layers(c, L))]
+    failed = [name for name, got, want in parts
+              if not (np.array_equal(got.k, want.k) and np.array_equal(got.v, want.v))]
+    if failed:
+        return f"MISMATCH in {' and '.join(failed)}"
     if c == 0 or action.bits == 16:
-        return first_ok, "bitwise"
-    return first_ok, f"suffix bitwise, prefix = {action.precision} round trip"
+        return "bitwise"
+    return f"suffix bitwise, prefix = {action.precision} round trip"
