@@ -1,0 +1,106 @@
+"""jax.distributed for the two-process handoff: bounded-failure setup, the key-value store as the
+control channel, and an ordered shutdown. Every private JAX API the package uses is in this file.
+
+What JAX does when a peer dies (jax 0.10, seen here): the coordination service lives in process 0.
+If process 0 dies, the JAX client in process 1 aborts its process at once ("Terminating process
+because the JAX distributed service detected fatal errors"), whatever we do. If process 1 dies,
+process 0 is aborted too after the heartbeat timeout, unless `jax_enable_recoverability` is on;
+with it on, process 0 lives on, sees the peer drop out of `get_live_nodes`, and shuts down at once.
+Hence the decode side (whose result matters, and which may fall back to recomputation) is process 0
+by default, recoverability is on, and a leaving process 0 waits for process 1 to disconnect first.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import jax
+from jax._src import distributed as _jax_distributed  # private: the KV-store client
+
+from rekv_jax.transport.base import Role, TransportError, TransportTimeout
+
+# The decode side hosts the coordination service so that it survives the prefill side's death.
+DEFAULT_PROCESS_ID: dict[Role, int] = {"decode": 0, "prefill": 1}
+_PREFIX = "rekv/"
+_SLICE_S = 0.5  # how often a blocked wait re-checks that the peer is alive
+
+
+def initialize(coordinator: str | None, process_id: int | None, *, init_timeout_s: int = 60,
+               heartbeat_s: int = 10) -> None:
+    """`jax.distributed.initialize` for exactly two processes, with gloo CPU collectives and
+    recoverability on. `coordinator=None` lets JAX detect the cluster (SLURM, Open MPI, ...)."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_enable_recoverability", True)
+    jax.distributed.initialize(
+        coordinator, 2 if coordinator else None, process_id,
+        initialization_timeout=init_timeout_s, heartbeat_timeout_seconds=heartbeat_s,
+        shutdown_timeout_seconds=heartbeat_s,
+    )
+    if jax.process_count() != 2:
+        raise ValueError(f"a handoff needs exactly 2 processes, JAX reports {jax.process_count()}")
+
+
+def local_ip() -> str:
+    """This host's address on the route to the coordinator (no packet is sent)."""
+    host = _jax_distributed.global_state.coordinator_address.rsplit(":", 1)[0].strip("[]")
+    family, _, _, _, addr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
+        return s.getsockname()[0]
+
+
+class KVChannel:
+    """Control channel over the coordination service's key-value store. Waits are sliced so that
+    a dead peer is reported (after about one heartbeat timeout) instead of waited out."""
+
+    def __init__(self) -> None:
+        self._client = _jax_distributed.global_state.client
+        if self._client is None:
+            raise ValueError("jax.distributed is not initialized")
+        self.process_id = jax.process_index()
+        self.peer_id = 1 - self.process_id
+
+    def put(self, key: str, value: str) -> None:
+        try:
+            self._client.key_value_set(_PREFIX + key, value)
+        except jax.errors.JaxRuntimeError as e:
+            if "ALREADY_EXISTS" in str(e):
+                raise ValueError(f"{key!r} was already posted (tags must be unique)") from e
+            raise TransportError(f"control channel failed posting {key!r}: {e}") from e
+
+    def get(self, key: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            slice_ms = max(1, int(1000 * min(_SLICE_S, deadline - time.monotonic())))
+            try:
+                return self._client.blocking_key_value_get(_PREFIX + key, slice_ms)
+            except jax.errors.JaxRuntimeError as e:
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    raise TransportError(f"control channel failed waiting for {key!r}: {e}") from e
+            if not self.peer_alive():
+                raise TransportError(f"the peer process {self.peer_id} is gone "
+                                     f"(while waiting for {key!r})")
+            if time.monotonic() >= deadline:
+                raise TransportTimeout(f"nothing under {key!r} within {timeout:g}s")
+
+    def peer_alive(self) -> bool:
+        try:
+            return self.peer_id in self._client.get_live_nodes([0, 1])
+        except jax.errors.JaxRuntimeError:
+            return False
+
+
+def shutdown(channel: KVChannel, timeout: float) -> None:
+    """Leave in order: both post 'close'; process 1 disconnects first, process 0 waits (bounded)
+    until it has, since a JAX client whose coordinator vanishes aborts its process."""
+    deadline = time.monotonic() + timeout
+    try:
+        channel.put(f"close/{channel.process_id}", "1")
+        channel.get(f"close/{channel.peer_id}", timeout)
+    except TransportError:
+        pass  # the peer is gone or stuck: leave anyway
+    if channel.process_id == 0:
+        while channel.peer_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    jax.distributed.shutdown()

@@ -1,0 +1,64 @@
+"""Transport (b): `jax.experimental.transfer` (a TCP pull of device buffers). The prefill side
+registers the buffers with `await_pull` and returns; the decode side pulls them by uuid."""
+
+from __future__ import annotations
+
+import hashlib
+
+import jax
+from jax.experimental import transfer
+from jax.sharding import SingleDeviceSharding
+
+from rekv_jax.transport import distributed
+from rekv_jax.transport.base import Role, Transport, TransportError, poll_until
+
+
+def _uuid(tag: str) -> int:
+    """The pull id of a tag, the same on both sides (63 bits)."""
+    return int.from_bytes(hashlib.blake2b(tag.encode(), digest_size=8).digest(), "big") >> 1
+
+
+class TransferServerTransport(Transport):
+    """Both sides start a transfer server on the interface that routes to the coordinator and
+    swap addresses through the control channel; the decode side connects to the prefill side."""
+
+    kind = "transfer-server"
+
+    def __init__(self, role: Role, channel: distributed.KVChannel,
+                 link_gbps: float | None = None, timeout: float = 60.0) -> None:
+        super().__init__(role, channel, link_gbps)
+        self._device = jax.local_devices()[0]
+        ip = distributed.local_ip()
+        address = f"[{ip}]:0" if ":" in ip else f"{ip}:0"
+        self._server = transfer.start_transfer_server(self._device.client, address, [address])
+        channel.put(f"transfer-server/{role}", self._server.address())
+        self._connection = None
+        if role == "decode":
+            self._connection = self._server.connect(channel.get("transfer-server/prefill", timeout))
+        self._pending: dict[str, list[jax.Array]] = {}  # sent, not yet acknowledged
+
+    def _push(self, tag: str, arrays: list[jax.Array], deadline: float) -> None:
+        self._pending[tag] = arrays
+        self._server.await_pull(_uuid(tag), arrays)
+
+    def _pull(self, tag: str, specs: list[jax.ShapeDtypeStruct], deadline: float
+              ) -> list[jax.Array]:
+        sharding = SingleDeviceSharding(self._device)
+        avals = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in specs]
+        try:
+            arrays = self._connection.pull(_uuid(tag), avals)  # returns at once, fills in later
+        except jax.errors.JaxRuntimeError as e:
+            raise TransportError(f"{tag}: pull failed: {e}") from e
+        poll_until(lambda: all(a.is_ready() for a in arrays), deadline, self._channel.peer_alive,
+                   tag)
+        try:
+            return jax.block_until_ready(arrays)
+        except jax.errors.JaxRuntimeError as e:  # a failed pull materializes as an error buffer
+            raise TransportError(f"{tag}: transfer failed: {e}") from e
+
+    def _acked(self, tag: str) -> None:
+        self._pending.pop(tag, None)
+
+    def _close(self, timeout: float) -> None:
+        self._pending.clear()
+        distributed.shutdown(self._channel, timeout)

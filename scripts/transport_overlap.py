@@ -1,0 +1,142 @@
+"""Does a background receive overlap jitted compute? Prints one JSON line per transport and link.
+
+On the decode side, per repetition: compute alone, the receive alone, then both (the receive on
+`recv_async`'s thread while the main thread computes). Overlap is real when `both_ms` is near
+`max(compute_ms, recv_ms)` rather than `compute_ms + recv_ms`. The link is the loopback itself,
+a paced link (`--gbps`), or a sender that starts `--delay-ms` late (the receive then waits inside
+the collective program or the pending pull, which shows whether the runtime runs it beside compute).
+
+    python scripts/transport_overlap.py --kinds transfer-server,collective --mb 64 --gbps 0,0.25
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+
+from rekv_jax.transport import LocalTransport, Transport, checksums, connect
+from rekv_jax.transport.launch import run_pair
+
+TIMEOUT = 120.0
+
+
+def payload_specs(mb: int) -> list[jax.ShapeDtypeStruct]:
+    """A prefix-shaped payload of about `mb` MiB: uint8 values [2, n, 1024] and fp16 scales."""
+    n = max(1, mb * 2**20 // (2 * 1024 + 2 * 2 * 16))
+    return [jax.ShapeDtypeStruct((2, n, 1024), jnp.uint8),
+            jax.ShapeDtypeStruct((2, n, 16), jnp.float16)]
+
+
+@jax.jit
+def suffix_like(a: jax.Array) -> jax.Array:
+    """Stand-in for the suffix layers: a chain of [1024, 1024] matmuls (~0.3 s on 2 cores)."""
+    for _ in range(12):
+        a = jnp.tanh(a @ a)
+    return a
+
+
+def median_ms(xs: list[float]) -> float:
+    return round(1000 * statistics.median(xs), 1)
+
+
+def prefill_side(t: Transport, mb: int, reps: int, delay_ms: float) -> None:
+    arrays = [jnp.ones(s.shape, s.dtype) for s in payload_specs(mb)]
+    for i in range(1 + 2 * reps):  # warm-up, then "alone" and "both" per repetition
+        t.recv_meta(f"go/{i}", TIMEOUT)
+        time.sleep(delay_ms / 1000)
+        t.send(f"x/{i}", arrays, TIMEOUT)
+        t.wait_ack(f"x/{i}", TIMEOUT)
+
+
+def decode_side(t: Transport, mb: int, reps: int) -> dict:
+    specs = payload_specs(mb)
+    a = jnp.full((1024, 1024), 1e-3, jnp.float32)
+    suffix_like(a).block_until_ready()
+
+    def receive(i: int, background: bool):
+        t.send_meta(f"go/{i}", {})
+        return t.recv_async(f"x/{i}", specs, TIMEOUT) if background else t.recv(
+            f"x/{i}", specs, TIMEOUT)
+
+    receive(0, background=False)
+    times: dict[str, list[float]] = {"compute": [], "recv": [], "both": [], "checksum": []}
+    for r in range(reps):
+        t0 = time.perf_counter()
+        suffix_like(a).block_until_ready()
+        times["compute"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        got = receive(1 + 2 * r, background=False)
+        times["recv"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        checksums(got)
+        times["checksum"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        pending = receive(2 + 2 * r, background=True)
+        suffix_like(a).block_until_ready()
+        pending.result()
+        times["both"].append(time.perf_counter() - t0)
+    med = {f"{k}_ms": median_ms(v) for k, v in times.items()}
+    bound = max(med["compute_ms"], med["recv_ms"])
+    return {"payload_mb": round(sum(s.size * s.dtype.itemsize for s in specs) / 2**20, 1),
+            **med, "sum_ms": round(med["compute_ms"] + med["recv_ms"], 1),
+            "both_over_max": round(med["both_ms"] / bound, 2)}
+
+
+def worker(kind: str, role: str, coordinator: str, mb: int, gbps: float, reps: int,
+           delay_ms: float) -> None:
+    t = connect(kind, role, coordinator, link_gbps=gbps or None, timeout=TIMEOUT)
+    if role == "prefill":
+        prefill_side(t, mb, reps, delay_ms)
+    else:
+        print(json.dumps({"transport": kind, "link_gbps": gbps or None, "delay_ms": delay_ms,
+                          **decode_side(t, mb, reps)}), flush=True)
+    t.close()
+
+
+def run_local(mb: int, gbps: float, reps: int, delay_ms: float) -> dict:
+    prefill, decode = LocalTransport.pair(link_gbps=gbps or None)
+    sender = threading.Thread(target=prefill_side, args=(prefill, mb, reps, delay_ms))
+    sender.start()
+    result = decode_side(decode, mb, reps)
+    sender.join(TIMEOUT)
+    return {"transport": "local", "link_gbps": gbps or None, "delay_ms": delay_ms, **result}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kinds", default="transfer-server,collective,local")
+    p.add_argument("--mb", type=int, default=64, help="payload size, MiB")
+    p.add_argument("--gbps", default="0,0.25", help="emulated link GB/s per run; 0 = unpaced")
+    p.add_argument("--delay-ms", type=float, default=0.0, help="sender starts this late")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--worker", nargs=3, metavar=("KIND", "ROLE", "COORDINATOR"),
+                   help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(*args.worker, args.mb, float(args.gbps), args.reps, args.delay_ms)
+        return
+    for kind in args.kinds.split(","):
+        for gbps in (float(g) for g in args.gbps.split(",")):
+            if kind == "local":
+                print(json.dumps(run_local(args.mb, gbps, args.reps, args.delay_ms)), flush=True)
+                continue
+            out = run_pair(lambda role, coord, kind=kind, gbps=gbps: [
+                sys.executable, __file__, "--worker", kind, role, coord, "--mb", str(args.mb),
+                "--gbps", str(gbps), "--reps", str(args.reps), "--delay-ms", str(args.delay_ms)],
+                timeout=600)
+            for role, done in out.items():
+                if done.returncode:
+                    raise SystemExit(f"{kind} {role} failed:\n{done.stderr[-3000:]}")
+            print(next(line for line in out["decode"].stdout.splitlines()
+                       if line.startswith("{")), flush=True)
+
+
+if __name__ == "__main__":
+    main()

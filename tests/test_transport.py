@@ -1,0 +1,233 @@
+"""Transports: the protocol in-process (LocalTransport), then both real transports with two OS
+processes on loopback, including injected faults (corruption, mismatch, a peer killed mid-transfer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rekv_jax.transport import (
+    LocalTransport,
+    TransportError,
+    TransportTimeout,
+    checksums,
+    connect,
+)
+from rekv_jax.transport.base import LinkPacer
+from rekv_jax.transport.launch import run_pair
+
+WORKER = Path(__file__).with_name("transport_worker.py")
+REAL_KINDS = ["transfer-server", "collective"]
+
+
+def prefix_payload(rows: int = 8) -> list[jax.Array]:
+    rng = np.random.default_rng(1)
+    return [jnp.asarray(rng.standard_normal((2, rows, 16)), jnp.bfloat16),  # h_c [B, S, D]
+            jnp.asarray(rng.integers(0, 256, (2, 3, 2, rows, 2, 4)), jnp.uint8),
+            jnp.asarray(rng.standard_normal((2, 3, 2, rows, 2)), jnp.float16)]
+
+
+def specs(arrays: list[jax.Array]) -> list[jax.ShapeDtypeStruct]:
+    return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+
+
+def flip_byte(x: jax.Array, index: int, mask: int) -> jax.Array:
+    host = np.array(x)
+    host.view(np.uint8).reshape(-1)[index] ^= mask
+    return jnp.asarray(host)
+
+
+# -- checksum --------------------------------------------------------------------------------
+
+DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32, jnp.int8, jnp.uint8, jnp.int32]
+SHAPES = [(3,), (2, 5), (4, 3, 2)]
+
+
+@settings(max_examples=30, deadline=None)
+@given(dtype=st.sampled_from(DTYPES), shape=st.sampled_from(SHAPES), seed=st.integers(0, 2**16),
+       where=st.floats(0, 1, exclude_max=True), mask=st.integers(1, 255))
+def test_checksum_detects_any_single_byte_change(dtype, shape, seed, where, mask):
+    x = jnp.asarray(np.random.default_rng(seed).integers(0, 100, shape), dtype)
+    index = int(where * x.nbytes)
+    assert checksums([x]) != checksums([flip_byte(x, index, mask)])
+
+
+def test_checksum_is_position_weighted_sum_of_words():
+    words = np.array([7, 0, 2**32 - 1], np.uint32)
+    expected = (7 * 1 + 0 * 3 + (2**32 - 1) * 5) % 2**32
+    assert checksums([jnp.asarray(words)]) == [expected]
+    assert checksums([jnp.asarray(words[::-1].copy())]) != [expected]  # order matters
+
+
+# -- protocol, in-process ---------------------------------------------------------------------
+
+def test_local_roundtrip_is_exact_and_acknowledged():
+    prefill, decode = LocalTransport.pair()
+    sent = prefix_payload()
+    prefill.send("p", sent)
+    got = decode.recv_async("p", specs(sent), timeout=10).result(timeout=10)
+    for g, s in zip(got, sent, strict=True):
+        assert g.dtype == s.dtype and np.array_equal(np.asarray(g), np.asarray(s))
+    prefill.wait_ack("p", timeout=10)
+    decode.send_meta("result", {"first_token": 3})
+    assert prefill.recv_meta("result", timeout=10) == {"first_token": 3}
+
+
+def test_shape_mismatch_raises_on_both_sides():
+    prefill, decode = LocalTransport.pair()
+    prefill.send("p", prefix_payload(rows=7))
+    with pytest.raises(ValueError, match="prefill sent buffers"):
+        decode.recv("p", specs(prefix_payload(rows=8)), timeout=10)
+    with pytest.raises(ValueError, match="decode expects"):
+        prefill.wait_ack("p", timeout=10)
+
+
+def test_corrupted_payload_raises_on_both_sides():
+    prefill, decode = LocalTransport.pair()
+    original = prefill._push
+    prefill._push = lambda tag, arrays, deadline: original(
+        tag, [arrays[0], flip_byte(arrays[1], 17, 0x01), arrays[2]], deadline)
+    sent = prefix_payload()
+    prefill.send("p", sent)
+    with pytest.raises(TransportError, match=r"checksum mismatch in buffer\(s\) \[1\]"):
+        decode.recv("p", specs(sent), timeout=10)
+    with pytest.raises(TransportError, match="checksum mismatch"):
+        prefill.wait_ack("p", timeout=10)
+
+
+def test_agree_names_every_disagreeing_field_on_both_sides():
+    prefill, decode = LocalTransport.pair()
+    errors = {}
+
+    def side(t, meta):
+        try:
+            t.agree("run", meta, timeout=10)
+        except ValueError as e:
+            errors[t.role] = str(e)
+
+    other = threading.Thread(target=side, args=(prefill, {"cut": 2, "bits": 8, "seq_len": 64}))
+    other.start()
+    side(decode, {"cut": 3, "bits": 4, "seq_len": 64})
+    other.join(10)
+    assert set(errors) == {"prefill", "decode"}
+    for message in errors.values():
+        assert "cut" in message and "bits" in message and "seq_len" not in message
+
+
+def test_waits_time_out():
+    prefill, decode = LocalTransport.pair()
+    t0 = time.monotonic()
+    with pytest.raises(TransportTimeout):
+        decode.recv("never", specs(prefix_payload()), timeout=0.2)
+    with pytest.raises(TransportTimeout):
+        prefill.wait_ack("never", timeout=0.2)
+    assert time.monotonic() - t0 < 5
+
+
+def test_bad_use_raises_value_error():
+    prefill, decode = LocalTransport.pair()
+    with pytest.raises(ValueError, match="prefill-side"):
+        decode.send("p", prefix_payload())
+    with pytest.raises(ValueError, match="decode-side"):
+        prefill.recv("p", [], timeout=1)
+    with pytest.raises(ValueError, match="at least one dimension"):
+        prefill.send("p", [jnp.float32(1.0)])
+    with pytest.raises(ValueError, match="unknown transport"):
+        connect("carrier-pigeon", "decode")
+    with pytest.raises(ValueError, match="role"):
+        connect("collective", "encode")
+    with pytest.raises(ValueError, match="positive"):
+        LocalTransport.pair(link_gbps=0)
+    prefill.close()
+    with pytest.raises(TransportError, match="closed"):
+        prefill.send("q", prefix_payload())
+
+
+def test_pacing_emulates_a_fifo_link():
+    gbps, nbytes = 0.01, 2_000_000  # 0.2 s per transfer
+    pacer = LinkPacer(gbps)
+    start = time.monotonic()
+    pacer.wait(nbytes, start)
+    pacer.wait(nbytes, start)  # queued behind the first transfer
+    assert time.monotonic() - start >= 2 * nbytes / (gbps * 1e9)
+
+    prefill, decode = LocalTransport.pair(link_gbps=gbps)
+    sent = [jnp.zeros((nbytes,), jnp.uint8)]
+    t0 = time.monotonic()
+    prefill.send("p", sent)
+    decode.recv("p", specs(sent), timeout=10)
+    assert time.monotonic() - t0 >= nbytes / (gbps * 1e9)
+
+
+# -- two real processes on loopback -----------------------------------------------------------
+
+def run_workers(kind: str, scenario: str) -> dict:
+    """Both ends of `scenario`; returns {role: (returncode, events or None, stderr)}."""
+    done = run_pair(lambda role, coord: [sys.executable, str(WORKER), kind, role, coord, scenario],
+                    timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    out = {}
+    for role, proc in done.items():
+        lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        events = {e[0]: e[1:] for e in lines[0]["events"]} if lines else None
+        out[role] = (proc.returncode, events, proc.stderr[-3000:])
+    return out
+
+
+@pytest.mark.parametrize("kind", REAL_KINDS)
+def test_two_processes_protocol_and_injected_faults(kind):
+    result = run_workers(kind, "protocol")
+    for role in ("prefill", "decode"):
+        code, events, stderr = result[role]
+        assert code == 0, stderr
+        assert events["agree"][0] == "ok"
+        assert events["disagree"][0] == "ValueError" and "cut" in events["disagree"][1]
+        assert events["phase"][0] == "ok"  # received bit-exact (checked by the decode worker)
+        assert events["corrupt"][0] == "TransportError"
+        assert "checksum mismatch in buffer(s) [1]" in events["corrupt"][1]
+        assert events["truncated"][0] == "ValueError" and "[2, 7, 16]" in events["truncated"][1]
+        assert events["after"][0] == "ok"  # the link survives the failed phases
+        assert events["close"][0] == "ok"
+    assert result["prefill"][1]["meta"] == ["ok", {"first_token": 5}]
+
+
+@pytest.mark.parametrize("kind", REAL_KINDS)
+def test_prefill_killed_mid_transfer_gives_decode_a_prompt_error(kind):
+    result = run_workers(kind, "kill-prefill")
+    assert result["prefill"][0] == -9
+    code, events, stderr = result["decode"]
+    assert code == 0, stderr
+    outcome, message = events["recv"]
+    assert outcome == "TransportError", message
+    assert float(message.rsplit("[", 1)[1].rstrip("s]")) < 15  # ~ one heartbeat, not the timeout
+    assert events["close"][0] == "ok" and events["close"][1] < 15
+
+
+def test_decode_killed_ends_prefill_without_hanging():
+    # The decode side hosts the coordination service: JAX aborts the prefill process once it is
+    # gone. The property is that nothing hangs (run_pair would raise TimeoutError).
+    result = run_workers("transfer-server", "kill-decode")
+    assert result["decode"][0] == -9
+    assert result["prefill"][0] != 0
+
+
+def test_run_pair_kills_children_on_timeout(tmp_path):
+    script = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(60)"
+    with pytest.raises(TimeoutError, match="still running"):
+        run_pair(lambda role, coord: [sys.executable, "-c", script, str(tmp_path / role)],
+                 timeout=3)
+    for role in ("prefill", "decode"):
+        pid = int((tmp_path / role).read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

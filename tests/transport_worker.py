@@ -1,0 +1,118 @@
+"""One end of a two-process transport test.
+
+Usage: `python tests/transport_worker.py KIND ROLE COORDINATOR SCENARIO`.
+
+Prints one JSON line {"role", "events": [[step, outcome, message], ...]} where outcome is "ok" or
+the exception's class name; tests/test_transport.py launches both ends and checks the events.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from rekv_jax.transport import connect
+
+TIMEOUT = 30.0
+
+
+def payload(rows: int = 8) -> list[np.ndarray]:
+    """The test phase: a bf16 boundary [2, rows, 16], quantized values and fp16 scales."""
+    rng = np.random.default_rng(0)
+    return [
+        rng.standard_normal((2, rows, 16)).astype(ml_dtypes.bfloat16),  # h_c [B, S, D]
+        rng.integers(0, 256, (2, 3, 2, 8, 2, 4), dtype=np.uint8),  # [2, c, B, S, K, H/2]
+        rng.standard_normal((2, 3, 2, 8, 2)).astype(np.float16),  # scales
+    ]
+
+
+def specs(arrays: list[np.ndarray]) -> list[jax.ShapeDtypeStruct]:
+    return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+
+
+def main(kind: str, role: str, coordinator: str, scenario: str) -> None:
+    t = connect(kind, role, coordinator, timeout=TIMEOUT, heartbeat_s=3)
+    events: list[list] = []
+
+    def step(name: str, fn) -> None:
+        t0 = time.monotonic()
+        try:
+            result = fn()
+            elapsed = round(time.monotonic() - t0, 3)
+            events.append([name, "ok", elapsed if result is None else result])
+        except Exception as e:  # the test checks which error each side saw
+            events.append([name, type(e).__name__, f"{e} [{time.monotonic() - t0:.2f}s]"])
+
+    expected = payload()
+    send = [jax.device_put(a) for a in expected]
+
+    def send_phase(tag: str, arrays: list) -> None:
+        t.send(tag, arrays, timeout=TIMEOUT)
+        t.wait_ack(tag, timeout=TIMEOUT)
+
+    def recv_phase(tag: str, want: list[np.ndarray], background: bool = False) -> None:
+        got = (t.recv_async(tag, specs(want), TIMEOUT).result() if background
+               else t.recv(tag, specs(want), TIMEOUT))
+        for g, w in zip(got, want, strict=True):
+            if not np.array_equal(np.asarray(g), w):
+                raise AssertionError(f"{tag}: received buffer differs from what was sent")
+
+    if scenario == "protocol":
+        step("agree", lambda: t.agree("run", {"config": "tiny", "cut": 2, "shape": (2, 8)}))
+        step("disagree", lambda: t.agree("bad", {"config": "tiny", "cut": 2 + (role == "decode")}))
+        if role == "prefill":
+            step("phase", lambda: send_phase("phase", send))
+            step("meta", lambda: t.recv_meta("result", TIMEOUT))
+            original = t._push
+
+            def corrupt_on_the_wire(tag: str, arrays: list, deadline: float) -> None:
+                flipped = np.asarray(arrays[1]).copy()
+                flipped.reshape(-1)[5] ^= 0x10
+                original(tag, [arrays[0], jax.device_put(flipped), arrays[2]], deadline)
+
+            t._push = corrupt_on_the_wire
+            step("corrupt", lambda: send_phase("corrupt", send))
+            t._push = original
+            step("truncated", lambda: send_phase("truncated", [jax.device_put(a)
+                                                             for a in payload(rows=7)]))
+            step("after", lambda: send_phase("after", send))
+        else:
+            step("phase", lambda: recv_phase("phase", expected, background=True))
+            step("meta", lambda: t.send_meta("result", {"first_token": 5}))
+            step("corrupt", lambda: recv_phase("corrupt", expected))
+            step("truncated", lambda: recv_phase("truncated", expected, background=True))
+            step("after", lambda: recv_phase("after", expected))
+    elif scenario == "kill-prefill":  # the prefill side dies once the decode side is receiving
+        if role == "prefill":
+            def die(tag: str, arrays: list, deadline: float) -> None:
+                t._channel.get(f"{tag}/ready", TIMEOUT)
+                time.sleep(0.2)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            t._push = die
+            t.send("doomed", send, timeout=TIMEOUT)
+        else:
+            step("recv", lambda: recv_phase("doomed", expected, background=True))
+    elif scenario == "kill-decode":  # the decode side dies after reading the header
+        if role == "prefill":
+            step("send", lambda: send_phase("doomed", send))
+        else:
+            t._channel.get("doomed/header", TIMEOUT)
+            os.kill(os.getpid(), signal.SIGKILL)
+    else:
+        raise ValueError(f"unknown scenario {scenario!r}")
+    t0 = time.monotonic()
+    t.close()
+    events.append(["close", "ok", round(time.monotonic() - t0, 3)])
+    print(json.dumps({"role": role, "events": events}), flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
