@@ -154,7 +154,7 @@ def summarize(cfg: ModelConfig, params: Params, tokens: jax.Array, exp: Experime
 def run_local(exp: Experiment, emit: Emit, progress: Callable[[int], None] = lambda n: None
               ) -> None:
     """Both sides in this process (the `local` transport): prefill on a thread."""
-    prefill_end, decode_end = LocalTransport.pair()
+    prefill_end, decode_end = LocalTransport.pair(exp.link_gbps)
     errors: list[BaseException] = []
 
     def prefill_side() -> None:

@@ -1,0 +1,117 @@
+"""The handoff end to end: both schedules, every action kind, through the real links, faults."""
+
+import json
+import subprocess
+import sys
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rekv_jax import Action, ModelConfig, init_params, prefill
+from rekv_jax.handoff import Experiment, run_local
+from rekv_jax.schedule import check_cache, prepare, receive_handoff, send_handoff
+from rekv_jax.sizes import action_bytes
+from rekv_jax.transport import LocalTransport, TransportError
+from rekv_jax.transport.launch import run_pair
+
+ACTIONS = "bf16:full,q8:full,bf16:r=2,q8:r=2,q4:r=3,bf16:recompute"
+
+
+def check_summaries(summaries: list[dict], actions: str, seq_len: int) -> None:
+    cfg = ModelConfig.preset("tiny")
+    assert [s["action"] for s in summaries if s["schedule"] != "sequential"] == actions.split(",")
+    for s in summaries:
+        action = Action.parse(s["action"], cfg.num_layers)
+        assert s["first_token_match"] is True, s
+        want = "bitwise" if action.bits == 16 or action.cut == 0 else (
+            f"suffix bitwise, prefix = {action.precision} round trip")
+        assert s["cache_check"] == want, s
+        assert s["payload_bytes"] == action_bytes(cfg, action, seq_len)["total_bytes"]
+        assert len(s["reps_ms"]) == 2 and s["ci95_ms"][0] <= s["median_ms"] <= s["ci95_ms"][1]
+        assert set(s["phases_ms"]) == {"quantize", "boundary", "prefix", "suffix", "join"}
+        if action.kind == "joint":
+            assert s["phases_ms"]["suffix"] > 0 and s["phases_ms"]["prefix"] > 0
+        assert (s["phases_ms"]["quantize"] > 0) == (action.bits != 16)
+
+
+def test_local_transport_all_action_kinds():
+    records: list[dict] = []
+    run_local(Experiment(seq_len=64, actions=ACTIONS, warmup=1, reps=2), records.append)
+    summaries = [r for r in records if r["kind"] == "summary"]
+    check_summaries(summaries, ACTIONS, 64)
+    joint = [s["schedule"] for s in summaries if s["action"] == "q8:r=2"]
+    assert joint == ["overlapped", "sequential"]
+    assert sum(r["kind"] == "rep" for r in records) == 2 * (len(ACTIONS.split(",")) + 3)
+
+
+@pytest.mark.parametrize("transport", ["transfer-server", "collective"])
+def test_two_processes(transport):
+    actions = "bf16:full,q8:full,bf16:r=2,q8:r=2,bf16:recompute"
+    out = subprocess.run(
+        [sys.executable, "-m", "rekv_jax.cli", "handoff", "--seq-len", "64", "--actions", actions,
+         "--transport", transport, "--warmup", "1", "--reps", "2", "--json", "--timeout", "60"],
+        capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in out.stdout.splitlines()]
+    check_summaries([r for r in records if r["kind"] == "summary"], actions, 64)
+    assert {r["transport"] for r in records if r["kind"] == "summary"} == {transport}
+
+
+def test_sides_that_disagree_both_fail():
+    def argv(role, coordinator):
+        seq = "64" if role == "prefill" else "32"
+        return [sys.executable, "-m", "rekv_jax.cli", "handoff", "--seq-len", seq, "--actions",
+                "bf16:r=2", "--reps", "1", "--warmup", "0", "--json", "--timeout", "30",
+                "--role", role, "--coordinator", coordinator]
+
+    done = run_pair(argv, timeout=120)
+    for role, proc in done.items():
+        assert proc.returncode != 0, role
+        assert "disagree on" in proc.stderr and "seq_len" in proc.stderr, proc.stderr[-2000:]
+
+
+class FailingPrefix(LocalTransport):
+    """A link that loses the prefix payload (the peer 'dies' mid-transfer)."""
+
+    def _pull(self, tag, specs, deadline):
+        if tag.endswith("/prefix"):
+            raise TransportError(f"{tag}: connection reset")
+        return super()._pull(tag, specs, deadline)
+
+
+@pytest.mark.parametrize("fallback", ["error", "recompute"])
+def test_failed_prefix_transfer(fallback):
+    cfg = ModelConfig.preset("tiny")
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (1, 64), 0, cfg.vocab_size, jnp.int32)
+    action = Action.parse("q8:r=2", cfg.num_layers)
+    board_pair = LocalTransport.pair()
+    sender, receiver = board_pair[0], FailingPrefix("decode", board_pair[1]._channel)
+    errors = []
+
+    def send():
+        try:
+            send_handoff(sender, prepare(cfg, params, tokens, action), action, "t", timeout=10)
+        except Exception as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    try:
+        if fallback == "error":
+            with pytest.raises(TransportError, match="connection reset"):
+                receive_handoff(receiver, cfg, params, action, 1, 64, "t", timeout=10)
+        else:
+            result = receive_handoff(receiver, cfg, params, action, 1, 64, "t",
+                                     fallback="recompute", timeout=10)
+            assert result.fallback
+            reference, logits = prefill(cfg, params, tokens)
+            assert check_cache(reference, action, result) == "bitwise"
+            assert np.array_equal(result.first_token, jnp.argmax(logits, axis=-1))
+    finally:
+        thread.join(20)
+    assert not thread.is_alive()
+    assert errors and "connection reset" in str(errors[0])  # the prefill side hears of it too
