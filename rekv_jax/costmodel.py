@@ -1,0 +1,333 @@
+"""The cost model of a ReKV handoff (paper §2.1, §2.3): the one place its equations live.
+
+Phases of an action `(b, c)`, in ms: `Q_b(c)` quantize the prefix, `H` send the boundary `h_c`,
+`X_b(c)` send and restore the prefix, `R(c)` run the suffix (to the first token's logits), `J`
+join (assemble the cache, pick the token; it differs by action kind). Keys of `phases_ms`:
+quantize, boundary, prefix, suffix, join.
+
+    T_seq = Q + H + X + R + J          (Eq. 8)      T_ov = Q + H + max(X, R) + J   (Eq. 9)
+    T_seq - T_ov = min(X, R)           (Eq. 10)
+
+A `Profile` holds per-layer costs for one model, prompt length and batch on one machine and link:
+`Q_b(c) = q0 + c α_b`; `X_b(c) = m + x0_b + c β_b` with `β_b = B_KV,b / W + restore_b`;
+`H = h0 + B_tok / W + m + B_H / W`; `R(c) = r0 + (L - c) γ`. Transfer terms are bytes / bandwidth
+plus a fixed per-message latency `m`, so a profile measured at one link can be re-targeted to
+another (`Profile.at_link`). With the fixed terms at zero this is the paper's linear model, whose
+balanced cut is Eq. 11.
+
+As `rekv_jax.schedule` does, the int32 token IDs (`B_tok` bytes) always cross first and count in
+the `boundary` phase, whose fixed part `h0` also holds the start of the handoff. Transfer-only
+(`c = L`) then sends the full KV and no `h_c`; full recomputation (`c = 0`) sends nothing more and
+runs the embedding and all `L` layers (the `suffix` phase). Byte counts come from
+`rekv_jax.sizes`; times are in ms, bandwidth in GB/s (1e9 bytes/s, as the transports' pacing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rekv_jax import sizes
+from rekv_jax.action import Action
+from rekv_jax.config import ModelConfig
+
+PHASES = ("quantize", "boundary", "prefix", "suffix", "join")
+KINDS = ("transfer", "recompute", "joint")  # Action.kind
+_BITS_FIELDS = ("kv_layer_bytes", "quantize_ms", "restore_ms")  # dicts keyed by bits
+
+
+def transfer_ms(nbytes: float, link_gbps: float) -> float:
+    """Time to move `nbytes` over a `link_gbps` GB/s link."""
+    if not link_gbps > 0:
+        raise ValueError(f"link bandwidth must be positive GB/s, got {link_gbps!r}")
+    return nbytes / (link_gbps * 1e6)
+
+
+def t_seq(q: float, h: float, x: float, r: float, j: float) -> float:
+    """Eq. 8: receive everything, then recompute."""
+    return q + h + x + r + j
+
+
+def t_ov(q: float, h: float, x: float, r: float, j: float) -> float:
+    """Eq. 9: boundary first, suffix concurrent with the prefix transfer and restore."""
+    return q + h + max(x, r) + j
+
+
+def saved(x: float, r: float) -> float:
+    """Eq. 10: what the overlap saves, T_seq - T_ov."""
+    return min(x, r)
+
+
+def prop1_holds(cfg: ModelConfig) -> bool:
+    """Proposition 1's condition `n_h >= 2 n_kv`: sending a hidden state cannot beat its KV."""
+    return cfg.num_heads >= 2 * cfg.num_kv_heads
+
+
+def prop1_delta_ms(cfg: ModelConfig, seq_len: int, link_gbps: float, proj_ms: float = 0.0,
+                   batch: int = 1) -> float:
+    """Eq. 4: (send h and project K, V) minus (send that layer's KV), both BF16, in ms."""
+    if proj_ms < 0:
+        raise ValueError(f"projection time must be >= 0, got {proj_ms}")
+    extra = sizes.boundary_bytes(cfg, seq_len, batch) - sizes.kv_layer_bytes(cfg, seq_len, batch)
+    return transfer_ms(extra, link_gbps) + proj_ms
+
+
+def balanced_cut(num_layers: int, alpha: float, beta: float, gamma: float,
+                 offset: float = 0) -> tuple[float, tuple[int, ...]]:
+    """Proposition 2: `c* = (L γ + offset) / (β + γ)` clipped to [1, L-1], and the interior cuts
+    that can minimize `T_ov` (the integers adjacent to `c*`; only `1` when `γ <= α`).
+
+    `offset = r0 - m` is the suffix's fixed cost minus the prefix message's (0 in Eq. 11).
+    """
+    if num_layers < 2:
+        raise ValueError(f"an interior cut needs at least 2 layers, got {num_layers}")
+    if not beta > 0 or alpha < 0 or gamma < 0:
+        raise ValueError(f"need beta > 0, alpha >= 0, gamma >= 0; got {alpha}, {beta}, {gamma}")
+    c_star = min(max((num_layers * gamma + offset) / (beta + gamma), 1), num_layers - 1)
+    if gamma <= alpha:  # T_ov is nondecreasing in c: the smallest interior cut is a minimizer
+        return c_star, (1,)
+    return c_star, tuple(sorted({math.floor(c_star), math.ceil(c_star)}))
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """Per-layer handoff costs (ms) of one model, length and batch on one machine and link."""
+
+    model: str
+    num_layers: int  # L
+    seq_len: int  # S
+    batch: int  # B
+    hardware: str  # where the compute terms were measured, e.g. "H200", "cpu 2 cores"
+    link: str  # what the link is, e.g. "loopback tcp paced", "analytic"
+    link_gbps: float  # W: bandwidth the transfer terms use (GB/s)
+    source: str  # "measured", "fitted" or "analytic"
+    kv_layer_bytes: dict[int, int]  # bits -> one layer's KV payload (sizes.kv_layer_bytes)
+    boundary_bytes: int  # B_H (sizes.boundary_bytes)
+    token_bytes: int  # int32 token IDs (sizes.token_bytes)
+    quantize_ms: dict[int, float]  # bits -> α_b, per layer (0 for 16)
+    restore_ms: dict[int, float]  # bits -> per-layer restore after receive (0 for 16)
+    suffix_layer_ms: float  # γ
+    join_ms: dict[str, float]  # Action.kind -> J (a number: the same for every kind)
+    embed_ms: float = 0.0  # full recomputation: embedding of the token IDs
+    quantize_fixed_ms: float = 0.0  # q0: per quantize call (bits < 16)
+    boundary_fixed_ms: float = 0.0  # h0: start of the handoff and the token-ID message
+    message_ms: float = 0.0  # m: per further message (h_c, the prefix)
+    suffix_fixed_ms: float = 0.0  # r0: per suffix call
+    # bits -> x0_b: per restore call (dequantize dispatch); missing bits are 0
+    restore_fixed_ms: dict[int, float] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.link_gbps > 0:
+            raise ValueError(f"profile link_gbps must be positive, got {self.link_gbps!r}")
+        for name in _BITS_FIELDS:
+            d = {int(k): v for k, v in getattr(self, name).items()}
+            object.__setattr__(self, name, d)
+        if isinstance(self.join_ms, int | float):
+            object.__setattr__(self, "join_ms", dict.fromkeys(KINDS, float(self.join_ms)))
+        if set(self.join_ms) != set(KINDS):
+            raise ValueError(f"join_ms needs exactly the kinds {KINDS}, got {sorted(self.join_ms)}")
+        given = {int(k): v for k, v in self.restore_fixed_ms.items()}
+        fixed = {b: given.get(b, 0.0) for b in self.quantize_ms}
+        object.__setattr__(self, "restore_fixed_ms", fixed)
+        missing = set(self.quantize_ms) ^ set(self.restore_ms)
+        if missing or not set(self.quantize_ms) <= set(self.kv_layer_bytes):
+            raise ValueError("quantize_ms, restore_ms and kv_layer_bytes must cover the same bits")
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            values = v.values() if isinstance(v, dict) else [v]
+            if f.name.endswith("_ms") and any(x < 0 for x in values):
+                raise ValueError(f"profile {f.name} must be >= 0, got {v}")
+
+    @classmethod
+    def for_config(cls, cfg: ModelConfig, seq_len: int, batch: int = 1, **costs: Any) -> Profile:
+        """A profile of `cfg` whose byte counts come from `sizes` (the costs are keyword args)."""
+        return cls(model=cfg.name, num_layers=cfg.num_layers, seq_len=seq_len, batch=batch,
+                   kv_layer_bytes={b: sizes.kv_layer_bytes(cfg, seq_len, batch, b)
+                                   for b in costs["quantize_ms"]},
+                   boundary_bytes=sizes.boundary_bytes(cfg, seq_len, batch),
+                   token_bytes=sizes.token_bytes(seq_len, batch), **costs)
+
+    def at_link(self, link_gbps: float, link: str | None = None) -> Profile:
+        """The same profile on a link of `link_gbps` GB/s (transfer terms rescaled)."""
+        return dataclasses.replace(self, link_gbps=link_gbps,
+                                   link=link or f"{self.link}, retargeted to {link_gbps:g} GB/s")
+
+    def beta(self, bits: int) -> float:
+        """β_b: per-layer prefix transfer plus restore."""
+        self._check_bits(bits)
+        return transfer_ms(self.kv_layer_bytes[bits], self.link_gbps) + self.restore_ms[bits]
+
+    def prefix_ms(self, bits: int, cut: int) -> float:
+        """X_b(c): the prefix message, its restore call, and `c` layers at β_b."""
+        return self.message_ms + self.restore_fixed_ms[bits] + cut * self.beta(bits)
+
+    def balanced_cut(self, bits: int) -> tuple[float, tuple[int, ...]]:
+        """Proposition 2 for precision `bits` under this profile."""
+        offset = self.suffix_fixed_ms - self.prefix_ms(bits, 0)  # r0 - X_b(0)
+        return balanced_cut(self.num_layers, self.quantize_ms[bits], self.beta(bits),
+                            self.suffix_layer_ms, offset)
+
+    def _check_bits(self, bits: int) -> None:
+        if bits not in self.quantize_ms:
+            raise ValueError(f"profile has no costs for {bits}-bit prefixes "
+                             f"(has {sorted(self.quantize_ms)})")
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (`kind: "profile"`, bit keys as strings); inverse of `from_json`."""
+        d = dataclasses.asdict(self)
+        for name in _BITS_FIELDS + ("restore_fixed_ms",):
+            d[name] = {str(k): v for k, v in d[name].items()}
+        return {"kind": "profile", **d}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Profile:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names - {"kind"}
+        if unknown:
+            raise ValueError(f"unknown profile fields {sorted(unknown)}")
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def load_profiles(path: str | Path) -> list[Profile]:
+    """Profiles in a file: one JSON object, a JSON list, or JSONL (lines without
+    `kind: "profile"` are skipped, so a handoff's output stream can be read directly)."""
+    text = Path(path).read_text()
+    try:
+        data = json.loads(text)
+        items = data if isinstance(data, list) else [data]
+    except json.JSONDecodeError:
+        items = [json.loads(line) for line in text.splitlines() if line.strip()]
+    profiles = [Profile.from_json(d) for d in items if d.get("kind", "profile") == "profile"]
+    if not profiles:
+        raise ValueError(f"{path}: no profile found")
+    return profiles
+
+
+def phase_ms(profile: Profile, action: Action) -> dict[str, float]:
+    """Predicted `Q, H, X, R, J` of `action` under `profile`, keyed like a record's phases_ms."""
+    p = profile
+    if action.num_layers != p.num_layers:
+        raise ValueError(f"action {action} is for {action.num_layers} layers, "
+                         f"profile of {p.model} has {p.num_layers}")
+    c, L, W = action.cut, p.num_layers, p.link_gbps
+    interior = 0 < c < L
+    boundary = p.boundary_fixed_ms + transfer_ms(p.token_bytes, W)  # token IDs, always first
+    if interior:
+        boundary += p.message_ms + transfer_ms(p.boundary_bytes, W)  # then h_c
+    if c == 0:  # the decode side embeds the tokens and runs all L layers
+        return {"quantize": 0.0, "boundary": boundary, "prefix": 0.0,
+                "suffix": p.embed_ms + p.suffix_fixed_ms + L * p.suffix_layer_ms,
+                "join": p.join_ms["recompute"]}
+    p._check_bits(action.bits)
+    return {
+        "quantize": (p.quantize_fixed_ms + c * p.quantize_ms[action.bits]
+                     if action.bits < 16 else 0.0),
+        "boundary": boundary,
+        "prefix": p.prefix_ms(action.bits, c),
+        "suffix": p.suffix_fixed_ms + (L - c) * p.suffix_layer_ms if interior else 0.0,
+        "join": p.join_ms[action.kind],
+    }
+
+
+def predict(profile: Profile, action: Action) -> dict[str, Any]:
+    """Phase times, T_seq, T_ov and the overlap saving (ms) of `action` under `profile`."""
+    ph = phase_ms(profile, action)
+    args = [ph[k] for k in PHASES]
+    return {"action": str(action), "phases_ms": ph, "t_seq_ms": t_seq(*args),
+            "t_ov_ms": t_ov(*args), "saved_ms": saved(ph["prefix"], ph["suffix"])}
+
+
+def predicted_ms(profile: Profile, action: Action, schedule: str = "overlapped") -> float:
+    """The predicted total of `action` under a schedule (`overlapped` or `sequential`)."""
+    key = {"overlapped": "t_ov_ms", "sequential": "t_seq_ms"}.get(schedule)
+    if key is None:
+        raise ValueError(f"schedule must be 'overlapped' or 'sequential', got {schedule!r}")
+    return predict(profile, action)[key]
+
+
+def fit_profile(cfg: ModelConfig, records: Sequence[dict[str, Any]], hardware: str, link: str
+                ) -> Profile:
+    """Least-squares profile from measured summary records of one model, length and batch.
+
+    Each record gives `bits`, `cut` and the phase medians `phases_ms`. Transfer terms are fitted
+    jointly over the boundary and prefix phases (`h0`, `m`, `1 / W`, `restore_b`, `x0_b`; BF16
+    needs no restore), so `W` is the bandwidth the link actually delivered. Pass records
+    measured without contention (the sequential schedule) for per-phase costs that add up. `J`
+    is the median join per action kind (over all records for a kind that has none).
+    """
+    if not records:
+        raise ValueError("fit_profile needs at least one record")
+    models = {r.get("model", cfg.name) for r in records}
+    if models != {cfg.name}:
+        raise ValueError(f"records are for {sorted(models)}, the config is {cfg.name!r}")
+    keys = {(r["seq_len"], r["batch"]) for r in records}
+    if len(keys) != 1:
+        raise ValueError(f"records span several (seq_len, batch): {sorted(keys)}")
+    (seq_len, batch), L = keys.pop(), cfg.num_layers
+    low = sorted({r["bits"] for r in records if 0 < r["cut"] and r["bits"] < 16}, reverse=True)
+    b_h, b_tok = sizes.boundary_bytes(cfg, seq_len, batch), sizes.token_bytes(seq_len, batch)
+    # Messages: unknowns [h0, m, 1/W, restore_b and x0_b for b in low]. The boundary phase holds
+    # the token IDs, plus h_c for a joint action; the prefix phase the prefix and its restore.
+    rows, ys = [], []
+    for r in records:
+        c, ph = r["cut"], r["phases_ms"]
+        joint = 0 < c < L
+        rows.append([1.0, float(joint), b_tok + joint * b_h] + [0.0] * 2 * len(low))
+        ys.append(ph["boundary"])
+        if c > 0:
+            per_bits = [float(r["bits"] == b) for b in low]
+            rows.append([0.0, 1.0, c * sizes.kv_layer_bytes(cfg, seq_len, batch, r["bits"])]
+                        + [c * x for x in per_bits] + per_bits)
+            ys.append(ph["prefix"])
+    h0, m, inv_w, *rest = _lstsq(rows, ys, "boundary and prefix times")
+    restore, restore_fixed = rest[:len(low)], rest[len(low):]
+    if not inv_w > 0:
+        raise ValueError("cannot fit a link bandwidth: transfer time does not grow with bytes")
+    # Quantize: [q0, α_b for b in low]; suffix: [r0, γ, embed].
+    quant = [r for r in records if r["bits"] < 16 and r["cut"] > 0]
+    q0, *alpha = (_lstsq([[1.0] + [float(r["cut"]) if r["bits"] == b else 0.0 for b in low]
+                          for r in quant], [r["phases_ms"]["quantize"] for r in quant],
+                         "quantize times") if low else [0.0])
+    suf = [r for r in records if r["cut"] < L]
+    has_embed = any(r["cut"] == 0 for r in suf)
+    r0, gamma, *embed = _lstsq([[1.0, float(L - r["cut"])] + ([float(r["cut"] == 0)]
+                                                              if has_embed else []) for r in suf],
+                               [r["phases_ms"]["suffix"] for r in suf], "suffix times")
+    joins = {k: [r["phases_ms"]["join"] for r in records if _kind(r["cut"], L) == k]
+             for k in KINDS}
+    everything = [t for ts in joins.values() for t in ts]  # for a kind without records
+    join = {k: float(np.median(ts or everything)) for k, ts in joins.items()}
+    return Profile.for_config(
+        cfg, seq_len, batch, hardware=hardware, link=link, link_gbps=1e-6 / inv_w,
+        source="fitted",
+        quantize_ms={16: 0.0} | {b: _clip(a) for b, a in zip(low, alpha, strict=True)},
+        restore_ms={16: 0.0} | {b: _clip(x) for b, x in zip(low, restore, strict=True)},
+        restore_fixed_ms={b: _clip(x) for b, x in zip(low, restore_fixed, strict=True)},
+        suffix_layer_ms=_clip(gamma), join_ms={k: _clip(t) for k, t in join.items()},
+        embed_ms=_clip(embed[0]) if embed else 0.0,
+        quantize_fixed_ms=_clip(q0), boundary_fixed_ms=_clip(h0), message_ms=_clip(m),
+        suffix_fixed_ms=_clip(r0))
+
+
+def _kind(cut: int, num_layers: int) -> str:
+    return "recompute" if cut == 0 else "transfer" if cut == num_layers else "joint"
+
+
+def _clip(v: float) -> float:
+    """Measurement noise can push a fitted cost slightly below 0; a cost is never negative."""
+    return max(float(v), 0.0)
+
+
+def _lstsq(rows: list[list[float]], ys: list[float], what: str) -> list[float]:
+    a = np.asarray(rows, dtype=np.float64)
+    if a.size == 0 or np.linalg.matrix_rank(a) < a.shape[1]:
+        raise ValueError(f"not enough distinct cuts/precisions in the records to fit {what}")
+    scale = np.abs(a).max(axis=0)  # column scaling: bytes and layer counts differ by 1e9
+    coef = np.linalg.lstsq(a / scale, np.asarray(ys, dtype=np.float64), rcond=None)[0] / scale
+    return [float(v) for v in coef]

@@ -1,0 +1,146 @@
+"""Choose the handoff action: predict every candidate with the cost model and rank them.
+
+A plan uses a `Profile` measured elsewhere (e.g. `rekv profile` on a GPU, possibly re-targeted to
+another link), or, without one, an *analytic* profile: a roofline estimate of an H100-class GPU
+(`ANALYTIC_TFLOPS` effective dense BF16, `ANALYTIC_HBM_GBPS` memory bandwidth) on the paper's
+cross-node TCP path (`PAPER_LINK_GBPS`). The analytic profile is an assumption, not a measurement,
+and every plan made from it says so. As the paper notes (§2.3), the model guides the cut sweep;
+the final choice is made on measured latency.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rekv_jax import sizes
+from rekv_jax.action import Action, action_space
+from rekv_jax.config import ModelConfig
+from rekv_jax.costmodel import Profile, predict, predicted_ms
+
+# The paper's H100 TCP path moves the 8K Qwen2.5-7B BF16 cache (448 MiB) in 202.13 ms (§4.4).
+PAPER_LINK_GBPS = 448 * sizes.MIB / 202.13e-3 / 1e9  # ~2.32 GB/s
+ANALYTIC_TFLOPS = 700.0  # assumed effective dense BF16 rate of an H100-class GPU
+ANALYTIC_HBM_GBPS = 3350.0  # H100 SXM memory bandwidth
+WEIGHT_BYTES = 2  # BF16 weights
+
+
+def layer_weight_count(cfg: ModelConfig) -> int:
+    """Weights of one decoder layer: attention projections and the SwiGLU MLP (norms ignored)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return cfg.hidden_size * (2 * q + 2 * kv + 3 * cfg.intermediate_size)
+
+
+def layer_flops(cfg: ModelConfig, seq_len: int, batch: int = 1) -> float:
+    """FLOPs of one layer over a causal prompt: 2 per weight per token, plus QK^T and PV."""
+    attention = 2 * seq_len * seq_len * cfg.num_heads * cfg.head_dim  # 2 matmuls, half masked
+    return batch * (2 * seq_len * layer_weight_count(cfg) + attention)
+
+
+def analytic_profile(cfg: ModelConfig, seq_len: int, batch: int = 1,
+                     link_gbps: float = PAPER_LINK_GBPS, tflops: float = ANALYTIC_TFLOPS,
+                     hbm_gbps: float = ANALYTIC_HBM_GBPS) -> Profile:
+    """A roofline profile: each cost is max(FLOPs / rate, bytes moved / memory bandwidth)."""
+    if not (tflops > 0 and hbm_gbps > 0):
+        raise ValueError(f"device rates must be positive, got {tflops} TFLOP/s, {hbm_gbps} GB/s")
+
+    def roofline(flops: float, nbytes: float) -> float:  # ms
+        return max(flops / (tflops * 1e9), nbytes / (hbm_gbps * 1e6))
+
+    kv16 = sizes.kv_layer_bytes(cfg, seq_len, batch)
+    # Quantize reads BF16 and writes codes + scales; restore reads those and writes BF16.
+    memory = {16: 0.0} | {b: roofline(0, kv16 + sizes.kv_layer_bytes(cfg, seq_len, batch, b))
+                          for b in (8, 4)}
+    head = cfg.hidden_size * cfg.vocab_size
+    return Profile.for_config(
+        cfg, seq_len, batch, hardware=f"analytic ({tflops:g} TFLOP/s, {hbm_gbps:g} GB/s memory)",
+        link=f"analytic {link_gbps:g} GB/s", link_gbps=link_gbps, source="analytic",
+        quantize_ms=memory, restore_ms=memory,
+        suffix_layer_ms=roofline(layer_flops(cfg, seq_len, batch),
+                                 layer_weight_count(cfg) * WEIGHT_BYTES),
+        # the first token: LM head of the last position (transfer-only receives it with the KV)
+        join_ms={"transfer": 0.0} | dict.fromkeys(("recompute", "joint"), roofline(
+            2 * batch * head, head * WEIGHT_BYTES)),
+        embed_ms=roofline(0, sizes.boundary_bytes(cfg, seq_len, batch)))  # writes [B, S, D] BF16
+
+
+def select_profile(profiles: Sequence[Profile], cfg: ModelConfig, seq_len: int, batch: int = 1
+                   ) -> Profile:
+    """The profile of exactly this model, prompt length and batch."""
+    for p in profiles:
+        if (p.model, p.num_layers, p.seq_len, p.batch) == (cfg.name, cfg.num_layers, seq_len,
+                                                            batch):
+            return p
+    have = sorted({(p.model, p.seq_len, p.batch) for p in profiles})
+    raise ValueError(f"no profile for model {cfg.name!r}, seq_len {seq_len}, batch {batch}; "
+                     f"have (model, seq_len, batch) {have}")
+
+
+def plan(cfg: ModelConfig, seq_len: int, profile: Profile | None = None,
+         link_gbps: float | None = None, actions: Sequence[Action] | None = None,
+         batch: int = 1, schedule: str = "overlapped") -> dict[str, Any]:
+    """Every candidate action with its predicted latency (ms), the predicted best, and Prop. 2's
+    balanced cut per precision. `link_gbps` re-targets the profile's transfer terms."""
+    if profile is None:
+        profile = analytic_profile(cfg, seq_len, batch, link_gbps or PAPER_LINK_GBPS)
+    else:
+        profile = select_profile([profile], cfg, seq_len, batch)
+        if link_gbps is not None:
+            profile = profile.at_link(link_gbps)
+    if actions is None:
+        actions = list(action_space(cfg.num_layers, sorted(profile.quantize_ms, reverse=True)))
+    if not actions:
+        raise ValueError("no candidate actions")
+    candidates = []
+    for a in actions:
+        pred = predict(profile, a)
+        candidates.append({
+            "action": str(a), "kind": a.kind, "bits": a.bits, "cut": a.cut,
+            "suffix_len": a.suffix_len,
+            "payload_bytes": sizes.action_bytes(cfg, a, seq_len, batch)["total_bytes"],
+            "predicted_ms": predicted_ms(profile, a, schedule),
+            "t_seq_ms": pred["t_seq_ms"], "t_ov_ms": pred["t_ov_ms"],
+            "phases_ms": pred["phases_ms"]})
+    best = min(candidates, key=lambda c: c["predicted_ms"])
+    out: dict[str, Any] = {
+        "model": cfg.name, "seq_len": seq_len, "batch": batch, "schedule": schedule,
+        "profile": {k: v for k, v in profile.to_json().items() if k != "kind"},
+        "best": {k: best[k] for k in ("action", "predicted_ms", "kind", "bits", "cut")},
+        "balanced_cut": _balanced_cuts(profile) if cfg.num_layers >= 2 else {},
+        "candidates": candidates,
+    }
+    if profile.source == "analytic":
+        out["note"] = (f"analytic profile: {profile.hardware} on a {profile.link_gbps:g} GB/s "
+                       "link; assumed rates, not a measurement")
+    return out
+
+
+def _balanced_cuts(profile: Profile) -> dict[str, dict[str, Any]]:
+    """Per precision: c* (Eq. 11 with the profile's fixed terms) and the cuts Prop. 2 allows."""
+    out = {}
+    for bits in sorted(profile.quantize_ms, reverse=True):
+        c_star, cuts = profile.balanced_cut(bits)
+        out[Action(bits, cuts[0], profile.num_layers).precision] = {
+            "c_star": c_star, "cuts": list(cuts),
+            "suffix_lens": [profile.num_layers - c for c in cuts]}
+    return out
+
+
+def preferred_by_link(profile: Profile, actions: Sequence[Action], links: Sequence[float],
+                      schedule: str = "overlapped") -> list[dict[str, Any]]:
+    """The predicted fastest of `actions` at each link bandwidth (GB/s), the profile re-targeted."""
+    if not actions:
+        raise ValueError("no candidate actions")
+    out = []
+    for w in links:
+        p = profile.at_link(w)
+        ms = {str(a): predicted_ms(p, a, schedule) for a in actions}
+        best = min(ms, key=ms.get)
+        out.append({"link_gbps": w, "best": best, "predicted_ms": ms[best]})
+    return out
+
+
+def crossovers(by_link: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Where the preferred action changes between consecutive links of `preferred_by_link`."""
+    return [{"from": a["best"], "to": b["best"], "between_gbps": [a["link_gbps"], b["link_gbps"]]}
+            for a, b in zip(by_link, by_link[1:], strict=False) if a["best"] != b["best"]]

@@ -1,0 +1,197 @@
+"""Cost model (paper Eqs. 4, 8-12, Propositions 1-2): exact property tests and the Profile."""
+
+import dataclasses
+import json
+import math
+from fractions import Fraction
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rekv_jax import costmodel as cm
+from rekv_jax import sizes
+from rekv_jax.action import Action, action_space
+from rekv_jax.config import ModelConfig
+
+TINY = ModelConfig.preset("tiny")
+SETTINGS = settings(max_examples=200, deadline=None)
+# Exact rationals: the propositions are statements about real numbers, so test them exactly.
+nonneg = st.fractions(min_value=0, max_value=100, max_denominator=50)
+pos = st.fractions(min_value=Fraction(1, 50), max_value=100, max_denominator=50)
+
+
+@SETTINGS
+@given(q=nonneg, h=nonneg, x=nonneg, r=nonneg, j=nonneg)
+def test_eq10_saved_time_is_min_of_x_and_r(q, h, x, r, j):
+    assert cm.t_seq(q, h, x, r, j) - cm.t_ov(q, h, x, r, j) == cm.saved(x, r) == min(x, r)
+
+
+def _t_ov(c, L, alpha, beta, gamma, h, j, q0=0, x0=0, r0=0):
+    """The linear overlap model of Prop. 2 at cut c (with optional fixed terms)."""
+    return cm.t_ov(q0 + c * alpha, h, x0 + c * beta, r0 + (L - c) * gamma, j)
+
+
+@SETTINGS
+@given(L=st.integers(2, 80), alpha=nonneg, beta=pos, gamma=nonneg, h=nonneg, j=nonneg,
+       fixed=st.one_of(st.just((0, 0, 0)), st.tuples(nonneg, nonneg, nonneg)))
+def test_prop2_exhaustive_argmin_is_adjacent_to_c_star(L, alpha, beta, gamma, h, j, fixed):
+    q0, x0, r0 = fixed
+    costs = {c: _t_ov(c, L, alpha, beta, gamma, h, j, q0, x0, r0) for c in range(1, L)}
+    best = min(costs.values())
+    argmin = min(costs, key=costs.get)  # first (smallest) minimizing cut
+    c_star, cuts = cm.balanced_cut(L, alpha, beta, gamma, offset=r0 - x0)
+    assert 1 <= c_star <= L - 1
+    assert argmin in cuts and min(costs[c] for c in cuts) == best
+    if gamma <= alpha:  # left branch nondecreasing: the smallest interior cut
+        assert cuts == (1,)
+    else:  # strictly V-shaped: every minimizer is floor(c*) or ceil(c*)
+        assert set(cuts) == {math.floor(c_star), math.ceil(c_star)}
+        assert {c for c, t in costs.items() if t == best} <= set(cuts)
+
+
+@SETTINGS
+@given(L=st.integers(2, 80), alpha=nonneg, beta=pos, gamma=pos, h=nonneg, j=nonneg)
+def test_eq11_and_eq12_without_fixed_terms(L, alpha, beta, gamma, h, j):
+    c_star, _ = cm.balanced_cut(L, alpha, beta, gamma)
+    raw = L * gamma / (beta + gamma)  # Eq. 11
+    assert c_star == min(max(raw, 1), L - 1)
+    for c in range(1, L):  # Eq. 12: the two branches meet at the unclipped c*
+        t = _t_ov(c, L, alpha, beta, gamma, h, j) - h - j
+        assert t == (L * gamma + c * (alpha - gamma) if c <= raw else c * (alpha + beta))
+
+
+@SETTINGS
+@given(n_kv=st.integers(1, 16), group=st.integers(1, 8), half_dim=st.integers(8, 128),
+       seq_len=st.integers(1, 8192), batch=st.integers(1, 4),
+       link=st.floats(0.01, 1000), proj=st.one_of(st.just(0.0), st.floats(0, 100)))
+def test_prop1_delta_nonnegative_iff_nh_at_least_2nkv(n_kv, group, half_dim, seq_len, batch,
+                                                       link, proj):
+    n_h, d_h = group * n_kv, 2 * half_dim
+    cfg = ModelConfig("p1", "qwen2", 2, n_h * d_h, n_h, n_kv, d_h, 64, 64, 1e4, 1e-6)
+    delta = cm.prop1_delta_ms(cfg, seq_len, link, proj, batch)
+    eq4 = batch * seq_len * d_h * 2 * (n_h - 2 * n_kv) / (link * 1e6) + proj  # Eq. 4, e = 2
+    assert delta == pytest.approx(eq4, rel=1e-9, abs=1e-12)
+    assert cm.prop1_holds(cfg) == (n_h >= 2 * n_kv)
+    if cm.prop1_holds(cfg):
+        assert delta >= 0
+    elif proj == 0:  # n_h = n_kv: the condition is tight, the hidden state is cheaper
+        assert delta < 0
+
+
+def _profile(**kw) -> cm.Profile:
+    costs = dict(hardware="test", link="test link", link_gbps=2.0, source="measured",
+                 quantize_ms={16: 0.0, 8: 0.02, 4: 0.03}, restore_ms={16: 0.0, 8: 0.05, 4: 0.07},
+                 suffix_layer_ms=0.4, embed_ms=0.05,
+                 join_ms={"transfer": 0.01, "recompute": 0.3, "joint": 0.6}, quantize_fixed_ms=0.1,
+                 boundary_fixed_ms=0.25, message_ms=0.2, suffix_fixed_ms=0.15,
+                 restore_fixed_ms={8: 0.4, 4: 0.5})
+    return cm.Profile.for_config(TINY, 256, 2, **(costs | kw))
+
+
+def test_profile_bytes_come_from_sizes_and_json_round_trips(tmp_path):
+    p = _profile()
+    assert p.kv_layer_bytes == {b: sizes.kv_layer_bytes(TINY, 256, 2, b) for b in (16, 8, 4)}
+    assert p.boundary_bytes == sizes.boundary_bytes(TINY, 256, 2)
+    assert p.token_bytes == sizes.token_bytes(256, 2)
+    assert cm.Profile.from_json(json.loads(json.dumps(p.to_json()))) == p
+    other = dataclasses.replace(p, seq_len=512)
+    stream = tmp_path / "run.jsonl"
+    stream.write_text("\n".join(json.dumps(d) for d in (
+        {"kind": "rep", "ms": 1.0}, p.to_json(), other.to_json())) + "\n")
+    assert cm.load_profiles(stream) == [p, other]
+    single = tmp_path / "p.json"
+    single.write_text(json.dumps(p.to_json(), indent=1))
+    assert cm.load_profiles(single) == [p]
+
+
+def test_phases_per_action_kind():
+    p = _profile()
+    L, W = TINY.num_layers, p.link_gbps
+    tokens = p.boundary_fixed_ms + cm.transfer_ms(p.token_bytes, W)  # always sent first
+    transfer = cm.phase_ms(p, Action(8, L, L))
+    assert transfer["boundary"] == tokens and transfer["suffix"] == 0.0
+    assert transfer["prefix"] == pytest.approx(p.message_ms + p.restore_fixed_ms[8] + L * (
+        cm.transfer_ms(p.kv_layer_bytes[8], W) + p.restore_ms[8]))
+    recompute = cm.phase_ms(p, Action(16, 0, L))
+    assert recompute["quantize"] == recompute["prefix"] == 0.0
+    assert recompute["boundary"] == tokens
+    assert recompute["suffix"] == pytest.approx(p.embed_ms + p.suffix_fixed_ms
+                                                + L * p.suffix_layer_ms)
+    joint = cm.phase_ms(p, Action(4, 2, L))
+    assert joint["quantize"] == pytest.approx(p.quantize_fixed_ms + 2 * p.quantize_ms[4])
+    assert joint["boundary"] == pytest.approx(
+        tokens + p.message_ms + cm.transfer_ms(p.boundary_bytes, W))
+    assert joint["suffix"] == pytest.approx(p.suffix_fixed_ms + (L - 2) * p.suffix_layer_ms)
+    assert cm.phase_ms(p, Action(16, 2, L))["quantize"] == 0.0  # BF16 is not quantized
+    for a in action_space(L):
+        pred = cm.predict(p, a)
+        assert pred["t_seq_ms"] - pred["t_ov_ms"] == pytest.approx(pred["saved_ms"])
+        assert cm.predicted_ms(p, a, "sequential") == pred["t_seq_ms"]
+
+
+def test_profile_balanced_cut_minimizes_predicted_interior_cuts():
+    for w in (0.05, 0.5, 5.0, 50.0):
+        p = _profile(link_gbps=w)
+        L = p.num_layers
+        for bits in (16, 8, 4):
+            costs = {c: cm.predicted_ms(p, Action(bits, c, L)) for c in range(1, L)}
+            _, cuts = p.balanced_cut(bits)
+            assert min(costs[c] for c in cuts) == pytest.approx(min(costs.values()))
+
+
+def test_at_link_rescales_only_transfer_terms():
+    p = _profile()
+    q = p.at_link(8.0)
+    assert q.link_gbps == 8.0 and "8 GB/s" in q.link
+    for b in (16, 8, 4):
+        assert q.beta(b) - q.restore_ms[b] == pytest.approx((p.beta(b) - p.restore_ms[b]) / 4)
+    assert dataclasses.replace(q, link_gbps=p.link_gbps, link=p.link) == p
+
+
+def test_fit_profile_recovers_the_generating_profile():
+    truth = _profile()
+    L = TINY.num_layers
+    actions = [a for a in action_space(L) if a.cut in (0, 1, 3, 5, L)]
+    records = [{"model": TINY.name, "seq_len": 256, "batch": 2, "bits": a.bits, "cut": a.cut,
+                "phases_ms": cm.phase_ms(truth, a)} for a in actions]
+    fit = cm.fit_profile(TINY, records, hardware="test", link="test link")
+    assert fit.source == "fitted"
+    for f in dataclasses.fields(cm.Profile):
+        got, want = getattr(fit, f.name), getattr(truth, f.name)
+        if f.name != "source":
+            assert got == pytest.approx(want, rel=1e-6, abs=1e-9), f.name
+
+
+def test_fit_profile_needs_enough_distinct_points():
+    a = Action(8, 3, TINY.num_layers)
+    rec = {"seq_len": 256, "batch": 1, "bits": 8, "cut": 3, "phases_ms": cm.phase_ms(
+        cm.Profile.for_config(TINY, 256, 1, **{k: getattr(_profile(), k) for k in (
+            "hardware", "link", "link_gbps", "source", "quantize_ms", "restore_ms",
+            "suffix_layer_ms", "join_ms")}), a)}
+    with pytest.raises(ValueError, match="not enough distinct"):
+        cm.fit_profile(TINY, [rec], "test", "test link")
+    with pytest.raises(ValueError, match="records are for"):
+        cm.fit_profile(TINY, [{**rec, "model": "qwen2.5-7b"}], "test", "test link")
+    with pytest.raises(ValueError, match="at least one record"):
+        cm.fit_profile(TINY, [], "test", "test link")
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: cm.balanced_cut(1, 0, 1, 1), "at least 2 layers"),
+    (lambda: cm.balanced_cut(8, 0, 0, 1), "beta > 0"),
+    (lambda: cm.transfer_ms(10, 0), "positive"),
+    (lambda: cm.prop1_delta_ms(TINY, 8, 1.0, proj_ms=-1), "projection"),
+    (lambda: _profile(join_ms=-1.0), "join_ms"),
+    (lambda: _profile(join_ms={"joint": 1.0}), "kinds"),
+    (lambda: _profile(link_gbps=0), "link_gbps"),
+    (lambda: _profile(restore_ms={16: 0.0, 8: 0.1}), "same bits"),
+    (lambda: cm.phase_ms(_profile(), Action(8, 3, 7)), "7 layers"),
+    (lambda: cm.predicted_ms(_profile(), Action(8, 3, 6), "both"), "schedule"),
+    (lambda: cm.Profile.from_json({**_profile().to_json(), "alpha": 1}), "unknown"),
+    (lambda: cm.phase_ms(_profile(quantize_ms={16: 0.0}, restore_ms={16: 0.0}),
+                         Action(8, 3, 6)), "8-bit"),
+])
+def test_bad_input_raises(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
