@@ -1,0 +1,493 @@
+"""Tables and figures of a handoff sweep (paper Table 1, Fig. 2, Table 3, §4.4) from its records.
+
+Input: the handoff's summary records (`kind: "summary"`), one per action, schedule and setup, with
+`model, seq_len, batch, action` (text form, `str(Action)`), `bits, cut, transport, schedule,
+link_gbps` (null when unpaced), `hardware, median_ms, reps_ms` (every timed rep's total),
+`phases_ms` (median per phase), `payload_bytes`, and optionally `first_token_match`,
+`cache_check`, `predicted_ms`. A *setup* is (hardware, transport, link, batch); every table and
+figure is made per setup and says which. Speedup CIs resample the two actions' reps independently
+(they are executed separately).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rekv_jax import sizes, stats
+from rekv_jax.action import Action
+from rekv_jax.costmodel import PHASES, Profile, predicted_ms, t_ov
+from rekv_jax.planner import crossovers, preferred_by_link
+
+REQUIRED = ("model", "seq_len", "batch", "action", "bits", "cut", "transport", "schedule",
+            "link_gbps", "hardware", "median_ms", "reps_ms", "phases_ms", "payload_bytes")
+SCHEDULES = ("overlapped", "sequential", "n/a")  # n/a: transfer-only, full recompute
+_PREC = {16: "BF16", 8: "Q8", 4: "Q4"}
+FAMILIES = ("BF16 transfer", "Q8 transfer", "Q4 transfer", "BF16 recompute", "joint Q8", "joint Q4")
+
+Record = dict[str, Any]
+
+
+def load_records(paths: str | Path | Iterable[str | Path]) -> list[Record]:
+    """The summary records of one or more JSONL files (other lines are skipped)."""
+    paths = [paths] if isinstance(paths, str | Path) else list(paths)
+    records = []
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            if line.strip() and (d := json.loads(line)).get("kind") == "summary":
+                records.append(d)
+    return check_records(records)
+
+
+def check_records(records: Iterable[Record]) -> list[Record]:
+    """Validate the fields this module reads; a clear ValueError names what is wrong."""
+    out = list(records)
+    for r in out:
+        missing = [k for k in REQUIRED if k not in r]
+        if missing:
+            raise ValueError(f"record {r.get('action')!r} lacks fields {missing}")
+        if r["schedule"] not in SCHEDULES:
+            raise ValueError(f"record {r['action']!r}: schedule {r['schedule']!r} not in "
+                             f"{SCHEDULES}")
+        if r["bits"] not in _PREC:
+            raise ValueError(f"record {r['action']!r}: bits {r['bits']!r} not in {list(_PREC)}")
+        if not r["reps_ms"]:
+            raise ValueError(f"record {r['action']!r} has no reps_ms")
+    return out
+
+
+def family(rec: Record) -> str:
+    """The mechanism of an action: `BF16 transfer`, `Q8 transfer`, `BF16 recompute` (any BF16
+    cut < L, including full recomputation), `joint Q8`, ..."""
+    prec = _PREC[rec["bits"]]
+    if rec["action"].endswith(":full"):
+        return f"{prec} transfer"
+    return "BF16 recompute" if rec["bits"] == 16 else f"joint {prec}"
+
+
+def suffix_label(rec: Record) -> str:
+    """Suffix length `r` of an action as written in its text form (`all` for full recompute)."""
+    if rec["cut"] == 0:
+        return "all"
+    m = re.search(r"r=(\d+)", rec["action"])
+    return m.group(1) if m else "0"
+
+
+def link_label(link_gbps: float | None) -> str:
+    return "unpaced" if link_gbps is None else f"paced {link_gbps:g} GB/s"
+
+
+def setup_label(setup: tuple) -> str:
+    hardware, transport, link, batch = setup
+    return (f"hardware: {hardware} · transport: {transport} · link: {link_label(link)} · "
+            f"batch {batch}")
+
+
+def _setup(r: Record) -> tuple:
+    return r["hardware"], r["transport"], r["link_gbps"], r["batch"]
+
+
+def _order(key: tuple) -> tuple:
+    return tuple(-1 if v is None else v for v in key)
+
+
+def _cells(records: Sequence[Record]) -> dict[tuple, dict[tuple, dict[str, Record]]]:
+    """setup -> (model, seq_len) -> action -> the overlapped record. Transfer-only and full
+    recomputation have nothing to overlap (schedule `n/a`; a sequential record serves too)."""
+    chosen: dict[tuple, Record] = {}
+    for r in records:
+        key = (_setup(r), (r["model"], r["seq_len"]), r["action"])
+        trivial = r["cut"] == 0 or family(r).endswith("transfer")
+        if r["schedule"] != "sequential" or (trivial and key not in chosen):
+            chosen[key] = r
+    out: dict[tuple, dict[tuple, dict[str, Record]]] = {}
+    for (setup, cell, action), r in sorted(chosen.items(), key=lambda i: _order(i[0][0])):
+        out.setdefault(setup, {}).setdefault(cell, {})[action] = r
+    return {s: dict(sorted(c.items())) for s, c in out.items()}
+
+
+def _best(recs: Iterable[Record]) -> dict[str, Record]:
+    """family -> its fastest record (by median), in the order of FAMILIES."""
+    best: dict[str, Record] = {}
+    for r in recs:
+        f = family(r)
+        if f not in best or r["median_ms"] < best[f]["median_ms"]:
+            best[f] = r
+    return {f: best[f] for f in FAMILIES if f in best}
+
+
+def _speedup(base: Record | None, new: Record | None, seed: int) -> dict[str, Any] | None:
+    if base is None or new is None:
+        return None
+    point, ci = stats.ratio_ci(base["reps_ms"], new["reps_ms"], seed=seed)
+    return {"x": point, "ci95": list(ci), "over": base["action"]}
+
+
+def table1_rows(records: Sequence[Record], joint_bits: int = 8, seed: int = 0) -> list[Record]:
+    """Per setup, model and length: BF16 and Q8 transfer, the best BF16 recompute, the best joint
+    action at `joint_bits`, its speedups over BF16 and over the best single mechanism."""
+    rows = []
+    for setup, cells in _cells(records).items():
+        for (model, seq_len), acts in cells.items():
+            fam = _best(acts.values())
+            bf16, q8 = fam.get("BF16 transfer"), fam.get("Q8 transfer")
+            recompute, joint = fam.get("BF16 recompute"), fam.get(f"joint {_PREC[joint_bits]}")
+            singles = [r for r in (q8, recompute) if r is not None]
+            single = min(singles, key=lambda r: r["median_ms"]) if singles else None
+            rows.append({
+                "setup": setup, "model": model, "seq_len": seq_len,
+                "reps": len(next(iter(acts.values()))["reps_ms"]),
+                "bf16": bf16, "q8": q8, "recompute": recompute, "joint": joint,
+                "best": min(acts.values(), key=lambda r: r["median_ms"]),
+                "joint_vs_bf16": _speedup(bf16, joint, seed),
+                "joint_vs_single": _speedup(single, joint, seed),
+                "clean": all(r.get("first_token_match", True) and not r.get("fallbacks", 0)
+                             for r in acts.values())})
+    return rows
+
+
+def _ms(r: Record | None, with_r: bool = False) -> str:
+    if r is None:
+        return "–"
+    return f"{r['median_ms']:.2f}" + (f" (r={suffix_label(r)})" if with_r else "")
+
+
+def _x(s: dict[str, Any] | None) -> str:
+    return "–" if s is None else f"{s['x']:.2f}× [{s['ci95'][0]:.2f}, {s['ci95'][1]:.2f}]"
+
+
+def table1_markdown(records: Sequence[Record], joint_bits: int = 8, seed: int = 0) -> str:
+    """Table-1-style markdown, one table per setup."""
+    jp = _PREC[joint_bits]
+    out = []
+    rows = table1_rows(records, joint_bits, seed)
+    for setup in dict.fromkeys(r["setup"] for r in rows):
+        sel = [r for r in rows if r["setup"] == setup]
+        out += [f"### Handoff latency, median ms ({setup_label(setup)}, {sel[0]['reps']} reps, "
+                "overlapped schedule)", "",
+                f"| model | S | BF16 | Q8 | Recomp. (r) | Joint {jp} (r) | joint vs BF16 "
+                "[95% CI] | joint vs best single [95% CI] | fastest measured |",
+                "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+        for r in sel:
+            flag = "" if r["clean"] else " ⚠ a first-token mismatch or fallback in this cell"
+            out.append(f"| {r['model']} | {r['seq_len']} | {_ms(r['bf16'])} | {_ms(r['q8'])} | "
+                       f"{_ms(r['recompute'], True)} | {_ms(r['joint'], True)} | "
+                       f"{_x(r['joint_vs_bf16'])} | {_x(r['joint_vs_single'])} | "
+                       f"{r['best']['action']} ({_ms(r['best'])}){flag} |")
+        out += ["", "Recomp.: fastest BF16 action with a recomputed suffix (r = suffix length; "
+                "`all` = token IDs only). Best single = faster of Q8 transfer-only and Recomp. "
+                "CIs: independent bootstrap of the reps of the two actions.", ""]
+    return "\n".join(out)
+
+
+def _figure(width: float, height: float) -> Any:
+    from matplotlib.figure import Figure  # object API: no global pyplot state, no display
+
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def fig2(records: Sequence[Record], path: str | Path) -> Path:
+    """Fig.-2-style PNG for one setup: each family's best median over BF16 transfer, per length,
+    one panel per model."""
+    cells = _cells(records)
+    if len(cells) != 1:
+        raise ValueError(f"fig2 draws one setup at a time, records span {len(cells)}")
+    (setup, cell), = cells.items()
+    models = list(dict.fromkeys(m for m, _ in cell))
+    fig = _figure(max(3.6 * len(models), 6.0), 3.8)
+    axes = fig.subplots(1, len(models), squeeze=False)[0]
+    for ax, model in zip(axes, models, strict=True):
+        lengths = sorted(s for m, s in cell if m == model)
+        fams: dict[str, list[float]] = {}
+        for i, s in enumerate(lengths):
+            best = _best(cell[model, s].values())
+            base = best.get("BF16 transfer")
+            for f, r in best.items():
+                if f != "BF16 transfer" and base is not None:
+                    fams.setdefault(f, [math.nan] * len(lengths))[i] = (r["median_ms"]
+                                                                        / base["median_ms"])
+        for f, ys in fams.items():
+            ax.plot(range(len(lengths)), ys, marker="o", color=f"C{FAMILIES.index(f)}", label=f)
+        ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="BF16 transfer")
+        ax.set_xticks(range(len(lengths)), [str(s) for s in lengths])
+        ax.set_xlabel("prompt tokens")
+        ax.set_title(model)
+    axes[0].set_ylabel("latency / BF16 transfer")
+    handles = {h.get_label(): h for ax in axes for h in ax.get_lines()}
+    fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncols=3,
+               fontsize="small")
+    fig.suptitle(f"Handoff latency relative to BF16 transfer (lower is better)\n"
+                 f"{setup_label(setup)}", fontsize="medium")
+    fig.savefig(path, dpi=120)
+    return Path(path)
+
+
+def _profile_for(profiles: Sequence[Profile], r: Record) -> Profile | None:
+    """The profile that can predict record `r`, re-targeted to its paced link."""
+    for p in profiles:
+        if ((p.model, p.seq_len, p.batch) == (r["model"], r["seq_len"], r["batch"])
+                and (r["cut"] == 0 or r["bits"] in p.quantize_ms)):
+            return p if r["link_gbps"] is None else p.at_link(r["link_gbps"])
+    return None
+
+
+def _predict(profile: Profile, r: Record, schedule: str = "overlapped") -> float:
+    return predicted_ms(profile, Action(r["bits"], r["cut"], profile.num_layers), schedule)
+
+
+def prediction_rows(records: Sequence[Record], profiles: Sequence[Profile] = ()) -> list[Record]:
+    """Every record with a prediction (its own `predicted_ms`, else from the matching profile,
+    re-targeted to the record's paced link) and the error in % of the measurement."""
+    rows = []
+    for r in records:
+        pred = r.get("predicted_ms")
+        if pred is None and (p := _profile_for(profiles, r)) is not None:
+            pred = _predict(p, r, "sequential" if r["schedule"] == "sequential" else "overlapped")
+        if pred is not None:
+            rows.append({**{k: r[k] for k in ("model", "seq_len", "action", "schedule",
+                                              "link_gbps", "hardware", "transport", "batch")},
+                         "measured_ms": r["median_ms"], "predicted_ms": pred,
+                         "error_pct": 100 * (pred - r["median_ms"]) / r["median_ms"]})
+    return rows
+
+
+def error_summary(rows: Sequence[Record]) -> dict[str, float]:
+    """Median |error| % per action text (across models, lengths, links and schedules)."""
+    by: dict[str, list[float]] = {}
+    for r in rows:
+        by.setdefault(r["action"], []).append(abs(r["error_pct"]))
+    return {a: float(np.median(v)) for a, v in sorted(by.items())}
+
+
+def predictions_markdown(records: Sequence[Record], profiles: Sequence[Profile] = ()) -> str:
+    rows = prediction_rows(records, profiles)
+    if not rows:
+        return ("### Cost model vs measurement\n\nNo predictions: no record has `predicted_ms` "
+                "and no profile matches.\n")
+    out = ["### Cost model vs measurement (median ms; error = (predicted - measured) / measured)",
+           "", "| hardware | transport | link | model | S | schedule | action | measured | "
+           "predicted | error % |",
+           "| --- | --- | --- | --- | ---: | --- | --- | ---: | ---: | ---: |"]
+    for r in rows:
+        out.append(f"| {r['hardware']} | {r['transport']} | {link_label(r['link_gbps'])} | "
+                   f"{r['model']} | {r['seq_len']} | {r['schedule']} | {r['action']} | "
+                   f"{r['measured_ms']:.2f} | {r['predicted_ms']:.2f} | {r['error_pct']:+.1f} |")
+    summary = error_summary(rows)
+    out += ["", "| action | median abs error % |", "| --- | ---: |"]
+    out += [f"| {a} | {e:.1f} |" for a, e in summary.items()]
+    out += ["", f"Overall median abs error: "
+            f"{np.median([abs(r['error_pct']) for r in rows]):.1f} % over {len(rows)} records.", ""]
+    return "\n".join(out)
+
+
+def table3_rows(records: Sequence[Record], joint_bits: int = 8, seed: int = 0) -> list[Record]:
+    """Per setup, model and length: payload MiB per configuration, and sequential vs overlapped
+    at one cut (BF16 at the best joint cut, as the paper's Table 3, else any cut run both ways)."""
+    both: dict[tuple, dict[str, Record]] = {}
+    for r in records:
+        both.setdefault((_setup(r), r["model"], r["seq_len"], r["action"]), {})[r["schedule"]] = r
+    rows = []
+    for setup, cells in _cells(records).items():
+        for (model, seq_len), acts in cells.items():
+            fam = _best(acts.values())
+            joint = fam.get(f"joint {_PREC[joint_bits]}")
+            payload = {f"{f} ({r['action']})" if "joint" in f else f:
+                       r["payload_bytes"] / sizes.MIB
+                       for f, r in fam.items() if "recompute" not in f}
+            paired = {a: s for (st, m, n, a), s in both.items()
+                      if (st, m, n) == (setup, model, seq_len) and len(s) == 2}
+            prefer = [f"bf16:r={suffix_label(joint)}"] if joint else []
+            prefer += sorted(paired, key=lambda a: paired[a]["overlapped"]["median_ms"])
+            pick = next((a for a in prefer if a in paired), None)
+            row: Record = {"setup": setup, "model": model, "seq_len": seq_len,
+                           "payload_mib": payload, "schedule": None}
+            if pick is not None:
+                seq, ov = paired[pick]["sequential"], paired[pick]["overlapped"]
+                gain, ci = stats.ratio_ci(seq["reps_ms"], ov["reps_ms"], seed=seed)
+                ideal = {k: t_ov(*(s["phases_ms"][p] for p in PHASES)) for k, s in
+                         (("own", ov), ("seq", seq))}
+                row["schedule"] = {
+                    "action": pick, "sequential_ms": seq["median_ms"],
+                    "overlapped_ms": ov["median_ms"], "gain": gain, "gain_ci95": list(ci),
+                    "efficiency_own_phases": ov["median_ms"] / ideal["own"],
+                    "efficiency_sequential_phases": ov["median_ms"] / ideal["seq"]}
+            rows.append(row)
+    return rows
+
+
+def table3_markdown(records: Sequence[Record], joint_bits: int = 8, seed: int = 0) -> str:
+    out = []
+    for r in table3_rows(records, joint_bits, seed):
+        out += [f"### {r['model']}, {r['seq_len']} tokens: payload and schedule "
+                f"({setup_label(r['setup'])})", "", "| payload configuration | MiB |",
+                "| --- | ---: |"]
+        out += [f"| {k} | {v:.2f} |" for k, v in r["payload_mib"].items()]
+        s = r["schedule"]
+        if s is None:
+            out += ["", "No action was run under both schedules.", ""]
+            continue
+        out += ["", f"| {s['action']} schedule | median ms |", "| --- | ---: |",
+                f"| sequential transfer and recomputation | {s['sequential_ms']:.2f} |",
+                f"| overlapped transfer and recomputation | {s['overlapped_ms']:.2f} |", "",
+                f"Schedule gain {s['gain']:.2f}× [{s['gain_ci95'][0]:.2f}, "
+                f"{s['gain_ci95'][1]:.2f}] (independent bootstrap). Overlap efficiency "
+                f"T_ov / (Q + H + max(X, R) + J): {s['efficiency_own_phases']:.3f} with the "
+                f"overlapped run's phases, {s['efficiency_sequential_phases']:.3f} with the "
+                "uncontended phases of the sequential run (1 = ideal Eq. 9).", ""]
+    return "\n".join(out)
+
+
+def _crossover_groups(records: Sequence[Record]) -> dict[tuple, dict[float, dict[str, Record]]]:
+    """(hardware, transport, batch, model, length) -> paced link -> action -> record, for the
+    groups measured at two or more paced links."""
+    groups: dict[tuple, dict[float, dict[str, Record]]] = {}
+    for (hardware, transport, link, batch), cells in _cells(records).items():
+        for (model, seq_len), acts in cells.items():
+            if link is not None:
+                groups.setdefault((hardware, transport, batch, model, seq_len), {})[link] = acts
+    return {k: dict(sorted(v.items())) for k, v in sorted(groups.items()) if len(v) >= 2}
+
+
+def _profile_of(profiles: Sequence[Profile], key: tuple) -> Profile | None:
+    _, _, batch, model, seq_len = key
+    return next((p for p in profiles if (p.model, p.seq_len, p.batch) == (model, seq_len, batch)),
+                None)
+
+
+def _predicted_preference(profile: Profile, by_link: dict[float, dict[str, Record]],
+                          n_grid: int = 200) -> list[dict[str, Any]]:
+    """The profile's preferred action on a fine link grid spanning the measured links."""
+    actions = [Action.parse(a, profile.num_layers)
+               for a in dict.fromkeys(a for acts in by_link.values() for a in acts)]
+    grid = np.geomspace(min(by_link) / 2, max(by_link) * 2, n_grid)
+    return preferred_by_link(profile, actions, [float(w) for w in grid])
+
+
+def crossover_rows(records: Sequence[Record], profiles: Sequence[Profile] = ()) -> list[Record]:
+    """Per group measured at >= 2 paced links: the fastest action at each link, measured and
+    predicted among the same actions (the matching profile re-targeted to that link)."""
+    rows = []
+    for key, by_link in _crossover_groups(records).items():
+        profile = _profile_of(profiles, key)
+        for link, acts in by_link.items():
+            best = min(acts.values(), key=lambda r: r["median_ms"])
+            row = {"group": key, "link_gbps": link, "measured_best": best["action"],
+                   "measured_ms": best["median_ms"],
+                   "families_ms": {f: r["median_ms"] for f, r in _best(acts.values()).items()}}
+            if profile is not None:
+                actions = [Action.parse(a, profile.num_layers) for a in acts]
+                (pred,) = preferred_by_link(profile, actions, [link])
+                row["predicted_best"], row["predicted_ms"] = pred["best"], pred["predicted_ms"]
+            rows.append(row)
+    return rows
+
+
+def crossover_markdown(records: Sequence[Record], profiles: Sequence[Profile] = ()) -> str:
+    out = []
+    rows = crossover_rows(records, profiles)
+    for key, by_link in _crossover_groups(records).items():
+        hardware, transport, batch, model, seq_len = key
+        sel = [r for r in rows if r["group"] == key]
+        fams = [f for f in FAMILIES if any(f in r["families_ms"] for r in sel)]
+        out += [f"### Preferred action vs link: {model}, {seq_len} tokens (hardware: {hardware} "
+                f"· transport: {transport} · batch {batch}; paced links)", "",
+                "| link GB/s | measured best | ms | predicted best | ms | "
+                + " | ".join(fams) + " |", "| ---: | --- | ---: | --- | ---: |"
+                + " ---: |" * len(fams)]
+        for r in sel:
+            pred = (f"{r['predicted_best']} | {r['predicted_ms']:.2f}" if "predicted_best" in r
+                    else "– | –")
+            out.append(f"| {r['link_gbps']:g} | {r['measured_best']} | {r['measured_ms']:.2f} | "
+                       f"{pred} | " + " | ".join(f"{r['families_ms'][f]:.2f}" if f in
+                                                 r["families_ms"] else "–" for f in fams) + " |")
+        measured = crossovers([{"link_gbps": r["link_gbps"], "best": r["measured_best"]}
+                               for r in sel])
+        text = [f"{c['from']} → {c['to']} between {c['between_gbps'][0]:g} and "
+                f"{c['between_gbps'][1]:g} GB/s" for c in measured]
+        out += ["", "Measured crossovers: " + ("; ".join(text) or "none in this range") + "."]
+        if (profile := _profile_of(profiles, key)) is not None:
+            predicted = crossovers(_predicted_preference(profile, by_link))
+            text = [f"{c['from']} → {c['to']} at ≈ {math.sqrt(math.prod(c['between_gbps'])):.3g} "
+                    "GB/s" for c in predicted]
+            out.append(f"Predicted crossovers ({profile.source} profile, {profile.hardware}, "
+                       "among the measured actions): "
+                       + ("; ".join(text) or "none in this range") + ".")
+        out.append("")
+    return "\n".join(out)
+
+
+def crossover_figure(records: Sequence[Record], path: str | Path,
+                     profile: Profile | None = None, n_grid: int = 60) -> Path:
+    """Latency of each family's best action vs paced link bandwidth for one (hardware, transport,
+    batch, model, length) group: measured points; lines and predicted crossovers from `profile`."""
+    groups = _crossover_groups(records)
+    if len(groups) != 1:
+        raise ValueError(f"crossover_figure draws one group at a time, records give "
+                         f"{list(groups)}")
+    ((hardware, transport, batch, model, seq_len), by_link), = groups.items()
+    fig = _figure(7.5, 4.5)
+    ax = fig.subplots()
+    grid = np.geomspace(min(by_link) / 2, max(by_link) * 2, n_grid)
+    for f in FAMILIES:
+        pts = [(w, r["median_ms"]) for w, acts in by_link.items()
+               if (r := _best(acts.values()).get(f)) is not None]
+        if not pts:
+            continue
+        color = f"C{FAMILIES.index(f)}"
+        ax.plot(*zip(*pts, strict=True), "o", color=color, label=f)
+        if profile is not None:
+            fam = {a: r for acts in by_link.values() for a, r in acts.items() if family(r) == f}
+            ys = [min(_predict(profile.at_link(w), r) for r in fam.values()) for w in grid]
+            ax.plot(grid, ys, "-", color=color, alpha=0.6)
+    if profile is not None:
+        for c in crossovers(_predicted_preference(profile, by_link)):
+            ax.axvline(math.sqrt(math.prod(c["between_gbps"])), color="gray", linestyle=":")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("paced link bandwidth (GB/s)")
+    ax.set_ylabel("median handoff latency (ms)")
+    fig.legend(fontsize="small", loc="outside right upper")
+    pred = (f"\npoints: measured · lines: {profile.source} prediction · dotted: crossover"
+            if profile else "")
+    ax.set_title(f"{model}, {seq_len} tokens, batch {batch}\nhardware: {hardware} · transport: "
+                 f"{transport}{pred}", fontsize="medium")
+    fig.savefig(path, dpi=120)
+    return Path(path)
+
+
+def _slug(*parts: Any) -> str:
+    return "_".join(re.sub(r"[^A-Za-z0-9.]+", "-", str(p)).strip("-") for p in parts)
+
+
+def write_report(records: Sequence[Record], out_dir: str | Path,
+                 profiles: Sequence[Profile] = (), joint_bits: int = 8, seed: int = 0
+                 ) -> list[Path]:
+    """Write table1.md, predictions.md, table3.md, crossover.md and the PNGs into `out_dir`."""
+    records = check_records(records)
+    if not records:
+        raise ValueError("no summary records to report")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in (("table1.md", table1_markdown(records, joint_bits, seed)),
+                       ("predictions.md", predictions_markdown(records, profiles)),
+                       ("table3.md", table3_markdown(records, joint_bits, seed)),
+                       ("crossover.md", crossover_markdown(records, profiles))):
+        (out / name).write_text(text)
+        written.append(out / name)
+    for setup in dict.fromkeys(_setup(r) for r in records):
+        sel = [r for r in records if _setup(r) == setup]
+        written.append(fig2(sel, out / f"fig2_{_slug(*setup)}.png"))
+    for key in _crossover_groups(records):
+        hardware, transport, batch, model, seq_len = key
+        sel = [r for r in records if (r["hardware"], r["transport"], r["batch"], r["model"],
+                                      r["seq_len"]) == key]
+        written.append(crossover_figure(sel, out / f"crossover_{_slug(*key)}.png",
+                                        _profile_of(profiles, key)))
+    return written

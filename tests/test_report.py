@@ -1,0 +1,168 @@
+"""Report: tables and figures from synthetic summary records with known winners."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from rekv_jax import report, sizes, stats
+from rekv_jax.action import Action
+from rekv_jax.config import ModelConfig
+from rekv_jax.costmodel import PHASES, predicted_ms, t_ov
+from rekv_jax.planner import analytic_profile
+
+TINY = ModelConfig.preset("tiny")  # L = 6
+L = TINY.num_layers
+# Medians (ms) at 256 tokens: joint q8:r=2 is fastest, bf16:r=3 the best BF16 recompute.
+MEDIANS = {"bf16:full": 40.0, "q8:full": 22.0, "q4:full": 30.0, "bf16:r=1": 38.0,
+           "bf16:r=3": 25.0, "bf16:recompute": 60.0, "q8:r=1": 20.0, "q8:r=2": 16.0,
+           "q8:r=4": 21.0}
+
+
+def _rec(action: str, median: float, schedule: str = "overlapped", link: float | None = 5.0,
+         seq_len: int = 256, **extra) -> dict:
+    a = Action.parse(action, L)
+    reps = list(median * (1 + 0.002 * np.arange(-14.5, 15)))  # 30 reps around the median
+    phases = dict(zip(PHASES, (0.1, 1.0, 0.6 * median, 0.5 * median, 0.2), strict=True))
+    return {"kind": "summary", "model": "tiny", "seq_len": seq_len, "batch": 1,
+            "action": str(a), "bits": a.bits, "cut": a.cut, "transport": "local",
+            "schedule": schedule, "link_gbps": link, "hardware": "test cpu",
+            "median_ms": stats.median(reps), "ci95_ms": list(stats.median_ci(reps)),
+            "reps_ms": reps, "phases_ms": phases,
+            "payload_bytes": sizes.action_bytes(TINY, a, seq_len)["total_bytes"],
+            "first_token_match": True, "cache_check": "ok", **extra}
+
+
+def _sweep(scale: float = 1.0, seq_len: int = 256, link: float | None = 5.0) -> list[dict]:
+    """One run of every action in MEDIANS, as the handoff writes it (schedule n/a unless joint)."""
+    return [_rec(a, m * scale, "overlapped" if ":r=" in a else "n/a", seq_len=seq_len, link=link)
+            for a, m in MEDIANS.items()]
+
+
+def test_table1_known_winner_and_speedup_math():
+    recs = _sweep() + _sweep(2.0, seq_len=512)
+    rows = report.table1_rows(recs)
+    assert [(r["model"], r["seq_len"]) for r in rows] == [("tiny", 256), ("tiny", 512)]
+    r = rows[0]
+    assert r["joint"]["action"] == "q8:r=2" and r["recompute"]["action"] == "bf16:r=3"
+    assert r["best"]["action"] == "q8:r=2"
+    bf16, joint = r["bf16"]["median_ms"], r["joint"]["median_ms"]
+    assert r["joint_vs_bf16"]["x"] == pytest.approx(40 / 16) == bf16 / joint
+    lo, hi = r["joint_vs_bf16"]["ci95"]
+    assert lo <= r["joint_vs_bf16"]["x"] <= hi
+
+
+def test_best_single_is_the_faster_of_q8_transfer_and_recompute():
+    r = report.table1_rows(_sweep())[0]
+    assert r["joint_vs_single"]["over"] == "q8:full"
+    assert r["joint_vs_single"]["x"] == pytest.approx(22.0 / 16.0)
+    slow_q8 = [_rec(a, 30.0 if a == "q8:full" else m) for a, m in MEDIANS.items()]
+    assert report.table1_rows(slow_q8)[0]["joint_vs_single"]["over"] == "bf16:r=3"
+
+
+def test_overlapped_records_win_sequential_only_fills_trivial_schedules():
+    recs = [_rec("bf16:full", 40.0, "sequential"), _rec("q8:r=2", 10.0, "sequential"),
+            _rec("q8:r=2", 16.0), _rec("bf16:r=3", 5.0, "sequential")]
+    r = report.table1_rows(recs)[0]
+    assert r["bf16"]["schedule"] == "sequential"  # transfer-only: nothing to overlap
+    assert r["joint"]["median_ms"] == pytest.approx(16.0)  # the overlapped run, not the sequential
+    assert r["recompute"] is None  # a joint cut measured only sequentially is not in the table
+
+
+def test_table1_markdown_is_labelled():
+    md = report.table1_markdown(_sweep())
+    assert "hardware: test cpu · transport: local · link: paced 5 GB/s · batch 1" in md
+    assert "30 reps" in md and "| tiny | 256 | 40.00 | 22.00 | 25.00 (r=3) | 16.00 (r=2) |" in md
+    unpaced = report.table1_markdown(_sweep(link=None))
+    assert "link: unpaced" in unpaced
+
+
+def test_predictions_from_records_and_from_a_profile():
+    profile = analytic_profile(TINY, 256, link_gbps=1.0)
+    recs = [_rec("q8:r=2", 16.0, predicted_ms=20.0), _rec("bf16:full", 40.0),
+            _rec("bf16:r=3", 25.0, "sequential", seq_len=512)]
+    no_q4 = dataclasses.replace(profile, quantize_ms={16: 0.0, 8: 0.1},
+                                restore_ms={16: 0.0, 8: 0.1})
+    rows = report.prediction_rows(recs + [_rec("q4:r=2", 16.0)], [no_q4, profile])
+    assert len(rows) == 3 and rows[2]["predicted_ms"] == predicted_ms(
+        profile.at_link(5.0), Action(4, L - 2, L))  # the profile that has Q4 costs
+    rows = report.prediction_rows(recs, [profile])
+    assert len(rows) == 2  # no profile for 512 tokens
+    assert rows[0]["error_pct"] == pytest.approx(25.0)
+    want = predicted_ms(profile.at_link(5.0), Action(16, L, L))  # re-targeted to the paced link
+    assert rows[1]["predicted_ms"] == pytest.approx(want)
+    assert rows[1]["error_pct"] == pytest.approx(100 * (want - 40.0) / 40.0)
+    summary = report.error_summary(rows)
+    assert summary == {"bf16:full": pytest.approx(abs(rows[1]["error_pct"])), "q8:r=2": 25.0}
+    md = report.predictions_markdown(recs, [profile])
+    assert "| q8:r=2 | 25.0 |" in md and "over 2 records" in md
+
+
+def test_table3_payloads_schedule_gain_and_efficiency():
+    recs = _sweep() + [_rec("bf16:r=2", 30.0, "sequential"), _rec("bf16:r=2", 20.0)]
+    (row,) = report.table3_rows(recs)
+    assert row["payload_mib"]["BF16 transfer"] == sizes.handoff_bytes(TINY, 256, 16, L)[
+        "total_mib"]
+    assert row["payload_mib"]["joint Q8 (q8:r=2)"] == sizes.handoff_bytes(TINY, 256, 8, L - 2)[
+        "total_mib"]
+    s = row["schedule"]
+    assert s["action"] == "bf16:r=2"  # BF16 at the best joint cut, as in the paper
+    assert s["gain"] == pytest.approx(1.5) and s["gain_ci95"][0] <= 1.5 <= s["gain_ci95"][1]
+    ov = recs[-1]
+    ideal = t_ov(*(ov["phases_ms"][p] for p in PHASES))
+    assert s["efficiency_own_phases"] == pytest.approx(ov["median_ms"] / ideal)
+    assert "Schedule gain 1.50×" in report.table3_markdown(recs)
+    assert report.table3_rows(_sweep())[0]["schedule"] is None
+
+
+def test_crossover_measured_and_predicted():
+    # Slow link favours the joint action, fast link favours Q8 transfer-only.
+    recs = []
+    for link, joint, q8 in ((1.0, 16.0, 40.0), (10.0, 12.0, 11.0), (100.0, 11.0, 5.0)):
+        recs += [_rec("q8:r=2", joint, link=link), _rec("q8:full", q8, link=link),
+                 _rec("bf16:full", 2 * q8, link=link)]
+    profile = analytic_profile(TINY, 256)
+    rows = report.crossover_rows(recs, [profile])
+    assert [r["link_gbps"] for r in rows] == [1.0, 10.0, 100.0]
+    assert [r["measured_best"] for r in rows] == ["q8:r=2", "q8:full", "q8:full"]
+    for r in rows:
+        preds = {a: predicted_ms(profile.at_link(r["link_gbps"]), Action.parse(a, L))
+                 for a in ("q8:r=2", "q8:full", "bf16:full")}
+        assert r["predicted_best"] == min(preds, key=preds.get)
+    md = report.crossover_markdown(recs, [profile])
+    assert "q8:r=2 → q8:full between 1 and 10 GB/s" in md
+    assert "Predicted crossovers (analytic profile" in md
+    assert report.crossover_rows(_sweep()) == []  # one link: no crossover
+
+
+def test_write_report_writes_every_file(tmp_path):
+    recs = _sweep() + _sweep(2.0, seq_len=512) + [_rec("bf16:r=2", 30.0, "sequential")]
+    recs += [_rec("q8:full", 9.0, link=50.0), _rec("q8:r=2", 12.0, link=50.0)]
+    jsonl = tmp_path / "sweep.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in [{"kind": "rep"}] + recs) + "\n")
+    loaded = report.load_records(jsonl)
+    assert loaded == recs
+    paths = report.write_report(loaded, tmp_path / "out", [analytic_profile(TINY, 256)])
+    names = sorted(p.name for p in paths)
+    assert names == sorted(["table1.md", "predictions.md", "table3.md", "crossover.md",
+                            "fig2_test-cpu_local_5.0_1.png", "fig2_test-cpu_local_50.0_1.png",
+                            "crossover_test-cpu_local_1_tiny_256.png"])
+    for p in paths:
+        data = p.read_bytes()
+        assert data and (p.suffix == ".md" or data[:8] == b"\x89PNG\r\n\x1a\n")
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda r: r.pop("reps_ms"), "reps_ms"),
+    (lambda r: r.update(schedule="both"), "schedule"),
+    (lambda r: r.update(reps_ms=[]), "no reps_ms"),
+    (lambda r: r.update(bits=6), "bits 6"),
+])
+def test_bad_records_raise(change, match):
+    r = _rec("q8:r=2", 16.0)
+    change(r)
+    with pytest.raises(ValueError, match=match):
+        report.check_records([r])
+    with pytest.raises(ValueError, match="no summary records"):
+        report.write_report([], "unused")
