@@ -67,7 +67,8 @@ def connect(kind: str, role: Role, coordinator: str | None = None,
             timeout: float = 60.0, heartbeat_s: int = 10) -> Transport:
     """This process's end of a two-process link of `kind` ("collective" | "transfer-server").
 
-    Initializes jax.distributed unless it already is, so call it before any other JAX work.
+    Initializes jax.distributed unless it already is, so call it before any other JAX work (a
+    caller that initializes it should first set `jax_enable_recoverability`, see distributed.py).
     `coordinator` is "host:port" of process 0; None lets JAX detect the cluster (e.g. SLURM).
     `process_id` defaults to decode -> 0 (it hosts the coordination service), prefill -> 1.
     `close()` leaves in order and shuts jax.distributed down."""
@@ -82,7 +83,7 @@ def connect(kind: str, role: Role, coordinator: str | None = None,
             process_id = distributed.DEFAULT_PROCESS_ID[role]
         distributed.initialize(coordinator, process_id, init_timeout_s=int(timeout),
                                heartbeat_s=heartbeat_s)
-    channel = distributed.KVChannel()
+    channel = distributed.KVChannel(stale_s=heartbeat_s)
     if kind == "collective":
         return CollectiveTransport(role, channel, link_gbps)
     return TransferServerTransport(role, channel, link_gbps, timeout)

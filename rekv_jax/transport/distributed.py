@@ -5,14 +5,18 @@ What JAX does when a peer dies (jax 0.10, seen here): the coordination service l
 If process 0 dies, the JAX client in process 1 aborts its process at once ("Terminating process
 because the JAX distributed service detected fatal errors"), whatever we do. If process 1 dies,
 process 0 is aborted too after the heartbeat timeout, unless `jax_enable_recoverability` is on;
-with it on, process 0 lives on, sees the peer drop out of `get_live_nodes`, and shuts down at once.
-Hence the decode side (whose result matters, and which may fall back to recomputation) is process 0
-by default, recoverability is on, and a leaving process 0 waits for process 1 to disconnect first.
+with it on, process 0 lives on and shuts down at once. Process 0 leaving first, even normally,
+aborts process 1. Hence the decode side (whose result matters, and which may fall back to
+recomputation) is process 0 by default, recoverability is on, and a leaving process 0 waits for
+process 1 to disconnect first. `get_live_nodes` is a barrier (it returns once every live task has
+called it), so it serves that wait but not as a liveness probe: the channel keeps its own beat.
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import threading
 import time
 
 import jax
@@ -51,15 +55,25 @@ def local_ip() -> str:
 
 
 class KVChannel:
-    """Control channel over the coordination service's key-value store. Waits are sliced so that
-    a dead peer is reported (after about one heartbeat timeout) instead of waited out."""
+    """Control channel over the coordination service's key-value store.
 
-    def __init__(self) -> None:
+    Liveness: each side bumps its own `beat` key every `stale_s / 5` s from a daemon thread; the
+    peer counts as gone once its beat has not changed for `stale_s`. (`get_live_nodes` cannot
+    serve: it is a barrier that returns only once every live task has called it.) Waits are
+    sliced so that a dead peer is reported instead of waited out."""
+
+    def __init__(self, stale_s: float = 10.0) -> None:
         self._client = _jax_distributed.global_state.client
         if self._client is None:
             raise ValueError("jax.distributed is not initialized")
         self.process_id = jax.process_index()
         self.peer_id = 1 - self.process_id
+        self._stale_s = stale_s
+        self._peer_beat: str | None = None
+        self._peer_beat_at = time.monotonic()
+        self._stop = threading.Event()
+        self._beater = threading.Thread(target=self._beat, name="rekv-beat", daemon=True)
+        self._beater.start()
 
     def put(self, key: str, value: str) -> None:
         try:
@@ -80,15 +94,46 @@ class KVChannel:
                     raise TransportError(f"control channel failed waiting for {key!r}: {e}") from e
             if not self.peer_alive():
                 raise TransportError(f"the peer process {self.peer_id} is gone "
-                                     f"(while waiting for {key!r})")
+                                     f"(no heartbeat for {self._stale_s:g}s; waiting for {key!r})")
             if time.monotonic() >= deadline:
                 raise TransportTimeout(f"nothing under {key!r} within {timeout:g}s")
 
     def peer_alive(self) -> bool:
         try:
-            return self.peer_id in self._client.get_live_nodes([0, 1])
-        except jax.errors.JaxRuntimeError:
-            return False
+            beat = self._client.key_value_try_get(f"{_PREFIX}beat/{self.peer_id}")
+        except jax.errors.JaxRuntimeError:  # not beating yet, or the service is gone
+            beat = None
+        now = time.monotonic()
+        if beat != self._peer_beat:
+            self._peer_beat, self._peer_beat_at = beat, now
+        return now - self._peer_beat_at < self._stale_s
+
+    def wait_peer_disconnected(self, timeout: float) -> None:
+        """Process 0: return once the peer has shut its JAX client down (or died), or after
+        `timeout`. `get_live_nodes` blocks until then; a daemon thread keeps the wait bounded."""
+
+        def wait() -> None:
+            with contextlib.suppress(jax.errors.JaxRuntimeError):
+                self._client.get_live_nodes([0, 1])
+
+        waiter = threading.Thread(target=wait, name="rekv-leave", daemon=True)
+        waiter.start()
+        waiter.join(timeout)
+
+    def stop_beating(self) -> None:
+        self._stop.set()
+
+    def _beat(self) -> None:
+        n = 0
+        while True:
+            n += 1
+            try:
+                self._client.key_value_set(f"{_PREFIX}beat/{self.process_id}", str(n),
+                                           allow_overwrite=True)
+            except jax.errors.JaxRuntimeError:
+                return  # the service is gone (JAX ends this process) or shutting down
+            if self._stop.wait(self._stale_s / 5):
+                return
 
 
 def shutdown(channel: KVChannel, timeout: float) -> None:
@@ -100,7 +145,7 @@ def shutdown(channel: KVChannel, timeout: float) -> None:
         channel.get(f"close/{channel.peer_id}", timeout)
     except TransportError:
         pass  # the peer is gone or stuck: leave anyway
+    channel.stop_beating()
     if channel.process_id == 0:
-        while channel.peer_alive() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        channel.wait_peer_disconnected(max(0.0, deadline - time.monotonic()))
     jax.distributed.shutdown()
