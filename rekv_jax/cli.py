@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -128,6 +129,26 @@ def cmd_select(args: argparse.Namespace) -> None:
         print(json.dumps(choice))
 
 
+def cmd_profile(args: argparse.Namespace) -> None:
+    from rekv_jax import sweep
+
+    prof = sweep.profile(args.model, args.seq_len, args.transport, args.link_gbps, args.reps)
+    print(json.dumps(prof.to_json()))
+
+
+def cmd_sweep(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from rekv_jax import report, sweep
+
+    preset = sweep.PRESETS[args.preset]
+    if args.link_gbps is not None:
+        preset = dataclasses.replace(preset, link_gbps=args.link_gbps)
+    records, profiles = sweep.sweep(preset, Path(args.out), args.reps, args.warmup)
+    errors = report.error_summary(report.prediction_rows(records, profiles))
+    print(json.dumps({"kind": "prediction_error_pct", **errors}))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rekv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -186,6 +207,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host:port of the decode process (default: detected, e.g. SLURM)")
     p.add_argument("--experiment", default=None, help=argparse.SUPPRESS)  # JSON, from launch_pair
     p.set_defaults(func=cmd_handoff)
+
+    p = sub.add_parser("profile", help="measure per-layer alpha, beta, gamma, H, J (JSON)")
+    p.add_argument("--model", default="tiny", help="preset name")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--transport", choices=["transfer-server", "collective", "local"],
+                   default="transfer-server")
+    p.add_argument("--link-gbps", type=float, default=None, help="pace the link (GB/s)")
+    p.add_argument("--reps", type=int, default=5)
+    p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("sweep", help="measured sweep -> JSONL, CSV, tables and figures")
+    p.add_argument("--preset", choices=["cpu", "gpu"], default="cpu")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="override the preset's link (cpu: calibrated to the paper's ratio)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reps", type=int, default=30)
+    p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("quality", help="output-quality gate of handoff actions (paper §2.4)")
     p.add_argument("--model", default=None,

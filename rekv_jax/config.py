@@ -205,6 +205,9 @@ _PRESETS: dict[str, ModelConfig] = {
         # Qwen2 architecture, small enough that a 256-token prefill takes milliseconds on CPU.
         ModelConfig("tiny", "qwen2", 6, 256, 4, 2, 64, 512, 512, rope_theta=10000.0,
                     rms_norm_eps=1e-6, qkv_bias=True, max_position_embeddings=4096),
+        # Qwen3 architecture with Qwen3-8B's boundary-to-KV-layer ratio n_h / (2 n_kv) = 2.
+        ModelConfig("tiny-qwen3", "qwen3", 6, 256, 4, 1, 64, 512, 512, rope_theta=10000.0,
+                    rms_norm_eps=1e-6, qk_norm=True, max_position_embeddings=4096),
     )
 }
 PRESETS: tuple[str, ...] = tuple(_PRESETS)

@@ -1,0 +1,192 @@
+"""`rekv profile` and `rekv sweep`: measured handoffs over models x lengths x actions (paper §4).
+
+Every measurement is one `rekv handoff` run (two processes over the chosen transport) in a
+subprocess, so each gets fresh `jax.distributed` state and this process stays free to time the
+suffix for link calibration. Profiles are fitted from the sequential schedule (phases measured
+without contention) and predict every measured action; `rekv_jax.report` turns the records into
+Table 1 / Fig. 2 / Table 3 / crossover outputs.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from tqdm import tqdm
+
+from rekv_jax import costmodel, report, sizes
+from rekv_jax.action import Action
+from rekv_jax.config import ModelConfig
+from rekv_jax.handoff import Experiment, load_model
+from rekv_jax.model import run_suffix
+from rekv_jax.planner import PAPER_LINK_GBPS
+
+# The paper's H100 path (§4, Table 3; Qwen2.5-7B, 8K): one BF16 KV layer (16 MiB) takes 7.23 ms
+# on the 2.32 GB/s link, and one suffix layer about 6.3 ms (216.31 ms sequential = 25.3 ms
+# boundary + 15 x 7.23 ms prefix + 13 suffix layers + join). Link time per BF16 layer over suffix
+# time per layer is therefore ~1.15; the CPU preset paces its link to the same ratio.
+PAPER_LINK_TO_SUFFIX = 1.15
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepPreset:
+    """Where a sweep runs: its models, prompt lengths, cut grid, transport and link."""
+
+    models: tuple[str, ...]
+    lengths: tuple[int, ...]
+    suffix_lens: tuple[int, ...]  # r grid of recompute-only and joint actions
+    transport: str
+    link_gbps: float | None  # None: calibrate to PAPER_LINK_TO_SUFFIX on this machine
+    crossover_factors: tuple[float, ...]  # crossover links, as multiples of the sweep's link
+    joint_bits: tuple[int, ...] = (8, 4)
+
+    def __post_init__(self) -> None:
+        if len(set(self.suffix_lens)) < 2:
+            raise ValueError("a sweep needs at least two suffix lengths to fit its cost model")
+
+
+PRESETS = {
+    # Scaled: 6-layer models at 128-512 tokens; runs in minutes on 2 CPU cores.
+    "cpu": SweepPreset(models=("tiny", "tiny-qwen3"), lengths=(128, 256, 512),
+                       suffix_lens=(1, 2, 3, 4), transport="transfer-server", link_gbps=None,
+                       crossover_factors=(0.25, 0.5, 1.0, 2.0, 4.0, 16.0)),
+    # The paper's shapes (synthetic weights, one layer's weights repeated) on one GPU: both
+    # sides share the device in one process, the link paced to the paper's measured 2.32 GB/s.
+    "gpu": SweepPreset(models=("qwen2.5-3b", "qwen2.5-7b", "qwen3-8b"), lengths=(512, 2048, 8192),
+                       suffix_lens=(13, 21), transport="local",
+                       link_gbps=PAPER_LINK_GBPS,
+                       crossover_factors=(0.5, 1.0, 4.0, 16.0)),
+}
+
+
+def action_grid(cfg: ModelConfig, suffix_lens: tuple[int, ...], joint_bits: tuple[int, ...]
+                ) -> list[Action]:
+    """BF16 / Q8 / Q4 transfer-only, BF16 recompute-only and joint actions over the r grid, and
+    full recomputation."""
+    L = cfg.num_layers
+    rs = [r for r in suffix_lens if 0 < r < L]
+    actions = [Action(b, L, L) for b in (16, 8, 4)]
+    actions += [Action(b, L - r, L) for b in (16, *joint_bits) for r in rs]
+    return actions + [Action(16, 0, L)]
+
+
+def run_experiment(exp: Experiment, timeout: float = 1800.0) -> list[dict]:
+    """One `rekv handoff --json` run (both processes); its summary records."""
+    cmd = [sys.executable, "-m", "rekv_jax.cli", "handoff", "--json", "--experiment",
+           json.dumps(dataclasses.asdict(exp))]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if out.returncode:
+        raise RuntimeError(f"handoff run failed ({exp.model}, {exp.seq_len}):\n"
+                           f"{out.stderr[-3000:]}")
+    records = [json.loads(line) for line in out.stdout.splitlines()]
+    return [r for r in records if r["kind"] == "summary"]
+
+
+def suffix_layer_ms(model: str, seq_len: int, reps: int = 10) -> float:
+    """Median time of one suffix layer (`run_suffix` over all layers / L) on this machine."""
+    cfg, params = load_model(model)
+    h = jnp.zeros((1, seq_len, cfg.hidden_size), params["embed"].dtype)
+    jax.block_until_ready(run_suffix(cfg, params, h, 0))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(run_suffix(cfg, params, h, 0))
+        times.append(time.perf_counter() - start)
+    return 1e3 * sorted(times)[len(times) // 2] / cfg.num_layers
+
+
+def calibrated_link_gbps(model: str, seq_len: int) -> float:
+    """The link speed whose BF16-layer time is PAPER_LINK_TO_SUFFIX x a suffix layer here."""
+    cfg = ModelConfig.preset(model)
+    layer_ms = suffix_layer_ms(model, seq_len)
+    return sizes.kv_layer_bytes(cfg, seq_len) / (PAPER_LINK_TO_SUFFIX * layer_ms * 1e6)
+
+
+def fit(cfg: ModelConfig, records: list[dict]) -> costmodel.Profile:
+    """A profile from the uncontended (sequential / single-mechanism) summaries of one setup."""
+    uncontended = [r for r in records if r["schedule"] != "overlapped"]
+    first = uncontended[0]
+    link = f"{first['transport']} " + (f"paced {first['link_gbps']:g} GB/s"
+                                       if first["link_gbps"] else "unpaced")
+    return costmodel.fit_profile(cfg, uncontended, first["hardware"], link)
+
+
+def profile(model: str, seq_len: int, transport: str, link_gbps: float | None,
+            reps: int = 5, warmup: int = 2) -> costmodel.Profile:
+    """`rekv profile`: short sequential handoffs at two cuts per precision, then a fit."""
+    cfg = ModelConfig.preset(model)
+    L = cfg.num_layers
+    cuts = sorted({max(1, L // 3), max(1, 2 * L // 3)} - {L})
+    actions = [Action(b, L, L) for b in (16, 8, 4)] + [
+        Action(b, c, L) for b in (16, 8, 4) for c in cuts] + [Action(16, 0, L)]
+    exp = Experiment(model=model, seq_len=seq_len, actions=",".join(map(str, actions)),
+                     schedules=("sequential",), transport=transport, link_gbps=link_gbps,
+                     warmup=warmup, reps=reps)
+    return fit(cfg, run_experiment(exp))
+
+
+def sweep(preset: SweepPreset, out: Path, reps: int = 30, warmup: int = 3
+          ) -> tuple[list[dict], list[costmodel.Profile]]:
+    """Run the whole sweep, write DIR/sweep.jsonl, DIR/sweep.csv and the report files."""
+    out.mkdir(parents=True, exist_ok=True)
+    mid = preset.lengths[len(preset.lengths) // 2]
+    link = preset.link_gbps or calibrated_link_gbps(preset.models[0], mid)
+    runs = [Experiment(model=m, seq_len=s, actions=",".join(map(str, action_grid(
+                ModelConfig.preset(m), preset.suffix_lens, preset.joint_bits))),
+                       transport=preset.transport, link_gbps=link, warmup=warmup, reps=reps)
+            for m in preset.models for s in preset.lengths]
+    # crossover: the first model at the middle length, over paced links
+    base_cfg = ModelConfig.preset(preset.models[0])
+    r_mid = preset.suffix_lens[len(preset.suffix_lens) // 2]
+    crossover_actions = [Action(16, base_cfg.num_layers, base_cfg.num_layers),
+                         Action(8, base_cfg.num_layers, base_cfg.num_layers),
+                         Action(8, base_cfg.num_layers - r_mid, base_cfg.num_layers),
+                         Action(16, 0, base_cfg.num_layers)]
+    runs += [Experiment(model=preset.models[0], seq_len=mid,
+                        actions=",".join(map(str, crossover_actions)), schedules=("overlapped",),
+                        transport=preset.transport, link_gbps=round(link * f, 6),
+                        warmup=warmup, reps=reps)
+             for f in preset.crossover_factors if f != 1.0]
+    records, profiles = [], []
+    with open(out / "sweep.jsonl", "w") as log:
+        for exp in tqdm(runs, desc="sweep", unit="run", file=sys.stderr):
+            got = run_experiment(exp)
+            if exp.schedules == Experiment.schedules:  # full grid: fit its profile
+                profiles.append(fit(ModelConfig.preset(exp.model), got))
+                log.write(json.dumps(profiles[-1].to_json()) + "\n")
+            for r in got:
+                log.write(json.dumps(r) + "\n")
+            log.flush()
+            records += got
+    rows = report.prediction_rows(records, profiles)
+    predicted = {_key(row): row["predicted_ms"] for row in rows}
+    for r in records:
+        r["predicted_ms"] = predicted.get(_key(r))
+    write_csv(records, out / "sweep.csv")
+    report.write_report(records, out, profiles)
+    return records, profiles
+
+
+def _key(r: dict) -> tuple:
+    return tuple(r[k] for k in ("model", "seq_len", "action", "schedule", "link_gbps"))
+
+
+def write_csv(records: list[dict], path: Path) -> None:
+    """One row per summary: setup, action, median, CI and phase medians."""
+    fields = ["model", "seq_len", "batch", "hardware", "transport", "link_gbps", "action",
+              "bits", "cut", "schedule", "median_ms", "ci95_lo", "ci95_hi", "predicted_ms",
+              *(f"{p}_ms" for p in costmodel.PHASES), "payload_bytes", "first_token_match",
+              "cache_check"]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fields, extrasaction="ignore")
+        w.writeheader()
+        for r in records:
+            w.writerow({**r, "ci95_lo": r["ci95_ms"][0], "ci95_hi": r["ci95_ms"][1],
+                        **{f"{p}_ms": v for p, v in r["phases_ms"].items()}})
