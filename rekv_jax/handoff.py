@@ -27,10 +27,10 @@ import numpy as np
 from rekv_jax import stats
 from rekv_jax.action import Action, parse_actions
 from rekv_jax.config import ModelConfig
+from rekv_jax.costmodel import PHASES
 from rekv_jax.model import Params, init_params, prefill
 from rekv_jax.params import load_hf
 from rekv_jax.schedule import (
-    PHASES,
     SCHEDULES,
     Handoff,
     check_cache,

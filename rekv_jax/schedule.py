@@ -32,7 +32,6 @@ from rekv_jax.quantize import QuantizedTensor, dequantize, quantize, quantize_un
 from rekv_jax.sizes import GROUP_SIZE
 from rekv_jax.transport import Transport, TransportError
 
-PHASES = ("quantize", "boundary", "prefix", "suffix", "join")  # Q, H, X, R, J of Eqs. 8-9
 SCHEDULES = ("overlapped", "sequential")
 FALLBACKS = ("error", "recompute")
 
