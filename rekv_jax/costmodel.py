@@ -10,13 +10,14 @@ quantize, boundary, prefix, suffix, join.
 
 A `Profile` holds per-layer costs for one model, prompt length and batch on one machine and link:
 `Q_b(c) = q0 + c α_b`; `X_b(c) = m + x0_b + c β_b` with `β_b = B_KV,b / W + restore_b`;
-`H = h0 + B_tok / W + m + B_H / W`; `R(c) = r0 + (L - c) γ`. Transfer terms are bytes / bandwidth
+`H = h0 + (B_tok + B_H) / W`; `R(c) = r0 + (L - c) γ`. Transfer terms are bytes / bandwidth
 plus a fixed per-message latency `m`, so a profile measured at one link can be re-targeted to
 another (`Profile.at_link`). With the fixed terms at zero this is the paper's linear model, whose
 balanced cut is Eq. 11.
 
-As `rekv_jax.schedule` does, the int32 token IDs (`B_tok` bytes) always cross first and count in
-the `boundary` phase, whose fixed part `h0` also holds the start of the handoff. Transfer-only
+As `rekv_jax.schedule` does, the int32 token IDs (`B_tok` bytes) always cross first, in one
+message with `h_c`, and count in the `boundary` phase, whose fixed part `h0` also holds the start
+of the handoff. Transfer-only
 (`c = L`) then sends the full KV and no `h_c`; full recomputation (`c = 0`) sends nothing more and
 runs the embedding and all `L` layers (the `suffix` phase). Byte counts come from
 `rekv_jax.sizes`; times are in ms, bandwidth in GB/s (1e9 bytes/s, as the transports' pacing).
@@ -117,7 +118,7 @@ class Profile:
     embed_ms: float = 0.0  # full recomputation: embedding of the token IDs
     quantize_fixed_ms: float = 0.0  # q0: per quantize call (bits < 16)
     boundary_fixed_ms: float = 0.0  # h0: start of the handoff and the token-ID message
-    message_ms: float = 0.0  # m: per further message (h_c, the prefix)
+    message_ms: float = 0.0  # m: the prefix message's fixed cost
     suffix_fixed_ms: float = 0.0  # r0: per suffix call
     # bits -> x0_b: per restore call (dequantize dispatch); missing bits are 0
     restore_fixed_ms: dict[int, float] = dataclasses.field(default_factory=dict)
@@ -217,9 +218,8 @@ def phase_ms(profile: Profile, action: Action) -> dict[str, float]:
                          f"profile of {p.model} has {p.num_layers}")
     c, L, W = action.cut, p.num_layers, p.link_gbps
     interior = 0 < c < L
-    boundary = p.boundary_fixed_ms + transfer_ms(p.token_bytes, W)  # token IDs, always first
-    if interior:
-        boundary += p.message_ms + transfer_ms(p.boundary_bytes, W)  # then h_c
+    # token IDs, always first, with h_c in the same message for a joint action
+    boundary = p.boundary_fixed_ms + transfer_ms(p.token_bytes + interior * p.boundary_bytes, W)
     if c == 0:  # the decode side embeds the tokens and runs all L layers
         return {"quantize": 0.0, "boundary": boundary, "prefix": 0.0,
                 "suffix": p.embed_ms + p.suffix_fixed_ms + L * p.suffix_layer_ms,
@@ -278,7 +278,7 @@ def fit_profile(cfg: ModelConfig, records: Sequence[dict[str, Any]], hardware: s
     for r in records:
         c, ph = r["cut"], r["phases_ms"]
         joint = 0 < c < L
-        rows.append([1.0, float(joint), b_tok + joint * b_h] + [0.0] * 2 * len(low))
+        rows.append([1.0, 0.0, b_tok + joint * b_h] + [0.0] * 2 * len(low))
         ys.append(ph["boundary"])
         if c > 0:
             per_bits = [float(r["bits"] == b) for b in low]

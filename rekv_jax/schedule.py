@@ -1,7 +1,7 @@
 """One ReKV handoff: the prefill side's sends and the decode side's two schedules (paper §2.2-2.3).
 
 Prefill side (`send_handoff`), timed from when its prefill state is ready:
-  quantize the prefix (Q) -> send token ids -> send `h_c` first -> send the prefix payload.
+  quantize the prefix (Q) -> send the token ids with `h_c` first -> send the prefix payload.
 Decode side (`receive_handoff`), timed from the same start:
   sequential:  receive `h_c` (H), receive + dequantize the prefix (X), run the suffix (R), join (J)
   overlapped:  receive `h_c`, then the suffix runs on this thread while a background thread
@@ -117,14 +117,12 @@ def send_handoff(transport: Transport, state: PrefillState, action: Action, tag:
     if state.prefix is not None:
         payload = jax.block_until_ready(encode_prefix(state.prefix, action.bits, backend))
     quantize_ms = _ms(t0, time.perf_counter()) if action.bits != 16 else 0.0
-    transport.send(f"{tag}/tokens", [state.tokens, state.first_token], timeout)
-    if state.h_c is not None:
-        transport.send(f"{tag}/boundary", [state.h_c], timeout)
+    boundary = [state.tokens, state.first_token] + ([state.h_c] if state.h_c is not None else [])
+    transport.send(f"{tag}/boundary", boundary, timeout)  # one message: ids (+ h_c) first
     if payload:
         transport.send(f"{tag}/prefix", payload, timeout)
     transport.send_meta(f"{tag}/prefill", {"quantize_ms": quantize_ms})
-    sent = ["tokens"] + ["boundary"] * (state.h_c is not None) + ["prefix"] * bool(payload)
-    for phase in sent:  # errors of the decode side surface here
+    for phase in ["boundary"] + ["prefix"] * bool(payload):  # the decode side's errors surface here
         transport.wait_ack(f"{tag}/{phase}", timeout)
 
 
@@ -138,15 +136,14 @@ def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, acti
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
     dtype = params["embed"].dtype
-    token_specs = [jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
-                   jax.ShapeDtypeStruct((batch,), jnp.int32)]
+    specs = [jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),  # token ids
+             jax.ShapeDtypeStruct((batch,), jnp.int32)]  # the prefill side's first token
+    if action.kind == "joint":
+        specs.append(jax.ShapeDtypeStruct((batch, seq_len, cfg.hidden_size), dtype))  # h_c
     transport.agree(f"{tag}/go", {})
     t0 = time.perf_counter()
-    tokens, sent_first = transport.recv(f"{tag}/tokens", token_specs, timeout)
-    h_c = None
-    if action.kind == "joint":
-        h_c, = transport.recv(f"{tag}/boundary", [jax.ShapeDtypeStruct(
-            (batch, seq_len, cfg.hidden_size), dtype)], timeout)
+    tokens, sent_first, *h_c = transport.recv(f"{tag}/boundary", specs, timeout)
+    h_c = h_c[0] if h_c else None
     t_boundary = time.perf_counter()
 
     def restore_prefix() -> tuple[KVCache, float]:

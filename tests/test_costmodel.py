@@ -121,7 +121,7 @@ def test_phases_per_action_kind():
     joint = cm.phase_ms(p, Action(4, 2, L))
     assert joint["quantize"] == pytest.approx(p.quantize_fixed_ms + 2 * p.quantize_ms[4])
     assert joint["boundary"] == pytest.approx(
-        tokens + p.message_ms + cm.transfer_ms(p.boundary_bytes, W))
+        tokens + cm.transfer_ms(p.boundary_bytes, W))
     assert joint["suffix"] == pytest.approx(p.suffix_fixed_ms + (L - 2) * p.suffix_layer_ms)
     assert cm.phase_ms(p, Action(16, 2, L))["quantize"] == 0.0  # BF16 is not quantized
     for a in action_space(L):
