@@ -148,7 +148,7 @@ def sweep(preset: SweepPreset, out: Path, reps: int = 30, warmup: int = 3
     out.mkdir(parents=True, exist_ok=True)
     mid = preset.lengths[len(preset.lengths) // 2]
     link = preset.link_gbps or calibrated_link_gbps(preset.models[0], mid)
-    runs = [Experiment(model=m, seq_len=s, actions=",".join(map(str, action_grid(
+    grid = [Experiment(model=m, seq_len=s, actions=",".join(map(str, action_grid(
                 ModelConfig.preset(m), preset.suffix_lens, preset.joint_bits))),
                        transport=preset.transport, link_gbps=link, warmup=warmup, reps=reps)
             for m in preset.models for s in preset.lengths]
@@ -159,16 +159,16 @@ def sweep(preset: SweepPreset, out: Path, reps: int = 30, warmup: int = 3
                          Action(8, base_cfg.num_layers, base_cfg.num_layers),
                          Action(8, base_cfg.num_layers - r_mid, base_cfg.num_layers),
                          Action(16, 0, base_cfg.num_layers)]
-    runs += [Experiment(model=preset.models[0], seq_len=mid,
+    crossover = [Experiment(model=preset.models[0], seq_len=mid,
                         actions=",".join(map(str, crossover_actions)), schedules=("overlapped",),
                         transport=preset.transport, link_gbps=round(link * f, 6),
                         warmup=warmup, reps=reps)
              for f in preset.crossover_factors if f != 1.0]
     records, profiles = [], []
     with open(out / "sweep.jsonl", "w") as log, tempfile.TemporaryDirectory() as cache:
-        for exp in tqdm(runs, desc="sweep", unit="run", file=sys.stderr):
+        for exp in tqdm(grid + crossover, desc="sweep", unit="run", file=sys.stderr):
             got = run_experiment(exp, Path(cache))
-            if exp.schedules == Experiment.schedules:  # full grid: fit its profile
+            if exp in grid:  # every action at both schedules: fit its profile
                 profiles.append(fit(ModelConfig.preset(exp.model), got))
                 log.write(json.dumps(profiles[-1].to_json()) + "\n")
             for r in got:
