@@ -1,11 +1,13 @@
 """Qwen2 / Qwen3 / Llama decoder in Flax NNX, split at a static layer cut (paper §2.2, §2.4).
 
 The layer stack is stored stacked (`[L, ...]` leaves, or `[1, ...]` when every layer shares one
-set of weights) and run with one `lax.scan` whose body is the same program for every entry point.
+set of weights) and run with one `lax.while_loop` whose body is the same program for every entry
+point.
 `prefill` runs layers `0..L-1`; `run_prefix` runs `0..c-1` and returns the residual `h_c`;
-`run_suffix` runs `c..L-1` from `h_c`. Because each layer is fenced by an optimization barrier,
-XLA compiles the per-layer computation identically in all three, so the recomputed suffix KV
-and logits are bitwise equal to a full prefill's (tested property).
+`run_suffix` runs `c..L-1` from `h_c`. Because the loop's trip count is hidden from XLA and each
+layer is fenced by optimization barriers, XLA compiles the per-layer computation identically in
+all three, so the recomputed suffix KV and logits are bitwise equal to a full prefill's (tested
+property).
 
 Params are a plain nested dict of arrays (`nnx.to_pure_dict` of the `Transformer` state), so
 they work with optax, orbax and tree utilities directly; the functions below `nnx.merge` them.
@@ -146,20 +148,34 @@ class Transformer(nnx.Module):
         layer_def, stacked = nnx.split(self.layers)
         shared = jax.tree.leaves(stacked)[0].shape[0] == 1
         rope = rope_tables(self.cfg, positions)
+        B, T, _ = x.shape
+        S = T if past is None else past.seq_len
+        n = stop - first
+        kv_shape = (n, B, S, self.cfg.num_kv_heads, self.cfg.head_dim)  # [n, B, S, K, H]
+        if n == 0:  # cut 0 prefix / cut L suffix: no layer to run
+            return x, KVCache(jnp.zeros(kv_shape, x.dtype), jnp.zeros(kv_shape, x.dtype))
+        # The loop bounds are hidden from XLA, so it can neither inline a 1-trip loop nor unroll
+        # a short one: every entry point runs the same compiled loop body, whatever its length.
+        first_layer, count = jax.lax.optimization_barrier((jnp.int32(first), jnp.int32(n)))
 
-        def body(x, xs):
-            i, past_kv = xs
-            layer_past = None if past is None else (*past_kv, positions[0, 0])
-            weights = jax.tree.map(lambda w: w[0 if shared else i], stacked)
-            # The barrier fences one layer: XLA cannot fuse it with neighbours (embedding, head,
-            # or an inlined 1-trip loop), so every entry point computes it identically.
+        def body(carry):
+            i, x, ks, vs = carry
+            layer = first_layer + i
+            weights = jax.tree.map(lambda w: w[0 if shared else layer], stacked)
+            layer_past = None if past is None else (past.k[layer], past.v[layer], positions[0, 0])
+            # The barriers fence one layer: XLA cannot fuse it with its neighbours (embedding,
+            # head), so each entry point computes it identically, bit for bit.
             x, weights, layer_rope, layer_past = jax.lax.optimization_barrier(
                 (x, weights, rope, layer_past))
             x, k, v = nnx.merge(layer_def, weights)(x, layer_rope, layer_past)
-            return jax.lax.optimization_barrier((x, (k, v)))
+            x, k, v = jax.lax.optimization_barrier((x, k, v))
+            ks = jax.lax.dynamic_update_index_in_dim(ks, k, i, axis=0)
+            vs = jax.lax.dynamic_update_index_in_dim(vs, v, i, axis=0)
+            return i + 1, x, ks, vs
 
-        past_kv = None if past is None else (past.k, past.v)
-        x, (k, v) = jax.lax.scan(body, x, (jnp.arange(first, stop), past_kv))
+        empty = jnp.zeros(kv_shape, x.dtype)
+        _, x, k, v = jax.lax.while_loop(lambda c: c[0] < count, body,
+                                        (jnp.int32(0), x, empty, empty))
         return x, KVCache(k, v)
 
     def logits(self, x: jax.Array) -> jax.Array:

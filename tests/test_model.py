@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from rekv_jax import KVCache, ModelConfig
@@ -79,10 +79,12 @@ def test_every_cut_is_exact(family, dtype):
 @settings(max_examples=12, deadline=None)
 @given(family=st.sampled_from(list(FAMILIES)), layers=st.integers(2, 5),
        kv_heads=st.sampled_from([1, 2, 4]), batch=st.integers(1, 3), seq=st.integers(1, 40),
-       dtype=st.sampled_from([jnp.float32, jnp.bfloat16]), data=st.data())
-def test_suffix_exact_property(family, layers, kv_heads, batch, seq, dtype, data):
+       dtype=st.sampled_from([jnp.float32, jnp.bfloat16]), cut_seed=st.integers(0, 3))
+# Found by this search: XLA inlined the 1-layer prefix loop and compiled that layer differently.
+@example(family="qwen3", layers=2, kv_heads=1, batch=1, seq=4, dtype=jnp.float32, cut_seed=0)
+def test_suffix_exact_property(family, layers, kv_heads, batch, seq, dtype, cut_seed):
     cfg = small_config(family, layers=layers, kv_heads=kv_heads)
-    cut = data.draw(st.integers(1, layers - 1), label="cut")
+    cut = 1 + cut_seed % (layers - 1)
     params = random_params(cfg, dtype, seed=seq)
     assert_split_equals_prefill(cfg, params, tokens_for(cfg, batch, seq, seed=seq), cut)
 
