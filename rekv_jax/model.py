@@ -139,11 +139,13 @@ class Transformer(nnx.Module):
         self.cfg = cfg
 
     def run_layers(self, x: jax.Array, positions: jax.Array, first: int, stop: int,
-                   past: KVCache | None = None) -> tuple[jax.Array, KVCache]:
+                   past: KVCache | None = None, differentiable: bool = False
+                   ) -> tuple[jax.Array, KVCache]:
         """Layers `first..stop-1` on x [B, T, D] at `positions` [B, T]; returns their K/V.
 
         With `past` (a capacity-C cache of all layers) the new K/V are written at `positions[0, 0]`
-        and the returned cache is the updated one.
+        and the returned cache is the updated one. `differentiable` (training) runs the same body
+        with static loop bounds, which reverse-mode differentiation needs.
         """
         layer_def, stacked = nnx.split(self.layers)
         shared = jax.tree.leaves(stacked)[0].shape[0] == 1
@@ -174,8 +176,11 @@ class Transformer(nnx.Module):
             return i + 1, x, ks, vs
 
         empty = jnp.zeros(kv_shape, x.dtype)
-        _, x, k, v = jax.lax.while_loop(lambda c: c[0] < count, body,
-                                        (jnp.int32(0), x, empty, empty))
+        init = (jnp.int32(0), x, empty, empty)
+        if differentiable:
+            _, x, k, v = jax.lax.fori_loop(0, n, lambda _, c: body(c), init)
+        else:
+            _, x, k, v = jax.lax.while_loop(lambda c: c[0] < count, body, init)
         return x, KVCache(k, v)
 
     def logits(self, x: jax.Array) -> jax.Array:
@@ -331,7 +336,8 @@ def _extend(cfg: ModelConfig, params: Params, kv: KVCache, tokens: jax.Array, st
 def _forward(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
     model = _model(cfg, params)
     B, S = tokens.shape
-    x, _ = model.run_layers(model.embed[...][tokens], _positions(B, 0, S), 0, cfg.num_layers)
+    x, _ = model.run_layers(model.embed[...][tokens], _positions(B, 0, S), 0, cfg.num_layers,
+                            differentiable=True)
     return model.logits(x)
 
 

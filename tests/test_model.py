@@ -162,3 +162,13 @@ def test_bad_input_raises_value_error():
         prefill(deeper, params, tokens)
     with pytest.raises(ValueError, match="h_c"):
         run_suffix(cfg, params, jnp.zeros((1, 8, 3)), 1)
+
+
+def test_forward_is_differentiable():
+    """Training (scripts/train_tiny.py) takes reverse-mode gradients through `forward`."""
+    cfg = small_config("qwen2")
+    params = random_params(cfg, jnp.float32)
+    tokens = tokens_for(cfg, 2, 12)
+    grads = jax.grad(lambda p: forward(cfg, p, tokens).std())(params)
+    norms = {k: float(jnp.linalg.norm(g)) for k, g in grads["layers"]["attn"].items()}
+    assert all(np.isfinite(n) and n > 0 for n in norms.values()), norms
