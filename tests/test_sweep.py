@@ -32,7 +32,9 @@ def test_mini_sweep_writes_every_output(tmp_path):
     assert {"sweep.jsonl", "sweep.csv", "table1.md", "table3.md", "predictions.md",
             "crossover.md"} <= names
     assert any(n.startswith("fig2_") and n.endswith(".png") for n in names)
-    assert len(profiles) == 1 and profiles[0].suffix_layer_ms > 0
+    # one profile fitted from the grid run (2 noisy reps: its values are not asserted here;
+    # fitting itself is tested on synthetic records in test_costmodel.py)
+    assert [(p.model, p.seq_len, p.source) for p in profiles] == [("tiny", 32, "fitted")]
     links = {r["link_gbps"] for r in records}
     assert len(links) == 2  # the calibrated link and 4x it (crossover)
     assert all(r["first_token_match"] and r["predicted_ms"] is not None for r in records)
