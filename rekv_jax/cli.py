@@ -98,13 +98,17 @@ def cmd_quality(args: argparse.Namespace) -> None:
     cfg, params, tok = quality.load_model(args.model or str(quality.SHIPPED_MODEL))
     test_ids = data.encode(tok, data.read_split("test", args.wikitext))
     evals = quality.eval_set(tok, test_ids, args.seq_len, args.cont_len, args.windows)
+    if not args.json:  # a markdown table
+        print("| model | S | action | top-1 agree (flips) | KL(BF16‖a) | PPL BF16 | PPL | "
+              "PPL change | NIAH | eligible |\n|---|---:|---|---:|---:|---:|---:|---:|---:|---|")
     for r in quality.evaluate(cfg, params, evals, parse_actions(args.actions, cfg.num_layers)):
         if args.json:
             print(json.dumps(r), flush=True)
         else:
-            print(f"{r['action']:<12} top1 {r['top1_agree']:.4f}  KL {r['kl']:.3e}  "
-                  f"ppl {r['ppl']:.3f} (bf16 {r['ppl_bf16']:.3f}, {r['ppl_rel_change']:+.3%})  "
-                  f"NIAH {r['niah_pass']}/{r['niah_total']}  eligible {r['eligible']}")
+            print(f"| {r['model']} | {r['seq_len']} | {r['action']} | {r['top1_agree']:.4f} "
+                  f"({r['top1_flips']}) | {r['kl']:.2e} | {r['ppl_bf16']:.3f} | {r['ppl']:.3f} | "
+                  f"{r['ppl_rel_change']:+.3%} | {r['niah_pass']}/{r['niah_total']} | "
+                  f"{'yes' if r['eligible'] else 'no'} |", flush=True)
 
 
 def _read_jsonl(path: str) -> list[dict]:

@@ -1,0 +1,158 @@
+"""Quality gate: metrics on hand-built cases with known answers, and on the shipped model."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rekv_jax import data, quality
+from rekv_jax.action import Action
+from rekv_jax.cli import main
+from rekv_jax.kv import KVCache
+from rekv_jax.model import forward, prefill
+from rekv_jax.params import load_hf, restore_params
+
+WIKITEXT = data.wikitext_dir()
+needs_wikitext = pytest.mark.skipif(not (WIKITEXT / "test.txt").is_file(),
+                                    reason=f"WikiText-2 not found at {WIKITEXT} "
+                                           f"(set ${data.WIKITEXT_ENV})")
+
+
+def outputs(probs: list[list[float]], niah_ok: list[bool]) -> quality.Outputs:
+    """Outputs of one window whose positions have the given next-token distributions."""
+    return quality.Outputs(np.log(np.array([probs], np.float32)), np.array(niah_ok))
+
+
+def test_identical_outputs_give_zero_kl_full_agreement_ratio_one():
+    ref = outputs([[0.6, 0.3, 0.1], [0.2, 0.5, 0.3]], [True, True])
+    m = quality.compare(ref, ref, np.array([[0, 2]]))
+    assert m["kl"] == 0.0 and m["top1_agree"] == 1.0
+    assert m["top1_flips"] == 0 and m["top1_flip_margin"] is None
+    assert m["ppl"] == m["ppl_bf16"] and m["ppl_rel_change"] == 0.0
+    assert m["ppl_bf16"] == pytest.approx(math.exp(-(math.log(0.6) + math.log(0.3)) / 2), 1e-6)
+    assert (m["niah_pass"], m["niah_total"], m["eligible"]) == (2, 2, True)
+
+
+def test_known_kl_agreement_and_perplexity():
+    p, q = [[0.7, 0.3], [0.5, 0.5]], [[0.4, 0.6], [0.5, 0.5]]  # top-1 flips at position 0 only
+    m = quality.compare(outputs(p, [True]), outputs(q, [True]), np.array([[0, 1]]))
+    kl0 = 0.7 * math.log(0.7 / 0.4) + 0.3 * math.log(0.3 / 0.6)
+    assert m["kl"] == pytest.approx(kl0 / 2, rel=1e-5)
+    assert (m["top1_agree"], m["top1_flips"]) == (0.5, 1)
+    assert m["top1_flip_margin"] == pytest.approx(math.log(0.7 / 0.3), rel=1e-5)
+    assert m["ppl"] == pytest.approx(math.exp(-(math.log(0.4) + math.log(0.5)) / 2), rel=1e-6)
+    assert m["ppl_rel_change"] == pytest.approx(math.sqrt(0.7 / 0.4) - 1, rel=1e-5)
+    assert not m["eligible"]
+
+
+def test_gate_rule_edges():
+    ok = {"top1_agree": 1.0, "niah_pass": 4, "niah_total": 4, "ppl_rel_change": 0.01}
+    assert quality.eligible(ok)
+    assert not quality.eligible({**ok, "ppl_rel_change": 0.0101})
+    assert not quality.eligible({**ok, "niah_pass": 3})
+    assert not quality.eligible({**ok, "top1_agree": 0.999})
+    assert quality.eligible({**ok, "ppl_rel_change": -0.5})  # lower perplexity never rejects
+
+
+def test_select_picks_fastest_eligible_action():
+    rows = [{"model": "m", "seq_len": 512, "action": a, "eligible": e}
+            for a, e in [("q4:full", False), ("q8:full", True), ("q8:r=2", True)]]
+    timings = [{"model": "m", "seq_len": 512, "action": a, "median_ms": t}
+               for a, t in [("q4:full", 1.0), ("q8:full", 3.0), ("q8:r=2", 2.0),
+                            ("bf16:full", 0.5)]]
+    [choice] = quality.select(rows, timings)
+    assert (choice["chosen"], choice["median_ms"]) == ("q8:r=2", 2.0)
+    assert choice["eligible"] == ["q8:full", "q8:r=2"] and choice["untimed_eligible"] == []
+    [untimed] = quality.select(rows, [])
+    assert untimed["chosen"] is None and untimed["untimed_eligible"] == ["q8:full", "q8:r=2"]
+
+
+def test_select_cli_joins_quality_with_sweep_summaries(tmp_path, capsys):
+    quality_rows = [{"model": "m", "seq_len": 512, "action": a, "eligible": True}
+                    for a in ("q8:full", "q8:r=2")]
+    sweep = [{"kind": "summary", "model": "m", "seq_len": 512, "batch": b, "action": a,
+              "schedule": sch, "median_ms": t}
+             for a, b, sch, t in [("q8:full", 1, "n/a", 3.0), ("q8:r=2", 1, "sequential", 4.0),
+                                  ("q8:r=2", 1, "overlapped", 2.5), ("q8:full", 4, "n/a", 1.0)]]
+    sweep.append({"kind": "handoff", "model": "m", "seq_len": 512, "action": "q8:full"})
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(r) + "\n" for r in quality_rows))
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sweep))
+    main(["select", "--quality", str(tmp_path / "q.jsonl"), "--timings", str(tmp_path / "t.jsonl")])
+    [line] = capsys.readouterr().out.splitlines()
+    assert json.loads(line)["chosen"] == "q8:r=2" and json.loads(line)["median_ms"] == 2.5
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    with pytest.raises(SystemExit):
+        main(["select", "--quality", str(tmp_path / "bad.jsonl")])
+    assert "bad.jsonl:1: not JSON" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return quality.load_model(str(quality.SHIPPED_MODEL))
+
+
+def test_shipped_model_loads_from_both_formats_with_equal_logits(shipped):
+    cfg, params, tok = shipped
+    hf_cfg, hf_params = load_hf(quality.SHIPPED_MODEL)
+    assert hf_cfg.to_hf() == cfg.to_hf()
+    tokens = jnp.asarray(data.encode(tok, " The lobster is a species of crustacean .")[None])
+    assert np.array_equal(np.asarray(forward(cfg, params, tokens)),
+                          np.asarray(forward(hf_cfg, hf_params, tokens)))
+    orbax_cfg, _ = restore_params(quality.SHIPPED_MODEL / "orbax")
+    assert orbax_cfg == cfg and all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
+
+
+def test_reconstruct_cache_rejects_action_of_another_model(shipped):
+    cfg, params, _ = shipped
+    with pytest.raises(ValueError, match="layers"):
+        quality.reconstruct_cache(cfg, params, jnp.zeros((1, 8), jnp.int32),
+                                  Action(8, 2, cfg.num_layers + 1))
+
+
+@pytest.fixture(scope="module")
+def small_eval(shipped):
+    if not (WIKITEXT / "test.txt").is_file():
+        pytest.skip(f"WikiText-2 not found at {WIKITEXT} (set ${data.WIKITEXT_ENV})")
+    _, _, tok = shipped
+    test_ids = data.encode(tok, data.read_split("test"))
+    return quality.eval_set(tok, test_ids, 512, cont_len=16, num_windows=2, depths=(0.25, 0.75))
+
+
+@needs_wikitext
+def test_bf16_joint_action_is_exact_and_passes(shipped, small_eval):
+    cfg, params, _ = shipped
+    [m] = quality.evaluate(cfg, params, small_eval, [Action(16, 2, cfg.num_layers)])
+    assert m["niah_pass_bf16"] == m["niah_total"] == 2  # the shipped model retrieves at 512
+    assert (m["kl"], m["top1_agree"], m["ppl_rel_change"]) == (0.0, 1.0, 0.0)
+    assert m["eligible"]
+
+
+@needs_wikitext
+def test_corrupted_prefix_is_rejected(shipped, small_eval):
+    cfg, params, _ = shipped
+
+    def corrupted(tokens):  # a q8:r=2 handoff whose prefix keys arrive scrambled
+        kv, logits = quality.reconstruct_cache(cfg, params, tokens, Action(8, 2, cfg.num_layers))
+        k = kv.k.at[:2].set(jax.random.permutation(jax.random.key(0), kv.k[:2], axis=2))
+        return KVCache(k, kv.v), logits
+
+    ref = quality.run_outputs(cfg, params, lambda t: prefill(cfg, params, t), small_eval)
+    bad = quality.run_outputs(cfg, params, corrupted, small_eval)
+    m = quality.compare(ref, bad, small_eval.continuation)
+    assert m["kl"] > 1e-2 and m["top1_agree"] < 1.0
+    assert not m["eligible"]
+
+
+@needs_wikitext
+def test_quality_cli_prints_every_field(capsys):
+    main(["quality", "--actions", "q8:r=2", "--seq-len", "256", "--cont-len", "8",
+          "--windows", "1", "--json"])
+    [row] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {"action", "top1_agree", "kl", "ppl_bf16", "ppl", "ppl_rel_change", "niah_pass",
+            "niah_total", "eligible"} <= row.keys()
+    assert row["action"] == "q8:r=2" and row["niah_total"] == len(quality.NIAH_DEPTHS)
