@@ -32,7 +32,7 @@ from rekv_jax.data import load_tokenizer, windows
 from rekv_jax.kv import KVCache
 from rekv_jax.model import Params, extend, greedy_decode, prefill, run_prefix, run_suffix
 from rekv_jax.params import load_hf, restore_params
-from rekv_jax.quantize import dequantize, quantize
+from rekv_jax.schedule import decode_prefix, encode_prefix
 
 EPSILON = 0.01  # largest allowed relative perplexity increase (paper §2.4)
 NIAH_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -68,9 +68,8 @@ def reconstruct_cache(cfg: ModelConfig, params: Params, tokens: jax.Array, actio
         raise ValueError(f"action {action} is for {action.num_layers} layers, the model has "
                          f"{cfg.num_layers}")
     h_c, prefix = run_prefix(cfg, params, tokens, action.cut)  # [B, S, D], [c, B, S, K, H]
-    if action.bits != 16:
-        prefix = KVCache(*(dequantize(quantize(x, action.bits), x.dtype)
-                           for x in (prefix.k, prefix.v)))
+    # the same payload round trip as the handoff (identity for BF16)
+    prefix = decode_prefix(encode_prefix(prefix, action.bits), action.bits, prefix.k.dtype)
     suffix, logits = run_suffix(cfg, params, h_c, action.cut)  # [L - c, B, S, K, H], [B, V]
     return KVCache.concat(prefix, suffix), logits
 
