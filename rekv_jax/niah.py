@@ -32,8 +32,16 @@ class NiahPrompt:
 
 
 def random_key(rng: np.random.Generator, digits: int = KEY_DIGITS) -> str:
-    """A passkey of `digits` decimal digits, first digit non-zero."""
-    return str(rng.integers(1, 10)) + "".join(str(d) for d in rng.integers(0, 10, digits - 1))
+    """A passkey of `digits` distinct decimal digits, the first non-zero.
+
+    Distinct digits keep the copy unambiguous: in `76559` the token after a `5` is `5` once and
+    `9` once, an order the small shipped model confused often enough to fail BF16 itself.
+    """
+    if not 1 <= digits <= 10:
+        raise ValueError(f"a key of distinct digits has 1..10 of them, got {digits}")
+    first = int(rng.integers(1, 10))
+    rest = rng.permutation([d for d in range(10) if d != first])[:digits - 1]
+    return str(first) + "".join(str(d) for d in rest)
 
 
 def niah_prompt(tok: Tokenizer, filler: np.ndarray, seq_len: int, depth: float, key: str

@@ -67,7 +67,8 @@ def test_needle_sits_at_requested_depth(tok, depth, seq_len, seed):
                                     np.arange(p.needle_start, p.needle_start + needle.size)),
                           filler[:n_fill])
     assert np.array_equal(p.tokens[-question.size:], question)
-    assert tok.decode(p.answer.tolist()) == " " + key and len(key) == niah.KEY_DIGITS
+    assert tok.decode(p.answer.tolist()) == " " + key
+    assert len(set(key)) == len(key) == niah.KEY_DIGITS and key[0] != "0"
 
 
 def test_niah_prompt_rejects_bad_input(tok):
