@@ -17,10 +17,6 @@ from rekv_jax.kv import KVCache
 from rekv_jax.model import forward, prefill
 from rekv_jax.params import load_hf, restore_params
 
-WIKITEXT = data.wikitext_dir()
-needs_wikitext = pytest.mark.skipif(not (WIKITEXT / "test.txt").is_file(),
-                                    reason=f"WikiText-2 not found at {WIKITEXT} "
-                                           f"(set ${data.WIKITEXT_ENV})")
 
 
 def outputs(probs: list[list[float]], niah_ok: list[bool]) -> quality.Outputs:
@@ -116,14 +112,11 @@ def test_reconstruct_cache_rejects_action_of_another_model(shipped):
 
 @pytest.fixture(scope="module")
 def small_eval(shipped):
-    if not (WIKITEXT / "test.txt").is_file():
-        pytest.skip(f"WikiText-2 not found at {WIKITEXT} (set ${data.WIKITEXT_ENV})")
     _, _, tok = shipped
     test_ids = data.encode(tok, data.read_split("test"))
     return quality.eval_set(tok, test_ids, 512, cont_len=16, num_windows=2, depths=(0.25, 0.75))
 
 
-@needs_wikitext
 def test_bf16_joint_action_is_exact_and_passes(shipped, small_eval):
     cfg, params, _ = shipped
     [m] = quality.evaluate(cfg, params, small_eval, [Action(16, 2, cfg.num_layers)])
@@ -132,7 +125,6 @@ def test_bf16_joint_action_is_exact_and_passes(shipped, small_eval):
     assert m["eligible"]
 
 
-@needs_wikitext
 def test_corrupted_prefix_is_rejected(shipped, small_eval):
     cfg, params, _ = shipped
 
@@ -148,7 +140,6 @@ def test_corrupted_prefix_is_rejected(shipped, small_eval):
     assert not m["eligible"]
 
 
-@needs_wikitext
 def test_quality_cli_prints_every_field(capsys):
     main(["quality", "--actions", "q8:r=2", "--seq-len", "256", "--cont-len", "8",
           "--windows", "1", "--json"])
