@@ -20,7 +20,7 @@ EOS = "<|endoftext|>"
 
 
 def wikitext_dir(path: str | Path | None = None) -> Path:
-    """The WikiText-2 folder: `path`, else `$REKV_WIKITEXT`, else the copy shipped in the package."""
+    """The WikiText-2 folder: `path`, else `$REKV_WIKITEXT`, else the copy in the package."""
     return Path(path or os.environ.get(WIKITEXT_ENV) or DEFAULT_WIKITEXT)
 
 
