@@ -1,22 +1,34 @@
-"""rekv-jax: ReKV prefill->decode handoff (quantized prefix KV + recomputed suffix) in JAX."""
+"""rekv-jax: ReKV prefill->decode handoff (quantized prefix KV + recomputed suffix) in JAX.
 
-from rekv_jax.action import Action, action_space, parse_actions
-from rekv_jax.config import PRESETS, Llama3RopeScaling, ModelConfig
-from rekv_jax.kv import KVCache
-from rekv_jax.model import (
-    decode_step,
-    extend,
-    forward,
-    greedy_decode,
-    init_params,
-    prefill,
-    run_prefix,
-    run_suffix,
-)
-from rekv_jax.params import load_hf, restore_params, save_hf, save_params
+The public names below load on first use, so `import rekv_jax` (and the `rekv` command, which
+imports only the submodules a subcommand needs) does not pay for JAX, Flax or orbax up front.
+"""
 
-__all__ = [
-    "PRESETS", "Action", "KVCache", "Llama3RopeScaling", "ModelConfig", "action_space",
-    "decode_step", "extend", "forward", "greedy_decode", "init_params", "load_hf", "parse_actions",
-    "prefill", "restore_params", "run_prefix", "run_suffix", "save_hf", "save_params",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_HOME = {
+    "Action": "action", "action_space": "action", "parse_actions": "action",
+    "MODEL_PRESETS": "config", "Llama3RopeScaling": "config", "ModelConfig": "config",
+    "KVCache": "kv",
+    "decode_step": "model", "extend": "model", "forward": "model", "greedy_decode": "model",
+    "init_params": "model", "prefill": "model", "run_prefix": "model", "run_suffix": "model",
+    "load_hf": "params", "restore_params": "params", "save_hf": "params", "save_params": "params",
+    "LoadedModel": "loader", "load_config": "loader", "load_model": "loader",
+    "Summary": "summary",
+}
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module 'rekv_jax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"rekv_jax.{_HOME[name]}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOME))

@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 
 BITS = (16, 8, 4)
+ACTION_KINDS = ("transfer", "recompute", "joint")  # Action.kind
 _PREC_NAME = {16: "bf16", 8: "q8", 4: "q4"}
 _PREC_BITS = {v: k for k, v in _PREC_NAME.items()}
 
@@ -42,7 +43,7 @@ class Action:
 
     @property
     def kind(self) -> str:
-        """`transfer`, `recompute` or `joint`."""
+        """One of ACTION_KINDS: `transfer`, `recompute` or `joint`."""
         if self.cut == self.num_layers:
             return "transfer"
         return "recompute" if self.cut == 0 else "joint"

@@ -1,43 +1,166 @@
-"""`rekv` command line: one subcommand per stage of the pipeline, JSON on stdout."""
+"""`rekv` command line: one subcommand per stage of the pipeline.
+
+Every subcommand prints a table or a few lines for a person; with `--json` it prints one JSON
+object per record, one per line, and nothing else on stdout. Flags shared by several subcommands
+are defined once, in `FLAGS`; each subcommand lists the flag groups it takes in `COMMANDS`.
+"""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
+from collections.abc import Callable, Iterable
+from typing import Any
 
-from rekv_jax.config import ModelConfig
+# absl/glog lines of the XLA runtime and of jax.distributed's coordination service are for
+# debugging, not for a person's terminal: keep only errors unless the caller asked otherwise.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("GLOG_minloglevel", "2")
+
+PAPER_LINK = "paper"  # --link-gbps: pace to the paper's link/suffix ratio, calibrated here
+UNPACED = "unpaced"  # --link-gbps: no pacing (loopback runs as fast as it can)
 
 
-def load_config(spec: str) -> ModelConfig:
-    """`--model` value: a preset name, or `hf:PATH` for an HF checkpoint folder."""
-    if spec.startswith("hf:"):
-        return ModelConfig.from_hf(spec[3:])
-    return ModelConfig.preset(spec)
+def _link(text: str) -> float | str | None:
+    """`--link-gbps` value: a bandwidth in GB/s, `paper` or `unpaced`."""
+    if text in (PAPER_LINK, UNPACED):
+        return None if text == UNPACED else text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected GB/s, {PAPER_LINK!r} or {UNPACED!r}, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"link bandwidth must be positive, got {value}")
+    return value
+
+
+def _flags() -> dict[str, Callable[[argparse.ArgumentParser], None]]:
+    """Flag groups shared across subcommands; `choices` come from the modules' own constants
+    (each group imports its module only when a subcommand uses the group)."""
+
+    def json_(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--json", action="store_true",
+                       help="one JSON object per record (default: readable tables)")
+
+    def model(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", default="tiny",
+                       help="preset name, hf:PATH, or a trained-model folder (holding orbax/)")
+
+    def shape(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--seq-len", type=int, default=8192, help="prompt length S")
+        p.add_argument("--batch", type=int, default=1, help="prompts per handoff B")
+
+    def actions(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--actions", default=None,
+                       help="comma list of PREC:CUT (bf16|q8|q4 : c|full|recompute|r=N), or all")
+
+    def link(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--link-gbps", type=_link, default=None, metavar="GBPS|paper|unpaced",
+                       help="link bandwidth in GB/s; `paper`: the paper's link/suffix ratio, "
+                            "calibrated on this machine; `unpaced`: no pacing")
+
+    def transport(p: argparse.ArgumentParser) -> None:
+        from rekv_jax.transport import TRANSPORTS
+
+        p.add_argument("--transport", choices=TRANSPORTS, default=TRANSPORTS[0])
+
+    def reps(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--warmup", type=int, default=3, help="untimed handoffs per action")
+        p.add_argument("--reps", type=int, default=30, help="timed handoffs per action")
+
+    def schedule(p: argparse.ArgumentParser) -> None:
+        from rekv_jax.schedule import SCHEDULES
+
+        p.add_argument("--schedule", choices=(*SCHEDULES, "both"), default="both",
+                       help="both: every joint action under each schedule")
+
+    def handoff(p: argparse.ArgumentParser) -> None:
+        from rekv_jax.quantize import BACKENDS
+        from rekv_jax.schedule import FALLBACKS
+
+        p.add_argument("--fallback", choices=FALLBACKS, default=FALLBACKS[0],
+                       help="a failed prefix transfer: fail, or rebuild the cache from tokens")
+        p.add_argument("--quant-backend", choices=BACKENDS, default=None,
+                       help="default: Pallas on GPU, XLA elsewhere")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may take")
+        p.add_argument("--role", choices=("prefill", "decode"), default=None,
+                       help="run one side only (multi-host); default: start both here")
+        p.add_argument("--coordinator", default=None,
+                       help="host:port of the decode process (default: detected, e.g. SLURM)")
+        p.add_argument("--experiment", default=None, help=argparse.SUPPRESS)  # from launch_pair
+
+    def bits(p: argparse.ArgumentParser) -> None:
+        from rekv_jax.action import BITS
+
+        p.add_argument("--bits", type=int, choices=BITS, default=16, help="prefix precision")
+
+    return {"json": json_, "model": model, "shape": shape, "actions": actions, "link": link,
+            "transport": transport, "reps": reps, "schedule": schedule, "handoff": handoff,
+            "bits": bits}
+
+
+# ---------------------------------------------------------------------------------- output
+
+
+def _emit_json(records: Iterable[dict[str, Any]]) -> None:
+    for r in records:
+        print(json.dumps(r), flush=True)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+# ---------------------------------------------------------------------------------- commands
 
 
 def cmd_info(args: argparse.Namespace) -> None:
-    cfg = load_config(args.model)
     from rekv_jax import sizes
+    from rekv_jax.loader import load_config
 
-    print(json.dumps({"config": cfg.to_dict(), "sizes": sizes.model_sizes(cfg, args.seq_len)}))
+    cfg = load_config(args.model)
+    s = sizes.model_sizes(cfg, args.seq_len, args.batch)
+    if args.json:
+        return _emit_json([{"config": cfg.to_dict(), "sizes": s}])
+    print(f"{cfg.name}: {cfg.model_type}, L {cfg.num_layers}, D {cfg.hidden_size}, "
+          f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads, head_dim {cfg.head_dim}, "
+          f"F {cfg.intermediate_size}, V {cfg.vocab_size}")
+    print(f"at S {args.seq_len}, B {args.batch}: boundary h_c {_mib(s['boundary_bytes'])}, one KV "
+          f"layer {_mib(s['kv_layer_bytes_bf16'])} BF16 / {_mib(s['kv_layer_bytes_q8'])} Q8 / "
+          f"{_mib(s['kv_layer_bytes_q4'])} Q4, full BF16 KV {_mib(s['full_kv_bytes_bf16'])}")
+    print(f"B_H / B_KV = {s['boundary_to_kv_layer']:.2f}: a BF16 split saves bytes from a suffix "
+          f"of {s['min_saving_suffix_bf16']} layers (Eq. 6)")
 
 
 def cmd_bytes(args: argparse.Namespace) -> None:
-    cfg = load_config(args.model)
     from rekv_jax import sizes
+    from rekv_jax.loader import load_config
 
-    print(json.dumps(sizes.handoff_bytes(cfg, args.seq_len, args.bits, args.cut, args.batch)))
+    cfg = load_config(args.model)
+    cut = cfg.num_layers if args.cut is None else args.cut
+    b = sizes.handoff_bytes(cfg, args.seq_len, args.bits, cut, args.batch)
+    if args.json:
+        return _emit_json([b])
+    print(f"{cfg.name}, S {args.seq_len}, B {args.batch}, {args.bits}-bit prefix, cut {cut} "
+          f"({b['kind']}, suffix of {b['suffix_len']} layers):")
+    print(f"  boundary h_c {_mib(b['boundary_bytes'])} + prefix {_mib(b['prefix_payload_bytes'])}"
+          f" + token ids {_mib(b['token_bytes'])} = {_mib(b['total_bytes'])}"
+          f" (one BF16 KV layer: {_mib(b['kv_layer_bytes_bf16'])})")
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    cfg = load_config(args.model)
     from rekv_jax.action import action_space, parse_actions
     from rekv_jax.costmodel import load_profiles
-    from rekv_jax.planner import plan, select_profile
+    from rekv_jax.loader import load_config
+    from rekv_jax.planner import PAPER_LINK_GBPS, plan, plan_text, select_profile
 
+    cfg = load_config(args.model)
+    if args.link_gbps == PAPER_LINK:
+        args.link_gbps = PAPER_LINK_GBPS  # the paper's H100 path
     profile = None
     if args.profile:
         profile = select_profile(load_profiles(args.profile), cfg, args.seq_len, args.batch)
@@ -45,57 +168,103 @@ def cmd_plan(args: argparse.Namespace) -> None:
         actions = parse_actions(args.actions, cfg.num_layers)
     else:
         bits = sorted(profile.quantize_ms if profile else (16, 8, 4), reverse=True)
-        if args.bits:
-            bits = [int(b) for b in args.bits.split(",")]
+        if args.plan_bits:
+            bits = [int(b) for b in args.plan_bits.split(",")]
         actions = list(action_space(cfg.num_layers, bits))
-    print(json.dumps(plan(cfg, args.seq_len, profile, args.link_gbps, actions, args.batch,
-                          args.schedule)))
+    result = plan(cfg, args.seq_len, profile, args.link_gbps, actions, args.batch, args.schedule)
+    if args.json:
+        return _emit_json([result])
+    print(plan_text(result))
+
+
+def _handoff_experiment(args: argparse.Namespace):
+    """The experiment of `rekv handoff` and a line saying which link it runs on."""
+    from rekv_jax.action import parse_actions
+    from rekv_jax.handoff import DEFAULT_ACTIONS, Experiment, calibrate_link_in_child
+    from rekv_jax.loader import load_config
+    from rekv_jax.schedule import SCHEDULES
+
+    if args.experiment:  # the prefill child of launch_pair: everything already decided
+        return Experiment.from_json(args.experiment), ""
+    link = args.link_gbps
+    if link == PAPER_LINK and args.role is not None:
+        link = None  # one side of a multi-host pair: the link is real, not emulated
+    if link == PAPER_LINK:
+        calibration = calibrate_link_in_child(args.model, args.seq_len)
+        link, note = calibration.link_gbps, calibration.describe()
+    elif link is None:
+        note = ("unpaced loopback: the prefix moves in a few ms, far less than the suffix it "
+                "would overlap, so quantizing or recomputing has little link time to save "
+                "(the paper's regime: --link-gbps paper, the default)")
+    else:
+        note = f"paced {link:g} GB/s"
+    cfg = load_config(args.model)
+    exp = Experiment(
+        model=args.model, seq_len=args.seq_len, batch=args.batch,
+        actions=tuple(parse_actions(args.actions or DEFAULT_ACTIONS, cfg.num_layers)),
+        schedules=SCHEDULES if args.schedule == "both" else (args.schedule,),
+        transport=args.transport, link_gbps=link, warmup=args.warmup, reps=args.reps,
+        fallback=args.fallback, backend=args.quant_backend, seed=args.seed,
+        timeout=args.timeout)
+    return exp, note
 
 
 def cmd_handoff(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from rekv_jax import handoff
+    from rekv_jax import handoff, report
 
-    schedules = handoff.SCHEDULES if args.schedule == "both" else (args.schedule,)
-    exp = handoff.Experiment(**json.loads(args.experiment)) if args.experiment else (
-        handoff.Experiment(
-            model=args.model, seq_len=args.seq_len, batch=args.batch, actions=args.actions,
-            schedules=schedules, transport=args.transport, link_gbps=args.link_gbps,
-            warmup=args.warmup, reps=args.reps, fallback=args.fallback,
-            backend=args.quant_backend, seed=args.seed, timeout=args.timeout))
-    cfg = load_config(exp.model)
-    summaries: list[dict] = []
+    exp, note = _handoff_experiment(args)
+    summaries = []
     records = sys.stdout
     if args.json:  # stdout carries records only: native libraries (gloo) print to fd 1
         records = os.fdopen(os.dup(1), "w")
         os.dup2(2, 1)
 
-    def emit(record: dict) -> None:
+    def emit(record) -> None:
         if args.json:
-            print(json.dumps(record), file=records, flush=True)
-        if record["kind"] == "summary":
+            print(json.dumps(record.to_json()), file=records, flush=True)
+        if record.to_json()["kind"] == "summary":
             summaries.append(record)
 
     if args.role is not None:  # one process of a pair started by a scheduler (or by us)
         handoff.run_process(args.role, exp, args.coordinator, emit)
         return
-    bar = tqdm(total=handoff.total_handoffs(exp, cfg.num_layers), desc="handoffs", unit="",
-               file=sys.stderr, disable=args.json)
+    if not args.json:
+        print(f"{exp.model}, {exp.seq_len} tokens, batch {exp.batch}, {exp.transport}; link: "
+              f"{note}", flush=True)
+    bar = tqdm(total=handoff.total_handoffs(exp), desc="handoffs", unit="", file=sys.stderr,
+               disable=args.json)
     if exp.transport == "local":
         handoff.run_local(exp, emit, bar.update)
     else:  # both processes on this machine: we are the decode side, a child is the prefill side
         handoff.launch_pair(exp, emit, bar.update)
     bar.close()
     if not args.json:
-        handoff.print_table(summaries)
+        print(report.handoff_table(summaries))
+        print("\n".join(report.conclusion(summaries)))
+
+
+def cmd_calibrate(args: argparse.Namespace) -> None:
+    import dataclasses
+
+    from rekv_jax.sweep import calibrate_link
+
+    c = calibrate_link(args.model, args.seq_len)
+    if args.json:
+        return _emit_json([{"kind": "link_calibration", **dataclasses.asdict(c)}])
+    print(f"{c.model}, {c.seq_len} tokens: {c.describe()}")
 
 
 def cmd_quality(args: argparse.Namespace) -> None:
     from rekv_jax import data, quality
     from rekv_jax.action import parse_actions
+    from rekv_jax.loader import SHIPPED_MODEL, load_model
 
-    cfg, params, tok = quality.load_model(args.model or str(quality.SHIPPED_MODEL))
+    model = load_model(args.model or str(SHIPPED_MODEL))
+    if model.tokenizer is None:
+        raise ValueError(f"--model {args.model}: quality needs a model with a tokenizer.json")
+    cfg, params, tok = model.cfg, model.params, model.tokenizer
     test_ids = data.encode(tok, data.read_split("test", args.wikitext))
     evals = quality.eval_set(tok, test_ids, args.seq_len, args.cont_len, args.windows)
     if not args.json:  # a markdown table
@@ -125,136 +294,160 @@ def _read_jsonl(path: str) -> list[dict]:
 
 def cmd_select(args: argparse.Namespace) -> None:
     from rekv_jax.quality import select
+    from rekv_jax.summary import read_summaries
 
-    timings = _read_jsonl(args.timings) if args.timings else []
-    timings = [t for t in timings if t.get("kind", "summary") == "summary"
-               and t.get("batch", 1) == args.batch]
-    for choice in select(_read_jsonl(args.quality), timings):
-        print(json.dumps(choice))
+    timings = read_summaries(args.timings) if args.timings else []
+    timings = [t for t in timings if t.batch == args.batch]
+    choices = select(_read_jsonl(args.quality), timings)
+    if args.json:
+        return _emit_json(choices)
+    for c in choices:
+        chosen = (f"{c['chosen']} ({c['median_ms']:.2f} ms)" if c["chosen"]
+                  else "none timed")
+        untimed = (f"; eligible but untimed: {', '.join(c['untimed_eligible'])}"
+                   if c["untimed_eligible"] else "")
+        print(f"{c['model']}, {c['seq_len']} tokens: {chosen}; eligible: "
+              f"{', '.join(c['eligible']) or 'none'}{untimed}")
 
 
 def cmd_profile(args: argparse.Namespace) -> None:
     from rekv_jax import sweep
 
+    if args.link_gbps == PAPER_LINK:
+        args.link_gbps = sweep.calibrate_link(args.model, args.seq_len).link_gbps
     prof = sweep.profile(args.model, args.seq_len, args.transport, args.link_gbps, args.reps)
-    print(json.dumps(prof.to_json()))
+    if args.json:
+        return _emit_json([prof.to_json()])
+    print(f"{prof.model}, {prof.seq_len} tokens, {prof.hardware}, {prof.link} "
+          f"(fitted W {prof.link_gbps:.4g} GB/s), per layer in ms:")
+    print(f"  suffix γ {prof.suffix_layer_ms:.3f}; "
+          + "; ".join(f"{b}-bit: quantize α {prof.quantize_ms[b]:.3f}, β {prof.beta(b):.3f}"
+                      for b in sorted(prof.quantize_ms, reverse=True)))
+    print("  `--json` for the whole profile (the input of `rekv plan --profile`)")
 
 
 def cmd_sweep(args: argparse.Namespace) -> None:
+    import dataclasses
     from pathlib import Path
 
     from rekv_jax import report, sweep
 
-    preset = sweep.PRESETS[args.preset]
-    if args.link_gbps is not None:
+    preset = sweep.SWEEP_PRESETS[args.preset]
+    if args.link_gbps not in (None, PAPER_LINK):
         preset = dataclasses.replace(preset, link_gbps=args.link_gbps)
     records, profiles = sweep.sweep(preset, Path(args.out), args.reps, args.warmup)
     errors = report.error_summary(report.prediction_rows(records, profiles))
-    print(json.dumps({"kind": "prediction_error_pct", **errors}))
+    if args.json:
+        return _emit_json([{"kind": "prediction_error_pct", **errors}])
+    print(f"wrote {len(records)} summaries, tables and figures to {args.out}")
+    print("cost model median |error| %: " + ", ".join(f"{a} {e:.1f}" for a, e in errors.items()))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rekv", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+# ---------------------------------------------------------------------------------- parser
 
-    p = sub.add_parser("info", help="print a config and its per-layer sizes as JSON")
-    p.add_argument("--model", default="tiny", help="preset name or hf:PATH")
-    p.add_argument("--seq-len", type=int, default=8192, help="prompt length for the byte sizes")
-    p.set_defaults(func=cmd_info)
+# name -> (handler, help, shared flag groups, a function adding the command's own flags)
+COMMANDS: dict[str, tuple[Callable, str, tuple[str, ...], Callable]] = {}
 
-    p = sub.add_parser("bytes", help="bytes sent by a handoff action (paper Eqs. 5, 7) as JSON")
-    p.add_argument("--model", default="tiny", help="preset name or hf:PATH")
-    p.add_argument("--seq-len", type=int, default=8192, help="prompt length S")
-    p.add_argument("--bits", type=int, default=16, help="prefix precision: 16, 8 or 4")
-    p.add_argument("--cut", type=int, required=True,
-                   help="first recomputed layer c: L = transfer-only, 0 = full recomputation")
-    p.add_argument("--batch", type=int, default=1, help="prompts per handoff B")
-    p.set_defaults(func=cmd_bytes)
 
-    p = sub.add_parser("plan", help="predicted latency of every action and the best one (JSON)")
-    p.add_argument("--model", default="tiny", help="preset name or hf:PATH")
-    p.add_argument("--seq-len", type=int, default=8192, help="prompt length S")
-    p.add_argument("--batch", type=int, default=1, help="prompts per handoff B")
-    p.add_argument("--link-gbps", type=float, default=None,
-                   help="link bandwidth in GB/s (re-targets a profile; default: the profile's, "
-                        "or the paper's H100 TCP path for the analytic profile)")
+def command(name: str, handler: Callable, help: str, groups: tuple[str, ...]) -> Callable:
+    """Register a subcommand; the decorated function adds its own flags and defaults."""
+    def register(own: Callable[[argparse.ArgumentParser], None]) -> Callable:
+        COMMANDS[name] = (handler, help, groups, own)
+        return own
+    return register
+
+
+@command("info", cmd_info, "a config and its per-layer sizes", ("model", "shape", "json"))
+def _info_flags(p: argparse.ArgumentParser) -> None:
+    pass
+
+
+@command("bytes", cmd_bytes, "bytes sent by a handoff action (paper Eqs. 5, 7)",
+         ("model", "shape", "bits", "json"))
+def _bytes_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cut", type=int, default=None,
+                   help="first recomputed layer c: L = transfer-only (default), 0 = recompute")
+
+
+@command("plan", cmd_plan, "predicted latency of every action and the best one",
+         ("model", "shape", "actions", "link", "schedule", "json"))
+def _plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None,
                    help="profile JSON/JSONL (e.g. from `rekv profile` on a GPU); default: analytic")
-    p.add_argument("--actions", default=None, help="comma list of PREC:CUT, or all")
-    p.add_argument("--bits", default=None, help="precisions to consider, e.g. 16,8 (default all)")
-    p.add_argument("--schedule", default="overlapped", choices=("overlapped", "sequential"))
-    p.set_defaults(func=cmd_plan)
+    p.add_argument("--bits", dest="plan_bits", default=None,
+                   help="precisions to consider, e.g. 16,8 (default all)")
+    p.set_defaults(schedule="overlapped")
 
-    p = sub.add_parser("handoff", help="timed handoffs between a prefill and a decode process")
-    p.add_argument("--model", default="tiny", help="preset name or hf:PATH")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--actions", default="bf16:full,q8:full,bf16:r=2,q8:r=2,bf16:recompute",
-                   help="comma list of PREC:CUT (bf16|q8|q4 : c|full|recompute|r=N), or all")
-    p.add_argument("--schedule", choices=["overlapped", "sequential", "both"], default="both")
-    p.add_argument("--transport", choices=["transfer-server", "collective", "local"],
-                   default="transfer-server")
-    p.add_argument("--link-gbps", type=float, default=None,
-                   help="pace every receive to emulate a link of this many GB/s")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--reps", type=int, default=30)
-    p.add_argument("--fallback", choices=["error", "recompute"], default="error",
-                   help="on a failed prefix transfer: fail, or rebuild the cache from token ids")
-    p.add_argument("--quant-backend", choices=["xla", "pallas", "pallas-interpret"], default=None,
-                   help="default: Pallas on GPU, XLA elsewhere")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may take")
-    p.add_argument("--json", action="store_true", help="one JSON object per line")
-    p.add_argument("--role", choices=["prefill", "decode"], default=None,
-                   help="run one side only (multi-host); default: start both here")
-    p.add_argument("--coordinator", default=None,
-                   help="host:port of the decode process (default: detected, e.g. SLURM)")
-    p.add_argument("--experiment", default=None, help=argparse.SUPPRESS)  # JSON, from launch_pair
-    p.set_defaults(func=cmd_handoff)
 
-    p = sub.add_parser("profile", help="measure per-layer alpha, beta, gamma, H, J (JSON)")
-    p.add_argument("--model", default="tiny", help="preset name")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--transport", choices=["transfer-server", "collective", "local"],
-                   default="transfer-server")
-    p.add_argument("--link-gbps", type=float, default=None, help="pace the link (GB/s)")
+@command("handoff", cmd_handoff, "timed handoffs between a prefill and a decode process",
+         ("model", "shape", "actions", "link", "transport", "reps", "schedule", "handoff", "json"))
+def _handoff_flags(p: argparse.ArgumentParser) -> None:
+    p.set_defaults(seq_len=256, link_gbps=PAPER_LINK)
+
+
+@command("calibrate", cmd_calibrate, "the paced link of the paper's regime on this machine",
+         ("model", "shape", "json"))
+def _calibrate_flags(p: argparse.ArgumentParser) -> None:
+    p.set_defaults(seq_len=256)
+
+
+@command("profile", cmd_profile, "measure per-layer alpha, beta, gamma, H, J",
+         ("model", "shape", "link", "transport", "json"))
+def _profile_flags(p: argparse.ArgumentParser) -> None:
+    p.set_defaults(seq_len=256)
     p.add_argument("--reps", type=int, default=5)
-    p.set_defaults(func=cmd_profile)
 
-    p = sub.add_parser("sweep", help="measured sweep -> JSONL, CSV, tables and figures")
-    p.add_argument("--preset", choices=["cpu", "gpu"], default="cpu")
+
+@command("sweep", cmd_sweep, "measured sweep -> JSONL, CSV, tables and figures",
+         ("link", "reps", "json"))
+def _sweep_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", choices=("cpu", "gpu"), default="cpu")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--link-gbps", type=float, default=None,
-                   help="override the preset's link (cpu: calibrated to the paper's ratio)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--reps", type=int, default=30)
-    p.set_defaults(func=cmd_sweep)
 
-    p = sub.add_parser("quality", help="output-quality gate of handoff actions (paper §2.4)")
-    p.add_argument("--model", default=None,
-                   help="trained-model folder (default: the shipped wt2-tiny) or hf:PATH")
-    p.add_argument("--actions", default="q8:full,q8:r=2,q4:full,q4:r=2",
-                   help="comma list of PREC:CUT (bf16|q8|q4 : c|full|recompute|r=N), or all")
-    p.add_argument("--seq-len", type=int, default=512, help="context S handed off")
+
+@command("quality", cmd_quality, "output-quality gate of handoff actions (paper §2.4)",
+         ("model", "shape", "actions", "json"))
+def _quality_flags(p: argparse.ArgumentParser) -> None:
+    p.set_defaults(model=None, seq_len=512, actions="q8:full,q8:r=2,q4:full,q4:r=2")
     p.add_argument("--cont-len", type=int, default=64, help="continuation tokens T scored")
     p.add_argument("--windows", type=int, default=8, help="WikiText-2 test windows")
     p.add_argument("--wikitext", default=None,
-                   help="WikiText-2 folder (default: $REKV_WIKITEXT or ../shared/data/wikitext-2)")
-    p.add_argument("--json", action="store_true", help="one JSON object per action")
-    p.set_defaults(func=cmd_quality)
+                   help="WikiText-2 folder (default: $REKV_WIKITEXT, else the shipped copy)")
 
-    p = sub.add_parser("select", help="Eq. 13: fastest eligible action per (model, length)")
+
+@command("select", cmd_select, "Eq. 13: fastest eligible action per (model, length)", ("json",))
+def _select_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quality", required=True, help="JSONL from `rekv quality --json`")
-    p.add_argument("--timings", default=None,
-                   help="JSONL of sweep summaries (model, seq_len, action, median_ms)")
+    p.add_argument("--timings", default=None, help="JSONL of handoff or sweep summaries")
     p.add_argument("--batch", type=int, default=1, help="use timings measured at this batch")
-    p.set_defaults(func=cmd_select)
 
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The `rekv` parser. With `only`, the other subcommands get no flags: their flag groups
+    import the modules whose constants they offer, which a light command need not load."""
+    flags = _flags()
+    parents: dict[str, argparse.ArgumentParser] = {}
+
+    def parent(group: str) -> argparse.ArgumentParser:
+        if group not in parents:
+            parents[group] = argparse.ArgumentParser(add_help=False)
+            flags[group](parents[group])
+        return parents[group]
+
+    parser = argparse.ArgumentParser(prog="rekv", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (handler, help, groups, own) in COMMANDS.items():
+        full = only is None or name == only
+        p = sub.add_parser(name, help=help, parents=[parent(g) for g in groups] if full else [])
+        if full:
+            own(p)
+        p.set_defaults(func=handler)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(next((a for a in argv if a in COMMANDS), None)).parse_args(argv)
     try:
         args.func(args)
     except ValueError as e:  # bad input: one clear line, no traceback

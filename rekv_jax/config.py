@@ -210,5 +210,5 @@ _PRESETS: dict[str, ModelConfig] = {
                     rms_norm_eps=1e-6, qk_norm=True, max_position_embeddings=4096),
     )
 }
-PRESETS: tuple[str, ...] = tuple(_PRESETS)
+MODEL_PRESETS: tuple[str, ...] = tuple(_PRESETS)  # names ModelConfig.preset knows
 

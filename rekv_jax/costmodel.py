@@ -35,11 +35,10 @@ from typing import Any
 import numpy as np
 
 from rekv_jax import sizes
-from rekv_jax.action import Action
+from rekv_jax.action import ACTION_KINDS, Action
 from rekv_jax.config import ModelConfig
 
 PHASES = ("quantize", "boundary", "prefix", "suffix", "join")
-KINDS = ("transfer", "recompute", "joint")  # Action.kind
 _BITS_FIELDS = ("kv_layer_bytes", "quantize_ms", "restore_ms")  # dicts keyed by bits
 
 
@@ -130,9 +129,10 @@ class Profile:
             d = {int(k): v for k, v in getattr(self, name).items()}
             object.__setattr__(self, name, d)
         if isinstance(self.join_ms, int | float):
-            object.__setattr__(self, "join_ms", dict.fromkeys(KINDS, float(self.join_ms)))
-        if set(self.join_ms) != set(KINDS):
-            raise ValueError(f"join_ms needs exactly the kinds {KINDS}, got {sorted(self.join_ms)}")
+            object.__setattr__(self, "join_ms", dict.fromkeys(ACTION_KINDS, float(self.join_ms)))
+        if set(self.join_ms) != set(ACTION_KINDS):
+            raise ValueError(f"join_ms needs exactly the kinds {ACTION_KINDS}, "
+                             f"got {sorted(self.join_ms)}")
         given = {int(k): v for k, v in self.restore_fixed_ms.items()}
         fixed = {b: given.get(b, 0.0) for b in self.quantize_ms}
         object.__setattr__(self, "restore_fixed_ms", fixed)
@@ -299,8 +299,8 @@ def fit_profile(cfg: ModelConfig, records: Sequence[dict[str, Any]], hardware: s
     r0, gamma, *embed = _lstsq([[1.0, float(L - r["cut"])] + ([float(r["cut"] == 0)]
                                                               if has_embed else []) for r in suf],
                                [r["phases_ms"]["suffix"] for r in suf], "suffix times")
-    joins = {k: [r["phases_ms"]["join"] for r in records if _kind(r["cut"], L) == k]
-             for k in KINDS}
+    joins = {k: [r["phases_ms"]["join"] for r in records
+                 if Action(r["bits"], r["cut"], L).kind == k] for k in ACTION_KINDS}
     everything = [t for ts in joins.values() for t in ts]  # for a kind without records
     join = {k: float(np.median(ts or everything)) for k, ts in joins.items()}
     return Profile.for_config(
@@ -313,10 +313,6 @@ def fit_profile(cfg: ModelConfig, records: Sequence[dict[str, Any]], hardware: s
         embed_ms=_clip(embed[0]) if embed else 0.0,
         quantize_fixed_ms=_clip(q0), boundary_fixed_ms=_clip(h0), message_ms=_clip(m),
         suffix_fixed_ms=_clip(r0))
-
-
-def _kind(cut: int, num_layers: int) -> str:
-    return "recompute" if cut == 0 else "transfer" if cut == num_layers else "joint"
 
 
 def _clip(v: float) -> float:

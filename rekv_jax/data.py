@@ -1,7 +1,7 @@
 """WikiText-2 text and the byte-level BPE tokenizer of the shipped model.
 
-The data is read in place, never copied into the repository: from `path` if given, else
-`$REKV_WIKITEXT`, else `../shared/data/wikitext-2` beside the project root. `valid.txt` is the
+The two splits ship inside the package (`rekv_jax/assets/wikitext-2`, CC BY-SA 3.0, attribution
+beside them); `path` if given, else `$REKV_WIKITEXT`, overrides that folder. `valid.txt` is the
 training text; `test.txt` is for evaluation only (continuation perplexity, NIAH filler).
 """
 
@@ -14,13 +14,13 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 WIKITEXT_ENV = "REKV_WIKITEXT"
-DEFAULT_WIKITEXT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "wikitext-2"
+DEFAULT_WIKITEXT = Path(__file__).resolve().parent / "assets" / "wikitext-2"  # package data
 SPLITS = ("valid", "test")
 EOS = "<|endoftext|>"
 
 
 def wikitext_dir(path: str | Path | None = None) -> Path:
-    """The WikiText-2 folder: `path`, else `$REKV_WIKITEXT`, else the default beside the repo."""
+    """The WikiText-2 folder: `path`, else `$REKV_WIKITEXT`, else the copy in the package."""
     return Path(path or os.environ.get(WIKITEXT_ENV) or DEFAULT_WIKITEXT)
 
 

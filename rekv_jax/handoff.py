@@ -24,13 +24,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rekv_jax import stats
-from rekv_jax.action import Action, parse_actions
+from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
 from rekv_jax.costmodel import PHASES
-from rekv_jax.model import Params, init_params, prefill
-from rekv_jax.params import load_hf
+from rekv_jax.loader import load_model
+from rekv_jax.model import Params, prefill
 from rekv_jax.schedule import (
+    FALLBACKS,
     SCHEDULES,
     Handoff,
     check_cache,
@@ -39,24 +39,26 @@ from rekv_jax.schedule import (
     send_handoff,
 )
 from rekv_jax.sizes import action_bytes
-from rekv_jax.transport import LocalTransport, Transport, connect
+from rekv_jax.summary import Rep, Summary
+from rekv_jax.transport import LocalTransport, Transport, checksums, connect
 from rekv_jax.transport.base import Role
 from rekv_jax.transport.launch import free_port
 
-Emit = Callable[[dict], None]
+Emit = Callable[[Rep | Summary], None]
+DEFAULT_ACTIONS = "bf16:full,q8:full,bf16:r=2,q8:r=2,bf16:recompute"
 
 
 @dataclasses.dataclass(frozen=True)
 class Experiment:
-    """Everything both processes must agree on."""
+    """Everything both processes must agree on (JSON-serializable: `dataclasses.asdict`)."""
 
-    model: str = "tiny"  # preset name or hf:PATH
+    model: str = "tiny"  # a loader spec: preset name, hf:PATH or trained-model folder
     seq_len: int = 256
     batch: int = 1
-    actions: str = "bf16:full,q8:full,bf16:r=2,q8:r=2,bf16:recompute"
+    actions: tuple[Action, ...] = ()  # for the model's layer count
     schedules: tuple[str, ...] = SCHEDULES
     transport: str = "transfer-server"
-    link_gbps: float | None = None
+    link_gbps: float | None = None  # pace every receive to this link (None: unpaced)
     warmup: int = 3
     reps: int = 30
     fallback: str = "error"
@@ -65,22 +67,30 @@ class Experiment:
     timeout: float = 120.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "schedules", tuple(self.schedules))  # from JSON: a list
+        # from JSON: lists, and actions as {bits, cut, num_layers} dicts
+        object.__setattr__(self, "schedules", tuple(self.schedules))
+        object.__setattr__(self, "actions", tuple(
+            a if isinstance(a, Action) else Action(**a) for a in self.actions))
         if self.seq_len < 1 or self.batch < 1 or self.reps < 1 or self.warmup < 0:
             raise ValueError("seq_len, batch and reps must be positive and warmup >= 0")
+        if not self.actions:
+            raise ValueError("an experiment needs at least one action")
         bad = [s for s in self.schedules if s not in SCHEDULES]
         if bad or not self.schedules:
             raise ValueError(f"schedules must be a non-empty subset of {SCHEDULES}, got {bad}")
+        if self.fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be one of {FALLBACKS}, got {self.fallback!r}")
 
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
 
-def load_model(spec: str, seed: int = 0, dtype: jnp.dtype = jnp.bfloat16
-               ) -> tuple[ModelConfig, Params]:
-    """A preset with synthetic weights (shared layers for presets too big to materialize here)
-    or an HF checkpoint (`hf:PATH`)."""
-    if spec.startswith("hf:"):
-        return load_hf(spec[3:], dtype)
-    cfg = ModelConfig.preset(spec)
-    return cfg, init_params(cfg, jax.random.key(seed), dtype, repeat_layers=spec != "tiny")
+    @classmethod
+    def from_json(cls, text: str) -> Experiment:
+        return cls(**json.loads(text))
+
+    def schedules_of(self, action: Action) -> tuple[str, ...]:
+        """The schedules an action runs under: only a joint action has anything to overlap."""
+        return self.schedules if action.kind == "joint" else self.schedules[:1]
 
 
 def hardware() -> str:
@@ -90,27 +100,30 @@ def hardware() -> str:
     return f"{device.platform}:{kind} ({platform.machine()}, {jax.local_device_count()} dev)"
 
 
-def _digest(cfg: ModelConfig, params: Params) -> str:
-    """Config plus a fingerprint of the weights, so both sides provably hold the same model."""
-    leaves = [np.asarray(x[(0,) * x.ndim]).item() for x in jax.tree.leaves(params)]
-    text = json.dumps([cfg.to_dict(), [float(v) for v in leaves]], sort_keys=True)
+def fingerprint(cfg: ModelConfig, params: Params) -> str:
+    """Config plus an on-device checksum of every byte of every weight (the transports'
+    position-weighted sum): two sides whose fingerprints agree hold the same model, barring a
+    checksum collision."""
+    sums = checksums(jax.tree.leaves(params))
+    text = json.dumps([cfg.to_dict(), sums], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
              progress: Callable[[int], None] = lambda n: None) -> None:
     """One side of the whole experiment; the decode side emits the records."""
-    cfg, params = load_model(exp.model, exp.seed)
-    actions = parse_actions(exp.actions, cfg.num_layers)
-    transport.agree("experiment", {**dataclasses.asdict(exp), "model": _digest(cfg, params),
-                                   "actions": [str(a) for a in actions]}, exp.timeout)
+    model = load_model(exp.model, exp.seed)
+    cfg, params = model.cfg, model.params
+    wrong = [str(a) for a in exp.actions if a.num_layers != cfg.num_layers]
+    if wrong:
+        raise ValueError(f"actions {wrong} are not for {cfg.name} ({cfg.num_layers} layers)")
+    transport.agree("experiment", {**dataclasses.asdict(exp), "model": fingerprint(cfg, params)},
+                    exp.timeout)
     tokens = jax.random.randint(jax.random.key(exp.seed + 1), (exp.batch, exp.seq_len), 0,
                                 cfg.vocab_size, jnp.int32)
-    for action in actions:
+    for action in exp.actions:
         state = prepare(cfg, params, tokens, action) if role == "prefill" else None
-        # the schedule only matters when there is both a prefix and a suffix
-        schedules = exp.schedules if action.kind == "joint" else exp.schedules[:1]
-        for schedule in schedules:
+        for schedule in exp.schedules_of(action):
             results = []
             for rep in range(exp.warmup + exp.reps):
                 tag = f"{action}/{schedule}/{rep}"
@@ -122,33 +135,29 @@ def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
                 progress(1)
                 if rep >= exp.warmup:
                     results.append(result)
-                    emit({"kind": "rep", "action": str(action), "schedule": schedule,
-                          "rep": rep - exp.warmup, "total_ms": result.total_ms,
-                          "phases_ms": result.phases_ms, "fallback": result.fallback})
+                    emit(Rep(action, schedule, rep - exp.warmup, result.total_ms,
+                             result.phases_ms, result.fallback))
             if role == "decode":
-                emit(summarize(cfg, params, tokens, exp, action, schedule, results))
+                emit(summarize(cfg, params, tokens, exp, action, schedule, results,
+                               model.weights))
 
 
 def summarize(cfg: ModelConfig, params: Params, tokens: jax.Array, exp: Experiment,
-              action: Action, schedule: str, results: list[Handoff]) -> dict:
-    """One summary record: median and bootstrap CI, phase medians, payload, and the checks."""
+              action: Action, schedule: str, results: list[Handoff], weights: str = ""
+              ) -> Summary:
+    """One summary: median and bootstrap CI, phase medians, payload, and the checks."""
     reference, logits = prefill(cfg, params, tokens)
     first = np.asarray(jnp.argmax(logits, axis=-1))
-    totals = [r.total_ms for r in results]
-    return {
-        "kind": "summary", "model": cfg.name, "seq_len": exp.seq_len, "batch": exp.batch,
-        "action": str(action), "bits": action.bits, "cut": action.cut,
-        "suffix_len": action.suffix_len, "transport": exp.transport,
-        "schedule": schedule if action.kind == "joint" else "n/a",
-        "link_gbps": exp.link_gbps, "hardware": hardware(),
-        "median_ms": stats.median(totals), "ci95_ms": list(stats.median_ci(totals, seed=exp.seed)),
-        "reps_ms": totals,
-        "phases_ms": {p: stats.median([r.phases_ms[p] for r in results]) for p in PHASES},
-        "payload_bytes": action_bytes(cfg, action, exp.seq_len, exp.batch)["total_bytes"],
-        "first_token_match": all(np.array_equal(r.first_token, first) for r in results),
-        "cache_check": check_cache(reference, action, results[-1], exp.backend),
-        "fallbacks": sum(r.fallback for r in results),
-    }
+    return Summary(
+        model=cfg.name, seq_len=exp.seq_len, batch=exp.batch, action=action,
+        transport=exp.transport, schedule=schedule if action.kind == "joint" else "n/a",
+        link_gbps=exp.link_gbps, hardware=hardware(),
+        reps_ms=tuple(r.total_ms for r in results),
+        phases_ms={p: float(np.median([r.phases_ms[p] for r in results])) for p in PHASES},
+        payload_bytes=action_bytes(cfg, action, exp.seq_len, exp.batch)["total_bytes"],
+        first_token_match=all(np.array_equal(r.first_token, first) for r in results),
+        cache_check=check_cache(reference, action, results[-1], exp.backend),
+        fallbacks=sum(r.fallback for r in results), weights=weights)
 
 
 def run_local(exp: Experiment, emit: Emit, progress: Callable[[int], None] = lambda n: None
@@ -189,8 +198,8 @@ def launch_pair(exp: Experiment, emit: Emit, progress: Callable[[int], None] = l
     The child is killed if it outlives the decode side by more than `exp.timeout`; its output
     is attached to any error."""
     coordinator = f"127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "rekv_jax.cli", "handoff", "--experiment",
-           json.dumps(dataclasses.asdict(exp)), "--role", "prefill", "--coordinator", coordinator]
+    cmd = [sys.executable, "-m", "rekv_jax.cli", "handoff", "--experiment", exp.to_json(),
+           "--role", "prefill", "--coordinator", coordinator]
     with tempfile.TemporaryFile("w+") as log:
         child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
         try:
@@ -209,21 +218,19 @@ def launch_pair(exp: Experiment, emit: Emit, progress: Callable[[int], None] = l
                                f"{log.read()[-3000:]}")
 
 
-def total_handoffs(exp: Experiment, num_layers: int) -> int:
+def total_handoffs(exp: Experiment) -> int:
     """Handoffs the decode side will run (for the progress bar)."""
-    actions = parse_actions(exp.actions, num_layers)
-    per = exp.warmup + exp.reps
-    return sum(per * (len(exp.schedules) if a.kind == "joint" else 1) for a in actions)
+    return sum((exp.warmup + exp.reps) * len(exp.schedules_of(a)) for a in exp.actions)
 
 
-def print_table(records: list[dict], file=sys.stdout) -> None:
-    """The readable form of the summaries."""
-    header = f"{'action':<16}{'schedule':<12}{'median ms':>10}{'95% CI':>18}" + "".join(
-        f"{p[:8]:>10}" for p in PHASES) + f"{'MiB':>9}  first  cache"
-    print(header, file=file)
-    for r in records:
-        ci = f"[{r['ci95_ms'][0]:.2f}, {r['ci95_ms'][1]:.2f}]"
-        phases = "".join(f"{r['phases_ms'][p]:>10.2f}" for p in PHASES)
-        print(f"{r['action']:<16}{r['schedule']:<12}{r['median_ms']:>10.2f}{ci:>18}{phases}"
-              f"{r['payload_bytes'] / 2**20:>9.2f}  {str(r['first_token_match']):<6} "
-              f"{r['cache_check']}", file=file)
+def calibrate_link_in_child(model: str, seq_len: int, timeout: float = 600.0):
+    """`sweep.calibrate_link` in a fresh process (a process that runs a real transport must
+    initialize jax.distributed before any JAX work, so it cannot time the suffix itself)."""
+    from rekv_jax.sweep import LinkCalibration
+
+    cmd = [sys.executable, "-m", "rekv_jax.cli", "calibrate", "--json", "--model", model,
+           "--seq-len", str(seq_len)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if out.returncode:
+        raise RuntimeError(f"link calibration failed:\n{out.stderr[-3000:]}")
+    return LinkCalibration(**{k: v for k, v in json.loads(out.stdout).items() if k != "kind"})

@@ -144,3 +144,29 @@ def crossovers(by_link: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Where the preferred action changes between consecutive links of `preferred_by_link`."""
     return [{"from": a["best"], "to": b["best"], "between_gbps": [a["link_gbps"], b["link_gbps"]]}
             for a, b in zip(by_link, by_link[1:], strict=False) if a["best"] != b["best"]]
+
+
+def plan_text(result: dict[str, Any], top: int = 12) -> str:
+    """The readable form of a `plan` result: the profile, Prop. 2's cut per precision, the `top`
+    fastest candidates and the fastest of each precision and kind."""
+    prof = result["profile"]
+    c = sorted(result["candidates"], key=lambda c: c["predicted_ms"])
+    best_of = {}
+    for cand in c:  # fastest per (precision, kind), beyond the top rows
+        best_of.setdefault((cand["bits"], cand["kind"]), cand)
+    shown = c[:top] + [x for x in best_of.values() if x not in c[:top]]
+    lines = [f"{result['model']}, {result['seq_len']} tokens, batch {result['batch']}, "
+             f"{result['schedule']} schedule; {prof['source']} profile: {prof['hardware']}, "
+             f"link {prof['link_gbps']:.3g} GB/s",
+             f"predicted best: {result['best']['action']} at {result['best']['predicted_ms']:.2f} "
+             "ms"]
+    lines += [f"balanced cut c* (Prop. 2), {prec}: {b['c_star']:.2f} -> cut(s) {b['cuts']} "
+              f"(suffix {b['suffix_lens']})" for prec, b in result["balanced_cut"].items()]
+    lines += ["", f"{'action':<16}{'predicted ms':>13}{'T_seq':>10}{'T_ov':>10}{'MiB':>10}"]
+    lines += [f"{x['action']:<16}{x['predicted_ms']:>13.2f}{x['t_seq_ms']:>10.2f}"
+              f"{x['t_ov_ms']:>10.2f}{x['payload_bytes'] / sizes.MIB:>10.2f}" for x in shown]
+    lines.append(f"({len(shown)} of {len(c)} candidates: the {top} fastest and the fastest of "
+                 "each precision and kind; --json for all, with phases)")
+    if "note" in result:
+        lines.append(result["note"])
+    return "\n".join(lines)

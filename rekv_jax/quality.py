@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -28,33 +27,17 @@ from tokenizers import Tokenizer
 from rekv_jax import niah
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
-from rekv_jax.data import load_tokenizer, windows
+from rekv_jax.data import windows
 from rekv_jax.kv import KVCache
 from rekv_jax.model import Params, extend, greedy_decode, prefill, run_prefix, run_suffix
-from rekv_jax.params import load_hf, restore_params
 from rekv_jax.schedule import decode_prefix, encode_prefix
+from rekv_jax.summary import Summary
 
 EPSILON = 0.01  # largest allowed relative perplexity increase (paper §2.4)
 NIAH_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
-SHIPPED_MODEL = Path(__file__).resolve().parent / "assets" / "wt2-tiny"
 
 # tokens [B, S] -> (complete KV cache [L, B, S, K, H], logits of the last position [B, V])
 CacheBuilder = Callable[[jax.Array], tuple[KVCache, jax.Array]]
-
-
-def load_model(spec: str) -> tuple[ModelConfig, Params, Tokenizer]:
-    """`hf:PATH` (HF safetensors folder) or a folder written by `scripts/train_tiny.py` (orbax),
-    each with its `tokenizer.json`."""
-    if spec.startswith("hf:"):
-        folder = Path(spec[3:])
-        cfg, params = load_hf(folder)
-    else:
-        folder = Path(spec)
-        if not (folder / "orbax").is_dir():
-            raise ValueError(f"{folder} holds no orbax/ checkpoint; give a trained-model folder "
-                             "or hf:PATH")
-        cfg, params = restore_params(folder / "orbax")
-    return cfg, params, load_tokenizer(folder)
 
 
 def reconstruct_cache(cfg: ModelConfig, params: Params, tokens: jax.Array, action: Action
@@ -186,18 +169,18 @@ def bf16_baseline(cfg: ModelConfig, params: Params, tok: Tokenizer, test_ids: np
             "niah_pass": int(ref.niah_ok.sum()), "niah_total": int(ref.niah_ok.size)}
 
 
-def select(quality: Iterable[dict[str, Any]], timings: Iterable[dict[str, Any]]
+def select(quality: Iterable[dict[str, Any]], timings: Iterable[Summary]
            ) -> list[dict[str, Any]]:
     """Eq. 13 per (model, seq_len): the eligible action with the smallest median time.
 
-    `quality` rows are `evaluate` results; `timings` rows carry `model`, `seq_len`, `action` and
-    `median_ms` (an action timed under several schedules counts with its fastest). Without a
+    `quality` rows are `evaluate` results (actions in their text form); `timings` are measured
+    summaries (an action timed under several schedules counts with its fastest). Without a
     timing for any eligible action, `chosen` is None.
     """
     median: dict[tuple[str, int, str], float] = {}
     for t in timings:
-        key = (t["model"], t["seq_len"], t["action"])
-        median[key] = min(median.get(key, float("inf")), t["median_ms"])
+        key = (t.model, t.seq_len, str(t.action))
+        median[key] = min(median.get(key, float("inf")), t.median_ms)
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for q in quality:
         groups.setdefault((q["model"], q["seq_len"]), []).append(q)

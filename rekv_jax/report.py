@@ -1,17 +1,13 @@
-"""Tables and figures of a handoff sweep (paper Table 1, Fig. 2, Table 3, §4.4) from its records.
+"""Tables, figures and conclusions of handoff measurements (paper Table 1, Fig. 2, Table 3, §4.4).
 
-Input: the handoff's summary records (`kind: "summary"`), one per action, schedule and setup, with
-`model, seq_len, batch, action` (text form, `str(Action)`), `bits, cut, transport, schedule,
-link_gbps` (null when unpaced), `hardware, median_ms, reps_ms` (every timed rep's total),
-`phases_ms` (median per phase), `payload_bytes`, and optionally `first_token_match`,
-`cache_check`, `predicted_ms`. A *setup* is (hardware, transport, link, batch); every table and
-figure is made per setup and says which. Speedup CIs resample the two actions' reps independently
-(they are executed separately).
+Input: `Summary` records, one per action, schedule and setup (`rekv handoff --json` lines, the
+sweep's `sweep.jsonl`). A *setup* is (hardware, transport, link, batch); every table and figure is
+made per setup and says which. Speedup CIs resample the two actions' reps independently (they are
+executed separately).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Iterable, Sequence
@@ -21,115 +17,75 @@ from typing import Any
 import numpy as np
 
 from rekv_jax import sizes, stats
-from rekv_jax.action import Action
 from rekv_jax.costmodel import PHASES, Profile, predicted_ms, t_ov
 from rekv_jax.planner import crossovers, preferred_by_link
+from rekv_jax.summary import Setup, Summary, read_summaries
 
-REQUIRED = ("model", "seq_len", "batch", "action", "bits", "cut", "transport", "schedule",
-            "link_gbps", "hardware", "median_ms", "reps_ms", "phases_ms", "payload_bytes")
-SCHEDULES = ("overlapped", "sequential", "n/a")  # n/a: transfer-only, full recompute
-_PREC = {16: "BF16", 8: "Q8", 4: "Q4"}
 FAMILIES = ("BF16 transfer", "Q8 transfer", "Q4 transfer", "BF16 recompute", "joint Q8", "joint Q4")
 
-Record = dict[str, Any]
+Row = dict[str, Any]  # one row of a table: its cells, some of them Summary records
 
 
-def load_records(paths: str | Path | Iterable[str | Path]) -> list[Record]:
+def load_records(paths: str | Path | Iterable[str | Path]) -> list[Summary]:
     """The summary records of one or more JSONL files (other lines are skipped)."""
-    paths = [paths] if isinstance(paths, str | Path) else list(paths)
-    records = []
-    for path in paths:
-        for line in Path(path).read_text().splitlines():
-            if line.strip() and (d := json.loads(line)).get("kind") == "summary":
-                records.append(d)
-    return check_records(records)
+    return read_summaries(paths)
 
 
-def check_records(records: Iterable[Record]) -> list[Record]:
-    """Validate the fields this module reads; a clear ValueError names what is wrong."""
-    out = list(records)
-    for r in out:
-        missing = [k for k in REQUIRED if k not in r]
-        if missing:
-            raise ValueError(f"record {r.get('action')!r} lacks fields {missing}")
-        if r["schedule"] not in SCHEDULES:
-            raise ValueError(f"record {r['action']!r}: schedule {r['schedule']!r} not in "
-                             f"{SCHEDULES}")
-        if r["bits"] not in _PREC:
-            raise ValueError(f"record {r['action']!r}: bits {r['bits']!r} not in {list(_PREC)}")
-        if not r["reps_ms"]:
-            raise ValueError(f"record {r['action']!r} has no reps_ms")
-    return out
-
-
-def family(rec: Record) -> str:
-    """The mechanism of an action: `BF16 transfer`, `Q8 transfer`, `BF16 recompute` (any BF16
-    cut < L, including full recomputation), `joint Q8`, ..."""
-    prec = _PREC[rec["bits"]]
-    if rec["action"].endswith(":full"):
-        return f"{prec} transfer"
-    return "BF16 recompute" if rec["bits"] == 16 else f"joint {prec}"
-
-
-def suffix_label(rec: Record) -> str:
-    """Suffix length `r` of an action as written in its text form (`all` for full recompute)."""
-    if rec["cut"] == 0:
-        return "all"
-    m = re.search(r"r=(\d+)", rec["action"])
-    return m.group(1) if m else "0"
+def suffix_label(rec: Summary) -> str:
+    """Suffix length `r` of an action (`all` for full recomputation, 0 for transfer-only)."""
+    return "all" if rec.action.cut == 0 else str(rec.action.suffix_len)
 
 
 def link_label(link_gbps: float | None) -> str:
     return "unpaced" if link_gbps is None else f"paced {link_gbps:g} GB/s"
 
 
-def setup_label(setup: tuple) -> str:
+def setup_label(setup: Setup) -> str:
     hardware, transport, link, batch = setup
     return (f"hardware: {hardware} · transport: {transport} · link: {link_label(link)} · "
             f"batch {batch}")
-
-
-def _setup(r: Record) -> tuple:
-    return r["hardware"], r["transport"], r["link_gbps"], r["batch"]
 
 
 def _order(key: tuple) -> tuple:
     return tuple(-1 if v is None else v for v in key)
 
 
-def _cells(records: Sequence[Record]) -> dict[tuple, dict[tuple, dict[str, Record]]]:
-    """setup -> (model, seq_len) -> action -> the overlapped record. Transfer-only and full
+def _cells(records: Sequence[Summary]) -> dict[Setup, dict[tuple, dict[str, Summary]]]:
+    """setup -> (model, seq_len) -> action text -> the overlapped record. Transfer-only and full
     recomputation have nothing to overlap (schedule `n/a`; a sequential record serves too)."""
-    chosen: dict[tuple, Record] = {}
+    chosen: dict[tuple, Summary] = {}
     for r in records:
-        key = (_setup(r), (r["model"], r["seq_len"]), r["action"])
-        trivial = r["cut"] == 0 or family(r).endswith("transfer")
-        if r["schedule"] != "sequential" or (trivial and key not in chosen):
+        key = (r.setup, (r.model, r.seq_len), str(r.action))
+        trivial = r.action.kind != "joint"
+        if r.schedule != "sequential" or (trivial and key not in chosen):
             chosen[key] = r
-    out: dict[tuple, dict[tuple, dict[str, Record]]] = {}
+    out: dict[Setup, dict[tuple, dict[str, Summary]]] = {}
     for (setup, cell, action), r in sorted(chosen.items(), key=lambda i: _order(i[0][0])):
         out.setdefault(setup, {}).setdefault(cell, {})[action] = r
     return {s: dict(sorted(c.items())) for s, c in out.items()}
 
 
-def _best(recs: Iterable[Record]) -> dict[str, Record]:
+def _best(recs: Iterable[Summary]) -> dict[str, Summary]:
     """family -> its fastest record (by median), in the order of FAMILIES."""
-    best: dict[str, Record] = {}
+    best: dict[str, Summary] = {}
     for r in recs:
-        f = family(r)
-        if f not in best or r["median_ms"] < best[f]["median_ms"]:
-            best[f] = r
+        if r.family not in best or r.median_ms < best[r.family].median_ms:
+            best[r.family] = r
     return {f: best[f] for f in FAMILIES if f in best}
 
 
-def _speedup(base: Record | None, new: Record | None, seed: int) -> dict[str, Any] | None:
+def _speedup(base: Summary | None, new: Summary | None, seed: int) -> dict[str, Any] | None:
     if base is None or new is None:
         return None
-    point, ci = stats.ratio_ci(base["reps_ms"], new["reps_ms"], seed=seed)
-    return {"x": point, "ci95": list(ci), "over": base["action"]}
+    point, ci = stats.ratio_ci(base.reps_ms, new.reps_ms, seed=seed)
+    return {"x": point, "ci95": list(ci), "over": str(base.action)}
 
 
-def table1_rows(records: Sequence[Record], joint_bits: int = 8, seed: int = 0) -> list[Record]:
+def _joint_family(bits: int) -> str:
+    return f"joint Q{bits}"
+
+
+def table1_rows(records: Sequence[Summary], joint_bits: int = 8, seed: int = 0) -> list[Row]:
     """Per setup, model and length: BF16 and Q8 transfer, the best BF16 recompute, the best joint
     action at `joint_bits`, its speedups over BF16 and over the best single mechanism."""
     rows = []
@@ -137,34 +93,33 @@ def table1_rows(records: Sequence[Record], joint_bits: int = 8, seed: int = 0) -
         for (model, seq_len), acts in cells.items():
             fam = _best(acts.values())
             bf16, q8 = fam.get("BF16 transfer"), fam.get("Q8 transfer")
-            recompute, joint = fam.get("BF16 recompute"), fam.get(f"joint {_PREC[joint_bits]}")
+            recompute, joint = fam.get("BF16 recompute"), fam.get(_joint_family(joint_bits))
             singles = [r for r in (q8, recompute) if r is not None]
-            single = min(singles, key=lambda r: r["median_ms"]) if singles else None
+            single = min(singles, key=lambda r: r.median_ms) if singles else None
             rows.append({
                 "setup": setup, "model": model, "seq_len": seq_len,
-                "reps": len(next(iter(acts.values()))["reps_ms"]),
+                "reps": len(next(iter(acts.values())).reps_ms),
                 "bf16": bf16, "q8": q8, "recompute": recompute, "joint": joint,
-                "best": min(acts.values(), key=lambda r: r["median_ms"]),
+                "best": min(acts.values(), key=lambda r: r.median_ms),
                 "joint_vs_bf16": _speedup(bf16, joint, seed),
                 "joint_vs_single": _speedup(single, joint, seed),
-                "clean": all(r.get("first_token_match", True) and not r.get("fallbacks", 0)
-                             for r in acts.values())})
+                "clean": all(r.first_token_match and not r.fallbacks for r in acts.values())})
     return rows
 
 
-def _ms(r: Record | None, with_r: bool = False) -> str:
+def _ms(r: Summary | None, with_r: bool = False) -> str:
     if r is None:
         return "–"
-    return f"{r['median_ms']:.2f}" + (f" (r={suffix_label(r)})" if with_r else "")
+    return f"{r.median_ms:.2f}" + (f" (r={suffix_label(r)})" if with_r else "")
 
 
 def _x(s: dict[str, Any] | None) -> str:
     return "–" if s is None else f"{s['x']:.2f}× [{s['ci95'][0]:.2f}, {s['ci95'][1]:.2f}]"
 
 
-def table1_markdown(records: Sequence[Record], joint_bits: int = 8, seed: int = 0) -> str:
+def table1_markdown(records: Sequence[Summary], joint_bits: int = 8, seed: int = 0) -> str:
     """Table-1-style markdown, one table per setup."""
-    jp = _PREC[joint_bits]
+    jp = f"Q{joint_bits}"
     out = []
     rows = table1_rows(records, joint_bits, seed)
     for setup in dict.fromkeys(r["setup"] for r in rows):
@@ -179,7 +134,7 @@ def table1_markdown(records: Sequence[Record], joint_bits: int = 8, seed: int = 
             out.append(f"| {r['model']} | {r['seq_len']} | {_ms(r['bf16'])} | {_ms(r['q8'])} | "
                        f"{_ms(r['recompute'], True)} | {_ms(r['joint'], True)} | "
                        f"{_x(r['joint_vs_bf16'])} | {_x(r['joint_vs_single'])} | "
-                       f"{r['best']['action']} ({_ms(r['best'])}){flag} |")
+                       f"{r['best'].action} ({_ms(r['best'])}){flag} |")
         out += ["", "Recomp.: fastest BF16 action with a recomputed suffix (r = suffix length; "
                 "`all` = token IDs only). Best single = faster of Q8 transfer-only and Recomp. "
                 "CIs: independent bootstrap of the reps of the two actions.", ""]
@@ -192,7 +147,7 @@ def _figure(width: float, height: float) -> Any:
     return Figure(figsize=(width, height), layout="constrained")
 
 
-def fig2(records: Sequence[Record], path: str | Path) -> Path:
+def fig2(records: Sequence[Summary], path: str | Path) -> Path:
     """Fig.-2-style PNG for one setup: each family's best median over BF16 transfer, per length,
     one panel per model."""
     cells = _cells(records)
@@ -210,8 +165,8 @@ def fig2(records: Sequence[Record], path: str | Path) -> Path:
             base = best.get("BF16 transfer")
             for f, r in best.items():
                 if f != "BF16 transfer" and base is not None:
-                    fams.setdefault(f, [math.nan] * len(lengths))[i] = (r["median_ms"]
-                                                                        / base["median_ms"])
+                    fams.setdefault(f, [math.nan] * len(lengths))[i] = (r.median_ms
+                                                                        / base.median_ms)
         for f, ys in fams.items():
             ax.plot(range(len(lengths)), ys, marker="o", color=f"C{FAMILIES.index(f)}", label=f)
         ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="BF16 transfer")
@@ -228,36 +183,39 @@ def fig2(records: Sequence[Record], path: str | Path) -> Path:
     return Path(path)
 
 
-def _profile_for(profiles: Sequence[Profile], r: Record) -> Profile | None:
+def _profile_for(profiles: Sequence[Profile], r: Summary) -> Profile | None:
     """The profile that can predict record `r`, re-targeted to its paced link."""
     for p in profiles:
-        if ((p.model, p.seq_len, p.batch) == (r["model"], r["seq_len"], r["batch"])
-                and (r["cut"] == 0 or r["bits"] in p.quantize_ms)):
-            return p if r["link_gbps"] is None else p.at_link(r["link_gbps"])
+        if ((p.model, p.num_layers, p.seq_len, p.batch)
+                == (r.model, r.action.num_layers, r.seq_len, r.batch)
+                and (r.action.cut == 0 or r.action.bits in p.quantize_ms)):
+            return p if r.link_gbps is None else p.at_link(r.link_gbps)
     return None
 
 
-def _predict(profile: Profile, r: Record, schedule: str = "overlapped") -> float:
-    return predicted_ms(profile, Action(r["bits"], r["cut"], profile.num_layers), schedule)
+def _predict(profile: Profile, r: Summary, schedule: str = "overlapped") -> float:
+    return predicted_ms(profile, r.action, schedule)
 
 
-def prediction_rows(records: Sequence[Record], profiles: Sequence[Profile] = ()) -> list[Record]:
+def prediction_rows(records: Sequence[Summary], profiles: Sequence[Profile] = ()) -> list[Row]:
     """Every record with a prediction (its own `predicted_ms`, else from the matching profile,
     re-targeted to the record's paced link) and the error in % of the measurement."""
     rows = []
     for r in records:
-        pred = r.get("predicted_ms")
+        pred = r.predicted_ms
         if pred is None and (p := _profile_for(profiles, r)) is not None:
-            pred = _predict(p, r, "sequential" if r["schedule"] == "sequential" else "overlapped")
+            pred = _predict(p, r, "sequential" if r.schedule == "sequential" else "overlapped")
         if pred is not None:
-            rows.append({**{k: r[k] for k in ("model", "seq_len", "action", "schedule",
-                                              "link_gbps", "hardware", "transport", "batch")},
-                         "measured_ms": r["median_ms"], "predicted_ms": pred,
-                         "error_pct": 100 * (pred - r["median_ms"]) / r["median_ms"]})
+            rows.append({**{k: getattr(r, k) for k in ("model", "seq_len", "schedule",
+                                                       "link_gbps", "hardware", "transport",
+                                                       "batch")},
+                         "action": str(r.action), "measured_ms": r.median_ms,
+                         "predicted_ms": pred,
+                         "error_pct": 100 * (pred - r.median_ms) / r.median_ms})
     return rows
 
 
-def error_summary(rows: Sequence[Record]) -> dict[str, float]:
+def error_summary(rows: Sequence[Row]) -> dict[str, float]:
     """Median |error| % per action text (across models, lengths, links and schedules)."""
     by: dict[str, list[float]] = {}
     for r in rows:
@@ -265,7 +223,7 @@ def error_summary(rows: Sequence[Record]) -> dict[str, float]:
     return {a: float(np.median(v)) for a, v in sorted(by.items())}
 
 
-def predictions_markdown(records: Sequence[Record], profiles: Sequence[Profile] = ()) -> str:
+def predictions_markdown(records: Sequence[Summary], profiles: Sequence[Profile] = ()) -> str:
     rows = prediction_rows(records, profiles)
     if not rows:
         return ("### Cost model vs measurement\n\nNo predictions: no record has `predicted_ms` "
@@ -286,42 +244,42 @@ def predictions_markdown(records: Sequence[Record], profiles: Sequence[Profile] 
     return "\n".join(out)
 
 
-def table3_rows(records: Sequence[Record], joint_bits: int = 8, seed: int = 0) -> list[Record]:
+def table3_rows(records: Sequence[Summary], joint_bits: int = 8, seed: int = 0) -> list[Row]:
     """Per setup, model and length: payload MiB per configuration, and sequential vs overlapped
     at one cut (BF16 at the best joint cut, as the paper's Table 3, else any cut run both ways)."""
-    both: dict[tuple, dict[str, Record]] = {}
+    both: dict[tuple, dict[str, Summary]] = {}
     for r in records:
-        both.setdefault((_setup(r), r["model"], r["seq_len"], r["action"]), {})[r["schedule"]] = r
+        both.setdefault((r.setup, r.model, r.seq_len, str(r.action)), {})[r.schedule] = r
     rows = []
     for setup, cells in _cells(records).items():
         for (model, seq_len), acts in cells.items():
             fam = _best(acts.values())
-            joint = fam.get(f"joint {_PREC[joint_bits]}")
-            payload = {f"{f} ({r['action']})" if "joint" in f else f:
-                       r["payload_bytes"] / sizes.MIB
+            joint = fam.get(_joint_family(joint_bits))
+            payload = {f"{f} ({r.action})" if "joint" in f else f:
+                       r.payload_bytes / sizes.MIB
                        for f, r in fam.items() if "recompute" not in f}
             paired = {a: s for (st, m, n, a), s in both.items()
                       if (st, m, n) == (setup, model, seq_len) and len(s) == 2}
             prefer = [f"bf16:r={suffix_label(joint)}"] if joint else []
-            prefer += sorted(paired, key=lambda a: paired[a]["overlapped"]["median_ms"])
+            prefer += sorted(paired, key=lambda a: paired[a]["overlapped"].median_ms)
             pick = next((a for a in prefer if a in paired), None)
-            row: Record = {"setup": setup, "model": model, "seq_len": seq_len,
+            row: Row = {"setup": setup, "model": model, "seq_len": seq_len,
                            "payload_mib": payload, "schedule": None}
             if pick is not None:
                 seq, ov = paired[pick]["sequential"], paired[pick]["overlapped"]
-                gain, ci = stats.ratio_ci(seq["reps_ms"], ov["reps_ms"], seed=seed)
-                ideal = {k: t_ov(*(s["phases_ms"][p] for p in PHASES)) for k, s in
+                gain, ci = stats.ratio_ci(seq.reps_ms, ov.reps_ms, seed=seed)
+                ideal = {k: t_ov(*(s.phases_ms[p] for p in PHASES)) for k, s in
                          (("own", ov), ("seq", seq))}
                 row["schedule"] = {
-                    "action": pick, "sequential_ms": seq["median_ms"],
-                    "overlapped_ms": ov["median_ms"], "gain": gain, "gain_ci95": list(ci),
-                    "efficiency_own_phases": ov["median_ms"] / ideal["own"],
-                    "efficiency_sequential_phases": ov["median_ms"] / ideal["seq"]}
+                    "action": pick, "sequential_ms": seq.median_ms,
+                    "overlapped_ms": ov.median_ms, "gain": gain, "gain_ci95": list(ci),
+                    "efficiency_own_phases": ov.median_ms / ideal["own"],
+                    "efficiency_sequential_phases": ov.median_ms / ideal["seq"]}
             rows.append(row)
     return rows
 
 
-def table3_markdown(records: Sequence[Record], joint_bits: int = 8, seed: int = 0) -> str:
+def table3_markdown(records: Sequence[Summary], joint_bits: int = 8, seed: int = 0) -> str:
     out = []
     for r in table3_rows(records, joint_bits, seed):
         out += [f"### {r['model']}, {r['seq_len']} tokens: payload and schedule "
@@ -343,10 +301,11 @@ def table3_markdown(records: Sequence[Record], joint_bits: int = 8, seed: int = 
     return "\n".join(out)
 
 
-def _crossover_groups(records: Sequence[Record]) -> dict[tuple, dict[float, dict[str, Record]]]:
+def _crossover_groups(records: Sequence[Summary]
+                      ) -> dict[tuple, dict[float, dict[str, Summary]]]:
     """(hardware, transport, batch, model, length) -> paced link -> action -> record, for the
     groups measured at two or more paced links."""
-    groups: dict[tuple, dict[float, dict[str, Record]]] = {}
+    groups: dict[tuple, dict[float, dict[str, Summary]]] = {}
     for (hardware, transport, link, batch), cells in _cells(records).items():
         for (model, seq_len), acts in cells.items():
             if link is not None:
@@ -360,35 +319,34 @@ def _profile_of(profiles: Sequence[Profile], key: tuple) -> Profile | None:
                 None)
 
 
-def _predicted_preference(profile: Profile, by_link: dict[float, dict[str, Record]],
+def _predicted_preference(profile: Profile, by_link: dict[float, dict[str, Summary]],
                           n_grid: int = 200) -> list[dict[str, Any]]:
     """The profile's preferred action on a fine link grid spanning the measured links."""
-    actions = [Action.parse(a, profile.num_layers)
-               for a in dict.fromkeys(a for acts in by_link.values() for a in acts)]
+    actions = list(dict.fromkeys(r.action for acts in by_link.values() for r in acts.values()))
     grid = np.geomspace(min(by_link) / 2, max(by_link) * 2, n_grid)
     return preferred_by_link(profile, actions, [float(w) for w in grid])
 
 
-def crossover_rows(records: Sequence[Record], profiles: Sequence[Profile] = ()) -> list[Record]:
+def crossover_rows(records: Sequence[Summary], profiles: Sequence[Profile] = ()) -> list[Row]:
     """Per group measured at >= 2 paced links: the fastest action at each link, measured and
     predicted among the same actions (the matching profile re-targeted to that link)."""
     rows = []
     for key, by_link in _crossover_groups(records).items():
         profile = _profile_of(profiles, key)
         for link, acts in by_link.items():
-            best = min(acts.values(), key=lambda r: r["median_ms"])
-            row = {"group": key, "link_gbps": link, "measured_best": best["action"],
-                   "measured_ms": best["median_ms"],
-                   "families_ms": {f: r["median_ms"] for f, r in _best(acts.values()).items()}}
+            best = min(acts.values(), key=lambda r: r.median_ms)
+            row = {"group": key, "link_gbps": link, "measured_best": str(best.action),
+                   "measured_ms": best.median_ms,
+                   "families_ms": {f: r.median_ms for f, r in _best(acts.values()).items()}}
             if profile is not None:
-                actions = [Action.parse(a, profile.num_layers) for a in acts]
+                actions = [r.action for r in acts.values()]
                 (pred,) = preferred_by_link(profile, actions, [link])
                 row["predicted_best"], row["predicted_ms"] = pred["best"], pred["predicted_ms"]
             rows.append(row)
     return rows
 
 
-def crossover_markdown(records: Sequence[Record], profiles: Sequence[Profile] = ()) -> str:
+def crossover_markdown(records: Sequence[Summary], profiles: Sequence[Profile] = ()) -> str:
     out = []
     rows = crossover_rows(records, profiles)
     for key, by_link in _crossover_groups(records).items():
@@ -422,7 +380,7 @@ def crossover_markdown(records: Sequence[Record], profiles: Sequence[Profile] = 
     return "\n".join(out)
 
 
-def crossover_figure(records: Sequence[Record], path: str | Path,
+def crossover_figure(records: Sequence[Summary], path: str | Path,
                      profile: Profile | None = None, n_grid: int = 60) -> Path:
     """Latency of each family's best action vs paced link bandwidth for one (hardware, transport,
     batch, model, length) group: measured points; lines and predicted crossovers from `profile`."""
@@ -435,14 +393,14 @@ def crossover_figure(records: Sequence[Record], path: str | Path,
     ax = fig.subplots()
     grid = np.geomspace(min(by_link) / 2, max(by_link) * 2, n_grid)
     for f in FAMILIES:
-        pts = [(w, r["median_ms"]) for w, acts in by_link.items()
+        pts = [(w, r.median_ms) for w, acts in by_link.items()
                if (r := _best(acts.values()).get(f)) is not None]
         if not pts:
             continue
         color = f"C{FAMILIES.index(f)}"
         ax.plot(*zip(*pts, strict=True), "o", color=color, label=f)
         if profile is not None:
-            fam = {a: r for acts in by_link.values() for a, r in acts.items() if family(r) == f}
+            fam = {a: r for acts in by_link.values() for a, r in acts.items() if r.family == f}
             ys = [min(_predict(profile.at_link(w), r) for r in fam.values()) for w in grid]
             ax.plot(grid, ys, "-", color=color, alpha=0.6)
     if profile is not None:
@@ -465,11 +423,10 @@ def _slug(*parts: Any) -> str:
     return "_".join(re.sub(r"[^A-Za-z0-9.]+", "-", str(p)).strip("-") for p in parts)
 
 
-def write_report(records: Sequence[Record], out_dir: str | Path,
+def write_report(records: Sequence[Summary], out_dir: str | Path,
                  profiles: Sequence[Profile] = (), joint_bits: int = 8, seed: int = 0
                  ) -> list[Path]:
     """Write table1.md, predictions.md, table3.md, crossover.md and the PNGs into `out_dir`."""
-    records = check_records(records)
     if not records:
         raise ValueError("no summary records to report")
     out = Path(out_dir)
@@ -481,13 +438,82 @@ def write_report(records: Sequence[Record], out_dir: str | Path,
                        ("crossover.md", crossover_markdown(records, profiles))):
         (out / name).write_text(text)
         written.append(out / name)
-    for setup in dict.fromkeys(_setup(r) for r in records):
-        sel = [r for r in records if _setup(r) == setup]
+    for setup in dict.fromkeys(r.setup for r in records):
+        sel = [r for r in records if r.setup == setup]
         written.append(fig2(sel, out / f"fig2_{_slug(*setup)}.png"))
     for key in _crossover_groups(records):
         hardware, transport, batch, model, seq_len = key
-        sel = [r for r in records if (r["hardware"], r["transport"], r["batch"], r["model"],
-                                      r["seq_len"]) == key]
+        sel = [r for r in records
+               if (r.hardware, r.transport, r.batch, r.model, r.seq_len) == key]
         written.append(crossover_figure(sel, out / f"crossover_{_slug(*key)}.png",
                                         _profile_of(profiles, key)))
     return written
+
+
+def handoff_table(records: Sequence[Summary]) -> str:
+    """One line per summary, for a person: median, CI, phase medians, payload and checks."""
+    lines = [f"{'action':<16}{'schedule':<12}{'median ms':>10}{'95% CI':>18}"
+             + "".join(f"{p[:8]:>10}" for p in PHASES) + f"{'MiB':>9}  first  cache"]
+    for r in records:
+        ci = f"[{r.ci95_ms[0]:.2f}, {r.ci95_ms[1]:.2f}]"
+        phases = "".join(f"{r.phases_ms[p]:>10.2f}" for p in PHASES)
+        lines.append(f"{str(r.action):<16}{r.schedule:<12}{r.median_ms:>10.2f}{ci:>18}{phases}"
+                     f"{r.payload_bytes / sizes.MIB:>9.2f}  {str(r.first_token_match):<6} "
+                     f"{r.cache_check}")
+    return "\n".join(lines)
+
+
+def _speedup_text(s: dict[str, Any] | None) -> str:
+    return "–" if s is None else (f"{s['x']:.2f}× [{s['ci95'][0]:.2f}, {s['ci95'][1]:.2f}] "
+                                  f"over {s['over']}")
+
+
+def conclusion(records: Sequence[Summary], seed: int = 0) -> list[str]:
+    """A few lines per setup, model and length: the fastest action, its and the best joint
+    action's speedups over BF16 transfer and over the best single mechanism (bootstrap 95% CIs),
+    the schedule gain, and, when nothing beats BF16 transfer, why."""
+    out = []
+    gains = {(r["setup"], r["model"], r["seq_len"]): r["schedule"]
+             for r in table3_rows(records, seed=seed)}
+    rows = table1_rows(records, seed=seed)
+    for row in rows:
+        best, bf16, joint = row["best"], row["bf16"], row["joint"]
+        if len(rows) > 1:
+            out.append(f"{row['model']}, {row['seq_len']} tokens, {setup_label(row['setup'])}:")
+        out.append(f"Fastest: {best.action} at {best.median_ms:.2f} ms "
+                   f"[{best.ci95_ms[0]:.2f}, {best.ci95_ms[1]:.2f}].")
+        if bf16 is not None and best not in (bf16, joint):
+            out.append(f"  {best.action} vs BF16 transfer: "
+                       f"{_speedup_text(_speedup(bf16, best, seed))}.")
+        if joint is not None:
+            out.append(f"  joint {joint.action} vs BF16 transfer: "
+                       f"{_speedup_text(row['joint_vs_bf16'])}; vs the best single mechanism: "
+                       f"{_speedup_text(row['joint_vs_single'])}.")
+        gain = gains.get((row["setup"], row["model"], row["seq_len"]))
+        if gain is not None:
+            out.append(f"  Schedule gain at {gain['action']}: sequential "
+                       f"{gain['sequential_ms']:.2f} ms -> overlapped "
+                       f"{gain['overlapped_ms']:.2f} ms, "
+                       f"{gain['gain']:.2f}× [{gain['gain_ci95'][0]:.2f}, "
+                       f"{gain['gain_ci95'][1]:.2f}].")
+        if best is bf16 or row["setup"][2] is None:  # nothing beat BF16, or an unpaced link
+            out.append("  " + _why_little(row, records))
+    return out
+
+
+def _why_little(row: Row, records: Sequence[Summary]) -> str:
+    """Why an unpaced or fast link shows little: the transfer ReKV shrinks or hides is small
+    next to the suffix it would overlap."""
+    bf16 = row["bf16"]
+    suffix = [r for r in records if r.setup == row["setup"] and r.action.kind == "joint"]
+    if bf16 is None or not suffix:
+        return "(Too few actions measured to say why BF16 transfer is not beaten.)"
+    r = min(suffix, key=lambda r: r.action.cut)
+    per_layer = r.phases_ms["suffix"] / r.action.suffix_len
+    link = "unpaced loopback" if row["setup"][2] is None else link_label(row["setup"][2])
+    return (f"Why so little: over {link} the whole BF16 prefix moves in "
+            f"{bf16.phases_ms['prefix']:.2f} ms ({bf16.phases_ms['prefix'] / bf16.action.cut:.2f}"
+            f" ms per layer) while one suffix layer costs {per_layer:.2f} ms here, so there is "
+            "little link time to save by quantizing or to hide behind recomputation; the paper's "
+            "regime is a link whose per-layer time is comparable to a suffix layer "
+            "(`--link-gbps paper`).")

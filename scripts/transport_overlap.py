@@ -1,7 +1,7 @@
 """Does a background receive overlap jitted compute? Prints one JSON line per transport and link.
 
 On the decode side, per repetition: compute alone, the receive alone, then both (the receive on
-`recv_async`'s thread while the main thread computes). Overlap is real when `both_ms` is near
+a worker thread while the main thread computes). Overlap is real when `both_ms` is near
 `max(compute_ms, recv_ms)` rather than `compute_ms + recv_ms`. The link is the loopback itself,
 a paced link (`--gbps`), or a sender that starts `--delay-ms` late (the receive then waits inside
 the collective program or the pending pull, which shows whether the runtime runs it beside compute).
@@ -17,6 +17,7 @@ import statistics
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -58,11 +59,12 @@ def prefill_side(t: Transport, mb: int, reps: int, delay_ms: float) -> None:
 def decode_side(t: Transport, mb: int, reps: int) -> dict:
     specs = payload_specs(mb)
     a = jnp.full((1024, 1024), 1e-3, jnp.float32)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="recv")
     suffix_like(a).block_until_ready()
 
     def receive(i: int, background: bool):
         t.send_meta(f"go/{i}", {})
-        return t.recv_async(f"x/{i}", specs, TIMEOUT) if background else t.recv(
+        return pool.submit(t.recv, f"x/{i}", specs, TIMEOUT) if background else t.recv(
             f"x/{i}", specs, TIMEOUT)
 
     receive(0, background=False)

@@ -86,7 +86,7 @@ def test_unknown_preset():
 
 
 def test_cli_info(capsys):
-    main(["info", "--model", "qwen2.5-7b"])
+    main(["info", "--model", "qwen2.5-7b", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert out["config"]["num_layers"] == 28
     assert out["sizes"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -41,6 +43,17 @@ def test_wikitext_path_option_env_and_missing(tmp_path, monkeypatch):
         data.read_split("test")
     with pytest.raises(ValueError, match="split must be"):
         data.read_split("train")
+
+
+def test_shipped_wikitext_is_package_data(monkeypatch):
+    monkeypatch.delenv(data.WIKITEXT_ENV, raising=False)
+    folder = data.wikitext_dir()
+    assert folder == Path(data.__file__).parent / "assets" / "wikitext-2"
+    assert (folder / "LICENSE").is_file() and "Attribution-ShareAlike" in (
+        folder / "LICENSE").read_text()
+    valid, test = data.read_split("valid"), data.read_split("test")
+    assert (len(valid.encode()), len(test.encode())) == (1121681, 1256449)  # the full splits
+    assert valid.startswith(" \n = Homarus gammarus = \n")
 
 
 def test_windows_are_consecutive_and_checked():

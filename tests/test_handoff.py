@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rekv_jax import Action, ModelConfig, init_params, prefill
+from rekv_jax import Action, ModelConfig, init_params, parse_actions, prefill
 from rekv_jax.handoff import Experiment, run_local
 from rekv_jax.schedule import check_cache, prepare, receive_handoff, send_handoff
 from rekv_jax.sizes import action_bytes
@@ -39,7 +39,9 @@ def check_summaries(summaries: list[dict], actions: str, seq_len: int) -> None:
 
 def test_local_transport_all_action_kinds():
     records: list[dict] = []
-    run_local(Experiment(seq_len=64, actions=ACTIONS, warmup=1, reps=2), records.append)
+    exp = Experiment(seq_len=64, actions=tuple(parse_actions(ACTIONS, 6)), warmup=1, reps=2)
+    assert Experiment.from_json(exp.to_json()) == exp  # what the prefill child receives
+    run_local(exp, lambda r: records.append(r.to_json()))
     summaries = [r for r in records if r["kind"] == "summary"]
     check_summaries(summaries, ACTIONS, 64)
     joint = [s["schedule"] for s in summaries if s["action"] == "q8:r=2"]
@@ -52,7 +54,8 @@ def test_two_processes(transport):
     actions = "bf16:full,q8:full,bf16:r=2,q8:r=2,bf16:recompute"
     out = subprocess.run(
         [sys.executable, "-m", "rekv_jax.cli", "handoff", "--seq-len", "64", "--actions", actions,
-         "--transport", transport, "--warmup", "1", "--reps", "2", "--json", "--timeout", "60"],
+         "--transport", transport, "--warmup", "1", "--reps", "2", "--json", "--timeout", "60",
+         "--link-gbps", "unpaced"],
         capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in out.stdout.splitlines()]

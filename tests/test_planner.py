@@ -78,7 +78,7 @@ def test_cli_plan_with_profile_file_and_link(tmp_path, capsys):
     path = tmp_path / "gpu.jsonl"
     path.write_text(json.dumps({**p.to_json(), "source": "measured"}) + "\n")
     main(["plan", "--model", "tiny", "--seq-len", "256", "--profile", str(path),
-          "--link-gbps", "4", "--bits", "16,8"])
+          "--link-gbps", "4", "--bits", "16,8", "--json"])
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1
     out = json.loads(lines[0])
@@ -86,6 +86,15 @@ def test_cli_plan_with_profile_file_and_link(tmp_path, capsys):
     assert {c["bits"] for c in out["candidates"]} == {16, 8}
     expected = cm.predicted_ms(p.at_link(4.0), Action.parse(out["best"]["action"], 6))
     assert out["best"]["predicted_ms"] == pytest.approx(expected)
+
+
+def test_cli_plan_reads_as_a_short_table(capsys):
+    main(["plan", "--model", "qwen2.5-7b", "--seq-len", "8192", "--link-gbps", "2.32"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) < 40
+    best = planner.plan(QWEN7B, 8192, link_gbps=2.32)["best"]
+    assert f"predicted best: {best['action']} at {best['predicted_ms']:.2f} ms" in lines
+    assert any(line.startswith("bf16:full ") for line in lines)  # the baseline is always shown
 
 
 def test_cli_plan_bad_input_is_a_clean_error(capsys):

@@ -13,14 +13,12 @@ import pytest
 from rekv_jax import data, quality
 from rekv_jax.action import Action
 from rekv_jax.cli import main
+from rekv_jax.costmodel import PHASES
 from rekv_jax.kv import KVCache
+from rekv_jax.loader import SHIPPED_MODEL, load_model
 from rekv_jax.model import forward, prefill
 from rekv_jax.params import load_hf, restore_params
-
-WIKITEXT = data.wikitext_dir()
-needs_wikitext = pytest.mark.skipif(not (WIKITEXT / "test.txt").is_file(),
-                                    reason=f"WikiText-2 not found at {WIKITEXT} "
-                                           f"(set ${data.WIKITEXT_ENV})")
+from rekv_jax.summary import Summary
 
 
 def outputs(probs: list[list[float]], niah_ok: list[bool]) -> quality.Outputs:
@@ -59,12 +57,18 @@ def test_gate_rule_edges():
     assert quality.eligible({**ok, "ppl_rel_change": -0.5})  # lower perplexity never rejects
 
 
+def timing(action: str, ms: float, schedule: str = "n/a", batch: int = 1) -> Summary:
+    """A measured summary of a 6-layer model "m" at 512 tokens whose reps all took `ms`."""
+    return Summary(model="m", seq_len=512, batch=batch, action=Action.parse(action, 6),
+                   transport="local", schedule=schedule, link_gbps=None, hardware="test",
+                   reps_ms=(ms,) * 3, phases_ms=dict.fromkeys(PHASES, 0.0), payload_bytes=0)
+
+
 def test_select_picks_fastest_eligible_action():
     rows = [{"model": "m", "seq_len": 512, "action": a, "eligible": e}
             for a, e in [("q4:full", False), ("q8:full", True), ("q8:r=2", True)]]
-    timings = [{"model": "m", "seq_len": 512, "action": a, "median_ms": t}
-               for a, t in [("q4:full", 1.0), ("q8:full", 3.0), ("q8:r=2", 2.0),
-                            ("bf16:full", 0.5)]]
+    timings = [timing(a, t) for a, t in [("q4:full", 1.0), ("q8:full", 3.0), ("q8:r=2", 2.0),
+                                         ("bf16:full", 0.5)]]
     [choice] = quality.select(rows, timings)
     assert (choice["chosen"], choice["median_ms"]) == ("q8:r=2", 2.0)
     assert choice["eligible"] == ["q8:full", "q8:r=2"] and choice["untimed_eligible"] == []
@@ -75,14 +79,14 @@ def test_select_picks_fastest_eligible_action():
 def test_select_cli_joins_quality_with_sweep_summaries(tmp_path, capsys):
     quality_rows = [{"model": "m", "seq_len": 512, "action": a, "eligible": True}
                     for a in ("q8:full", "q8:r=2")]
-    sweep = [{"kind": "summary", "model": "m", "seq_len": 512, "batch": b, "action": a,
-              "schedule": sch, "median_ms": t}
+    sweep = [timing(a, t, sch, b).to_json()
              for a, b, sch, t in [("q8:full", 1, "n/a", 3.0), ("q8:r=2", 1, "sequential", 4.0),
                                   ("q8:r=2", 1, "overlapped", 2.5), ("q8:full", 4, "n/a", 1.0)]]
-    sweep.append({"kind": "handoff", "model": "m", "seq_len": 512, "action": "q8:full"})
+    sweep.append({"kind": "rep", "model": "m", "seq_len": 512, "action": "q8:full"})
     (tmp_path / "q.jsonl").write_text("".join(json.dumps(r) + "\n" for r in quality_rows))
     (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sweep))
-    main(["select", "--quality", str(tmp_path / "q.jsonl"), "--timings", str(tmp_path / "t.jsonl")])
+    main(["select", "--quality", str(tmp_path / "q.jsonl"), "--timings", str(tmp_path / "t.jsonl"),
+          "--json"])
     [line] = capsys.readouterr().out.splitlines()
     assert json.loads(line)["chosen"] == "q8:r=2" and json.loads(line)["median_ms"] == 2.5
     (tmp_path / "bad.jsonl").write_text("{not json\n")
@@ -93,17 +97,18 @@ def test_select_cli_joins_quality_with_sweep_summaries(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def shipped():
-    return quality.load_model(str(quality.SHIPPED_MODEL))
+    model = load_model(str(SHIPPED_MODEL))
+    return model.cfg, model.params, model.tokenizer
 
 
 def test_shipped_model_loads_from_both_formats_with_equal_logits(shipped):
     cfg, params, tok = shipped
-    hf_cfg, hf_params = load_hf(quality.SHIPPED_MODEL)
+    hf_cfg, hf_params = load_hf(SHIPPED_MODEL)
     assert hf_cfg.to_hf() == cfg.to_hf()
     tokens = jnp.asarray(data.encode(tok, " The lobster is a species of crustacean .")[None])
     assert np.array_equal(np.asarray(forward(cfg, params, tokens)),
                           np.asarray(forward(hf_cfg, hf_params, tokens)))
-    orbax_cfg, _ = restore_params(quality.SHIPPED_MODEL / "orbax")
+    orbax_cfg, _ = restore_params(SHIPPED_MODEL / "orbax")
     assert orbax_cfg == cfg and all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
 
 
@@ -116,14 +121,11 @@ def test_reconstruct_cache_rejects_action_of_another_model(shipped):
 
 @pytest.fixture(scope="module")
 def small_eval(shipped):
-    if not (WIKITEXT / "test.txt").is_file():
-        pytest.skip(f"WikiText-2 not found at {WIKITEXT} (set ${data.WIKITEXT_ENV})")
     _, _, tok = shipped
     test_ids = data.encode(tok, data.read_split("test"))
     return quality.eval_set(tok, test_ids, 512, cont_len=16, num_windows=2, depths=(0.25, 0.75))
 
 
-@needs_wikitext
 def test_bf16_joint_action_is_exact_and_passes(shipped, small_eval):
     cfg, params, _ = shipped
     [m] = quality.evaluate(cfg, params, small_eval, [Action(16, 2, cfg.num_layers)])
@@ -132,7 +134,6 @@ def test_bf16_joint_action_is_exact_and_passes(shipped, small_eval):
     assert m["eligible"]
 
 
-@needs_wikitext
 def test_corrupted_prefix_is_rejected(shipped, small_eval):
     cfg, params, _ = shipped
 
@@ -148,7 +149,6 @@ def test_corrupted_prefix_is_rejected(shipped, small_eval):
     assert not m["eligible"]
 
 
-@needs_wikitext
 def test_quality_cli_prints_every_field(capsys):
     main(["quality", "--actions", "q8:r=2", "--seq-len", "256", "--cont-len", "8",
           "--windows", "1", "--json"])

@@ -11,6 +11,7 @@ from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
 from rekv_jax.costmodel import PHASES, predicted_ms, t_ov
 from rekv_jax.planner import analytic_profile
+from rekv_jax.summary import Summary
 
 TINY = ModelConfig.preset("tiny")  # L = 6
 L = TINY.num_layers
@@ -21,20 +22,18 @@ MEDIANS = {"bf16:full": 40.0, "q8:full": 22.0, "q4:full": 30.0, "bf16:r=1": 38.0
 
 
 def _rec(action: str, median: float, schedule: str = "overlapped", link: float | None = 5.0,
-         seq_len: int = 256, **extra) -> dict:
+         seq_len: int = 256, **extra) -> Summary:
     a = Action.parse(action, L)
-    reps = list(median * (1 + 0.002 * np.arange(-14.5, 15)))  # 30 reps around the median
+    reps = tuple(median * (1 + 0.002 * np.arange(-14.5, 15)))  # 30 reps around the median
     phases = dict(zip(PHASES, (0.1, 1.0, 0.6 * median, 0.5 * median, 0.2), strict=True))
-    return {"kind": "summary", "model": "tiny", "seq_len": seq_len, "batch": 1,
-            "action": str(a), "bits": a.bits, "cut": a.cut, "transport": "local",
-            "schedule": schedule, "link_gbps": link, "hardware": "test cpu",
-            "median_ms": stats.median(reps), "ci95_ms": list(stats.median_ci(reps)),
-            "reps_ms": reps, "phases_ms": phases,
-            "payload_bytes": sizes.action_bytes(TINY, a, seq_len)["total_bytes"],
-            "first_token_match": True, "cache_check": "ok", **extra}
+    return Summary(model="tiny", seq_len=seq_len, batch=1, action=a, transport="local",
+                   schedule=schedule, link_gbps=link, hardware="test cpu", reps_ms=reps,
+                   phases_ms=phases,
+                   payload_bytes=sizes.action_bytes(TINY, a, seq_len)["total_bytes"],
+                   cache_check="ok", **extra)
 
 
-def _sweep(scale: float = 1.0, seq_len: int = 256, link: float | None = 5.0) -> list[dict]:
+def _sweep(scale: float = 1.0, seq_len: int = 256, link: float | None = 5.0) -> list[Summary]:
     """One run of every action in MEDIANS, as the handoff writes it (schedule n/a unless joint)."""
     return [_rec(a, m * scale, "overlapped" if ":r=" in a else "n/a", seq_len=seq_len, link=link)
             for a, m in MEDIANS.items()]
@@ -45,9 +44,10 @@ def test_table1_known_winner_and_speedup_math():
     rows = report.table1_rows(recs)
     assert [(r["model"], r["seq_len"]) for r in rows] == [("tiny", 256), ("tiny", 512)]
     r = rows[0]
-    assert r["joint"]["action"] == "q8:r=2" and r["recompute"]["action"] == "bf16:r=3"
-    assert r["best"]["action"] == "q8:r=2"
-    bf16, joint = r["bf16"]["median_ms"], r["joint"]["median_ms"]
+    assert str(r["joint"].action) == "q8:r=2" and str(r["recompute"].action) == "bf16:r=3"
+    assert str(r["best"].action) == "q8:r=2"
+    assert r["bf16"].median_ms == stats.median(r["bf16"].reps_ms)  # filled from the reps
+    bf16, joint = r["bf16"].median_ms, r["joint"].median_ms
     assert r["joint_vs_bf16"]["x"] == pytest.approx(40 / 16) == bf16 / joint
     lo, hi = r["joint_vs_bf16"]["ci95"]
     assert lo <= r["joint_vs_bf16"]["x"] <= hi
@@ -65,8 +65,8 @@ def test_overlapped_records_win_sequential_only_fills_trivial_schedules():
     recs = [_rec("bf16:full", 40.0, "sequential"), _rec("q8:r=2", 10.0, "sequential"),
             _rec("q8:r=2", 16.0), _rec("bf16:r=3", 5.0, "sequential")]
     r = report.table1_rows(recs)[0]
-    assert r["bf16"]["schedule"] == "sequential"  # transfer-only: nothing to overlap
-    assert r["joint"]["median_ms"] == pytest.approx(16.0)  # the overlapped run, not the sequential
+    assert r["bf16"].schedule == "sequential"  # transfer-only: nothing to overlap
+    assert r["joint"].median_ms == pytest.approx(16.0)  # the overlapped run, not the sequential
     assert r["recompute"] is None  # a joint cut measured only sequentially is not in the table
 
 
@@ -110,8 +110,8 @@ def test_table3_payloads_schedule_gain_and_efficiency():
     assert s["action"] == "bf16:r=2"  # BF16 at the best joint cut, as in the paper
     assert s["gain"] == pytest.approx(1.5) and s["gain_ci95"][0] <= 1.5 <= s["gain_ci95"][1]
     ov = recs[-1]
-    ideal = t_ov(*(ov["phases_ms"][p] for p in PHASES))
-    assert s["efficiency_own_phases"] == pytest.approx(ov["median_ms"] / ideal)
+    ideal = t_ov(*(ov.phases_ms[p] for p in PHASES))
+    assert s["efficiency_own_phases"] == pytest.approx(ov.median_ms / ideal)
     assert "Schedule gain 1.50×" in report.table3_markdown(recs)
     assert report.table3_rows(_sweep())[0]["schedule"] is None
 
@@ -140,7 +140,8 @@ def test_write_report_writes_every_file(tmp_path):
     recs = _sweep() + _sweep(2.0, seq_len=512) + [_rec("bf16:r=2", 30.0, "sequential")]
     recs += [_rec("q8:full", 9.0, link=50.0), _rec("q8:r=2", 12.0, link=50.0)]
     jsonl = tmp_path / "sweep.jsonl"
-    jsonl.write_text("\n".join(json.dumps(r) for r in [{"kind": "rep"}] + recs) + "\n")
+    lines = [{"kind": "rep"}] + [r.to_json() for r in recs]
+    jsonl.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
     loaded = report.load_records(jsonl)
     assert loaded == recs
     paths = report.write_report(loaded, tmp_path / "out", [analytic_profile(TINY, 256)])
@@ -160,9 +161,23 @@ def test_write_report_writes_every_file(tmp_path):
     (lambda r: r.update(bits=6), "bits 6"),
 ])
 def test_bad_records_raise(change, match):
-    r = _rec("q8:r=2", 16.0)
+    r = _rec("q8:r=2", 16.0).to_json()
+    assert Summary.from_json(r) == _rec("q8:r=2", 16.0)  # the JSON form round-trips
     change(r)
     with pytest.raises(ValueError, match=match):
-        report.check_records([r])
+        Summary.from_json(r)
     with pytest.raises(ValueError, match="no summary records"):
         report.write_report([], "unused")
+
+
+def test_conclusion_names_the_fastest_speedups_and_schedule_gain():
+    recs = _sweep() + [_rec("bf16:r=2", 30.0, "sequential"), _rec("bf16:r=2", 20.0)]
+    text = "\n".join(report.conclusion(recs))
+    assert text.startswith("Fastest: q8:r=2 at 16.00 ms")
+    assert "joint q8:r=2 vs BF16 transfer: 2.50× [" in text  # 40 / 16
+    # best single: the faster of Q8 transfer (22) and the best BF16 recompute (bf16:r=2, 20)
+    assert "vs the best single mechanism: 1.25× [" in text and "over bf16:r=2" in text
+    assert "Schedule gain at bf16:r=2: sequential 30.00 ms -> overlapped 20.00 ms, 1.50×" in text
+    assert "Why so little" not in text  # paced, and BF16 transfer is beaten
+    unpaced = "\n".join(report.conclusion(_sweep(link=None)))
+    assert "Why so little: over unpaced loopback" in unpaced

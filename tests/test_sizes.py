@@ -7,7 +7,7 @@ import pytest
 from rekv_jax import sizes
 from rekv_jax.action import Action, action_space
 from rekv_jax.cli import main
-from rekv_jax.config import PRESETS, ModelConfig
+from rekv_jax.config import MODEL_PRESETS, ModelConfig
 
 MIB = 2**20
 QWEN7B = ModelConfig.preset("qwen2.5-7b")
@@ -31,7 +31,7 @@ def test_boundary_to_kv_ratio(name, ratio):
     assert ratio == cfg.num_heads / (2 * cfg.num_kv_heads)  # Eq. 3
 
 
-@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("name", MODEL_PRESETS)
 def test_bf16_cut_saves_bytes_iff_eq6(name):
     cfg = ModelConfig.preset(name)
     L = cfg.num_layers
@@ -95,12 +95,15 @@ def test_group_must_divide_head_dim():
 
 
 def test_cli_bytes_prints_one_json_line(capsys):
-    main(["bytes", "--model", "qwen2.5-7b", "--seq-len", "8192", "--bits", "8", "--cut", "15"])
+    main(["bytes", "--model", "qwen2.5-7b", "--seq-len", "8192", "--bits", "8", "--cut", "15",
+          "--json"])
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1
     out = json.loads(lines[0])
     assert out == sizes.handoff_bytes(QWEN7B, 8192, 8, 15)
     assert out["total_mib"] == 179.75
+    main(["bytes", "--model", "qwen2.5-7b", "--seq-len", "8192", "--bits", "8", "--cut", "15"])
+    assert "= 179.75 MiB" in capsys.readouterr().out  # the readable form says the same
 
 
 def test_cli_bytes_bad_cut_is_a_clean_error(capsys):
@@ -111,7 +114,7 @@ def test_cli_bytes_bad_cut_is_a_clean_error(capsys):
 
 
 def test_cli_info_reports_sizes(capsys):
-    main(["info", "--model", "qwen2.5-7b", "--seq-len", "8192"])
+    main(["info", "--model", "qwen2.5-7b", "--seq-len", "8192", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert out["sizes"] == sizes.model_sizes(QWEN7B, 8192)
     assert out["sizes"]["boundary_to_kv_layer"] == 3.5

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from rekv_jax import Action, ModelConfig
-from rekv_jax.sweep import PRESETS, SweepPreset, action_grid, profile, sweep
+from rekv_jax.sweep import SWEEP_PRESETS, SweepPreset, action_grid, profile, sweep
 
 
 def test_action_grid_covers_every_mechanism():
@@ -13,7 +13,7 @@ def test_action_grid_covers_every_mechanism():
     grid = [str(a) for a in action_grid(cfg, (1, 2, 9), (8, 4))]
     assert grid == ["bf16:full", "q8:full", "q4:full", "bf16:r=1", "bf16:r=2", "q8:r=1",
                     "q8:r=2", "q4:r=1", "q4:r=2", "bf16:recompute"]  # r=9 > L is dropped
-    gpu = PRESETS["gpu"]
+    gpu = SWEEP_PRESETS["gpu"]
     assert all(isinstance(a, Action) for a in action_grid(
         ModelConfig.preset("qwen2.5-7b"), gpu.suffix_lens, gpu.joint_bits))
 
@@ -35,9 +35,9 @@ def test_mini_sweep_writes_every_output(tmp_path):
     # one profile fitted from the grid run (2 noisy reps: its values are not asserted here;
     # fitting itself is tested on synthetic records in test_costmodel.py)
     assert [(p.model, p.seq_len, p.source) for p in profiles] == [("tiny", 32, "fitted")]
-    links = {r["link_gbps"] for r in records}
+    links = {r.link_gbps for r in records}
     assert len(links) == 2  # the calibrated link and 4x it (crossover)
-    assert all(r["first_token_match"] and r["predicted_ms"] is not None for r in records)
+    assert all(r.first_token_match and r.predicted_ms is not None for r in records)
     lines = [json.loads(line) for line in (tmp_path / "sweep.jsonl").read_text().splitlines()]
     assert sum(line["kind"] == "summary" for line in lines) == len(records)
     assert "tiny" in (tmp_path / "table1.md").read_text()

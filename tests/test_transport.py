@@ -9,6 +9,7 @@ import os
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -77,7 +78,8 @@ def test_local_roundtrip_is_exact_and_acknowledged():
     prefill, decode = LocalTransport.pair()
     sent = prefix_payload()
     prefill.send("p", sent)
-    got = decode.recv_async("p", specs(sent), timeout=10).result(timeout=10)
+    with ThreadPoolExecutor(1) as pool:  # a receive on another thread, as the schedule does
+        got = pool.submit(decode.recv, "p", specs(sent), timeout=10).result(timeout=10)
     for g, s in zip(got, sent, strict=True):
         assert g.dtype == s.dtype and np.array_equal(np.asarray(g), np.asarray(s))
     prefill.wait_ack("p", timeout=10)

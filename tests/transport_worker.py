@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import ml_dtypes
@@ -58,8 +59,11 @@ def main(kind: str, role: str, coordinator: str, scenario: str) -> None:
         t.wait_ack(tag, timeout=TIMEOUT)
 
     def recv_phase(tag: str, want: list[np.ndarray], background: bool = False) -> None:
-        got = (t.recv_async(tag, specs(want), TIMEOUT).result() if background
-               else t.recv(tag, specs(want), TIMEOUT))
+        if background:
+            with ThreadPoolExecutor(1) as pool:
+                got = pool.submit(t.recv, tag, specs(want), TIMEOUT).result()
+        else:
+            got = t.recv(tag, specs(want), TIMEOUT)
         for g, w in zip(got, want, strict=True):
             if not np.array_equal(np.asarray(g), w):
                 raise AssertionError(f"{tag}: received buffer differs from what was sent")

@@ -12,7 +12,7 @@ started).
   prefill side                               decode side
   t.agree("run", {...})                      t.agree("run", {...})   # both raise if they differ
   t.send("r0/boundary", [h_c])               h_c, = t.recv("r0/boundary", [spec])
-  t.send("r0/prefix", [q, scales])           fut = t.recv_async("r0/prefix", specs)
+  t.send("r0/prefix", [q, scales])           fut = pool.submit(t.recv, "r0/prefix", specs)
   t.wait_ack("r0/prefix")                    ... suffix layers run here ...; q, s = fut.result()
   t.close()                                  t.close()
 
@@ -21,14 +21,14 @@ Implementations:
   TransferServerTransport  jax.experimental.transfer: the decode side pulls over TCP.
   LocalTransport           both ends in one process, for tests.
 
-Overlap (measured on this 2-core CPU machine: scripts/transport_overlap.py). A receive on a
-background thread (`recv_async`) runs beside jitted compute on the main thread for both real
-transports: while the bytes are in flight (a slow link, emulated by pacing, or a late sender) the
-wall time is about max(compute, transfer), not the sum. Where the loopback copy itself is the
-bottleneck it competes with the compute for the same 2 cores, so less is saved. A collective
-program blocks the thread that dispatches it until the peer joins (it runs on a worker thread
-here; dispatched from the main thread it would serialize with the compute); a transfer-server
-pull returns at once and its buffers fill in from the server's own threads.
+Overlap (measured on this 2-core CPU machine: scripts/transport_overlap.py). A `recv` on a
+background thread runs beside jitted compute on the main thread for both real transports: while the
+bytes are in flight (a slow link, emulated by pacing, or a late sender) the wall time is about
+max(compute, transfer), not the sum. Where the loopback copy itself is the bottleneck it competes
+with the compute for the same 2 cores, so less is saved. A collective program blocks the thread that
+dispatches it until the peer joins (it runs on a worker thread here; dispatched from the main thread
+it would serialize with the compute); a transfer-server pull returns at once and its buffers fill in
+from the server's own threads.
 
 Expected on GPU (not measured here). Transfer server: host-staged TCP; the pulled bytes reach the
 GPU through host-to-device copies on a transfer stream, so they overlap suffix kernels on the
@@ -59,7 +59,7 @@ from rekv_jax.transport.collective import CollectiveTransport
 from rekv_jax.transport.local import LocalTransport
 from rekv_jax.transport.transfer_server import TransferServerTransport
 
-KINDS = ("collective", "transfer-server", "local")
+TRANSPORTS = ("transfer-server", "collective", "local")  # what `kind` may name
 
 
 def connect(kind: str, role: Role, coordinator: str | None = None,
@@ -73,8 +73,8 @@ def connect(kind: str, role: Role, coordinator: str | None = None,
     `process_id` defaults to decode -> 0 (it hosts the coordination service), prefill -> 1.
     `close()` leaves in order and shuts jax.distributed down."""
     peer_of(role)  # validates the role
-    if kind not in KINDS:
-        raise ValueError(f"unknown transport {kind!r}; expected one of {KINDS}")
+    if kind not in TRANSPORTS:
+        raise ValueError(f"unknown transport {kind!r}; expected one of {TRANSPORTS}")
     if kind == "local":
         raise ValueError("the local transport has both ends in one process: "
                          "use LocalTransport.pair()")
@@ -90,8 +90,8 @@ def connect(kind: str, role: Role, coordinator: str | None = None,
 
 
 __all__ = [
-    "KINDS",
     "ROLES",
+    "TRANSPORTS",
     "CollectiveTransport",
     "LocalTransport",
     "Role",

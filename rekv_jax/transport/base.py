@@ -12,7 +12,6 @@ import json
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal, Protocol
 
 import jax
@@ -121,10 +120,10 @@ class Transport:
     """One end of a prefill -> decode link. Buffers flow prefill -> decode; metadata both ways.
 
     Prefill side: `send(tag, arrays)`, then `wait_ack(tag)` to learn whether it arrived intact.
-    Decode side: `recv(tag, specs, timeout)` (blocking) or `recv_async` (runs `recv` on a
-    background thread, so the caller's thread can compute meanwhile). Tags are unique strings
-    per phase (e.g. "rep3/boundary"); the collective transport needs them received in the order
-    they were sent.
+    Decode side: `recv(tag, specs, timeout)`, which blocks its thread only (a caller that computes
+    meanwhile runs it on a thread of its own, as the overlapped schedule does). Tags are unique
+    strings per phase (e.g. "rep3/boundary"); the collective transport needs them received in the
+    order they were sent.
     """
 
     kind: str = ""
@@ -134,7 +133,6 @@ class Transport:
         self.peer = peer_of(role)
         self._channel = channel
         self._pacer = LinkPacer(link_gbps) if link_gbps is not None else None
-        self._recv_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="rekv-recv")
         self._closed = False
 
     # -- buffers -------------------------------------------------------------------------------
@@ -192,11 +190,6 @@ class Transport:
             self._pacer.wait(sum(a.nbytes for a in arrays), start)
         return arrays
 
-    def recv_async(self, tag: str, specs: Sequence[jax.ShapeDtypeStruct], timeout: float = 60.0
-                   ) -> Future[list[jax.Array]]:
-        """`recv` on a background thread; `.result()` returns the buffers or raises its error."""
-        return self._recv_pool.submit(self.recv, tag, list(specs), timeout)
-
     def wait_ack(self, tag: str, timeout: float = 60.0) -> None:
         """Prefill side: block until the decode side confirms `tag` arrived intact; raise its error
         otherwise (ValueError for mismatched buffers, TransportError for a failed transfer)."""
@@ -234,7 +227,6 @@ class Transport:
         """Release the link (idempotent, bounded by `timeout`)."""
         if not self._closed:
             self._closed = True
-            self._recv_pool.shutdown(wait=False, cancel_futures=True)
             self._close(timeout)
 
     def __enter__(self) -> Transport:

@@ -1,0 +1,133 @@
+"""`Summary`: the measured result of one handoff action under one schedule and setup.
+
+The handoff emits one per action and schedule, the sweep stores them (`sweep.jsonl`), the report
+turns them into tables and figures, and `rekv select` joins them with the quality gate. The JSON
+form (`to_json` / `from_json`) writes the action as its text (`q8:r=2`) with `bits`, `cut`,
+`suffix_len` and `num_layers` beside it, so every line is readable on its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from rekv_jax import stats
+from rekv_jax.action import Action
+from rekv_jax.costmodel import PHASES
+
+# The schedule of a record: overlapped or sequential for a joint action; "n/a" for transfer-only
+# and full recomputation, which have nothing to overlap.
+RECORD_SCHEDULES = ("overlapped", "sequential", "n/a")
+Setup = tuple[str, str, float | None, int]  # (hardware, transport, link_gbps, batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """Median latency with its bootstrap CI, phase medians, payload and checks of one action."""
+
+    model: str
+    seq_len: int  # S
+    batch: int  # B
+    action: Action
+    transport: str
+    schedule: str  # one of RECORD_SCHEDULES
+    link_gbps: float | None  # the paced link (None: unpaced)
+    hardware: str
+    reps_ms: tuple[float, ...]  # every timed rep's total
+    phases_ms: dict[str, float]  # median per phase (costmodel.PHASES)
+    payload_bytes: int
+    median_ms: float = float("nan")  # filled from reps_ms when not given
+    ci95_ms: tuple[float, float] = (float("nan"), float("nan"))  # bootstrap CI of the median
+    first_token_match: bool = True  # every rep's first token equals a one-process prefill's
+    cache_check: str = ""  # what held of the cache (e.g. "bitwise")
+    fallbacks: int = 0  # reps whose prefix transfer failed and were recomputed
+    predicted_ms: float | None = None  # the cost model's prediction, when one was made
+    weights: str = ""  # where the weights came from (loader.LoadedModel.weights)
+
+    def __post_init__(self) -> None:
+        if self.schedule not in RECORD_SCHEDULES:
+            raise ValueError(f"record {self.action}: schedule {self.schedule!r} not in "
+                             f"{RECORD_SCHEDULES}")
+        if not self.reps_ms:
+            raise ValueError(f"record {self.action} has no reps_ms")
+        object.__setattr__(self, "reps_ms", tuple(float(t) for t in self.reps_ms))
+        if self.median_ms != self.median_ms:  # NaN: not given
+            object.__setattr__(self, "median_ms", stats.median(self.reps_ms))
+            object.__setattr__(self, "ci95_ms", stats.median_ci(self.reps_ms))
+        object.__setattr__(self, "ci95_ms", tuple(self.ci95_ms))
+        missing = set(PHASES) - set(self.phases_ms)
+        if missing:
+            raise ValueError(f"record {self.action}: phases_ms lacks {sorted(missing)}")
+
+    @property
+    def setup(self) -> Setup:
+        """Where it was measured; every table and figure is made per setup."""
+        return self.hardware, self.transport, self.link_gbps, self.batch
+
+    @property
+    def family(self) -> str:
+        """The mechanism: `BF16 transfer`, `Q8 transfer`, `Q4 transfer`, `BF16 recompute` (any
+        BF16 cut < L, full recomputation included), `joint Q8` or `joint Q4`."""
+        prec = self.action.precision.upper()
+        if self.action.kind == "transfer":
+            return f"{prec} transfer"
+        return "BF16 recompute" if self.action.bits == 16 else f"joint {prec}"
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (`kind: "summary"`); inverse of `from_json`."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        a = self.action
+        return {"kind": "summary", **d, "action": str(a), "bits": a.bits, "cut": a.cut,
+                "suffix_len": a.suffix_len, "num_layers": a.num_layers,
+                "reps_ms": list(self.reps_ms), "ci95_ms": list(self.ci95_ms)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Summary:
+        """Parse a summary line; a clear ValueError names missing or inconsistent fields."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        required = {f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING} | {"cut", "suffix_len"}
+        missing = sorted(required - set(d))
+        if missing:
+            raise ValueError(f"record {d.get('action')!r} lacks fields {missing}")
+        num_layers = d.get("num_layers", d["cut"] + d["suffix_len"])
+        action = Action.parse(d["action"], num_layers)
+        if (action.bits, action.cut) != (d.get("bits", action.bits), d["cut"]):
+            raise ValueError(f"record {d['action']!r}: bits {d.get('bits')} / cut {d['cut']} "
+                             f"do not match the action")
+        return cls(**{k: v for k, v in d.items() if k in names} | {"action": action})
+
+
+def read_summaries(paths: str | Path | Iterable[str | Path]) -> list[Summary]:
+    """The summary lines of one or more JSONL files (other kinds of lines are skipped)."""
+    paths = [paths] if isinstance(paths, str | Path) else list(paths)
+    out = []
+    for path in paths:
+        for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+            if d.get("kind", "summary") == "summary":
+                out.append(Summary.from_json(d))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Rep:
+    """One timed handoff of an action (the handoff's `kind: "rep"` line)."""
+
+    action: Action
+    schedule: str
+    rep: int  # index among the timed reps (warmups excluded)
+    total_ms: float
+    phases_ms: dict[str, float]
+    fallback: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "rep", **dataclasses.asdict(self), "action": str(self.action)}
