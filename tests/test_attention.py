@@ -1,4 +1,4 @@
-"""Attention backends: how `auto` resolves, how `cudnn` refuses, and the cuDNN path lowered for CUDA.
+"""Attention backends: how `auto` resolves, how `cudnn` refuses, the cuDNN path lowered for CUDA.
 
 Lowering the cuDNN path needs no GPU except for one probe: before lowering, JAX asks the
 installed CUDA plugin for the cuDNN version (`jax._src.cudnn.fused_attention_stablehlo.
