@@ -176,6 +176,11 @@ def rms_rel_err(xs: list[jax.Array], bits: int, backend: str | None = None) -> f
 # ---------------------------------------------------------------------------- model
 
 
+def synthetic_params(cfg: ModelConfig) -> dict:
+    """BF16 synthetic weights, one layer shared by all (so 7B/8B shapes fit) except for `tiny`."""
+    return init_params(cfg, jax.random.key(0), jnp.bfloat16, repeat_layers=cfg.name != "tiny")
+
+
 def _rate(seconds: float, flops: float, layers: int, peak_tflops: float) -> dict[str, float]:
     tflops = flops / seconds / 1e12
     return {"ms": seconds * 1e3, "ms_per_layer": seconds * 1e3 / max(layers, 1), "flops": flops,
@@ -193,7 +198,7 @@ def bench_model(cfg: ModelConfig, seq_len: int, suffix_len: int | None = None,
     r = L // 2 if suffix_len is None else suffix_len
     cut = cfg.check_cut(L - r)
     capacity = capacity or seq_len + 1
-    params = init_params(cfg, jax.random.key(0), jnp.bfloat16, repeat_layers=cfg.name != "tiny")
+    params = synthetic_params(cfg)
     tokens = jax.random.randint(jax.random.key(1), (batch, seq_len), 0, cfg.vocab_size, jnp.int32)
     peak = matmul_tflops(matmul_n or (1024 if on_cpu else 8192), reps)
     copy = copy_gbps((copy_mib or (64 if on_cpu else 2048)) * sizes.MIB, reps)

@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from rekv_jax.config import ModelConfig
+from rekv_jax.config import ATTENTION_BACKENDS, ATTENTION_ENV, ModelConfig
 
 
 def load_config(spec: str) -> ModelConfig:
@@ -153,6 +153,29 @@ def cmd_sweep(args: argparse.Namespace) -> None:
     print(json.dumps({"kind": "prediction_error_pct", **errors}))
 
 
+def cmd_doctor(args: argparse.Namespace) -> None:
+    from rekv_jax import doctor
+
+    checks = doctor.run_checks()
+    result = doctor.report(checks)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        doctor.print_table(checks)
+    if not result["passed"]:
+        raise SystemExit(1)
+
+
+def add_attention_flag(p: argparse.ArgumentParser) -> None:
+    """`--attention`: the same as $REKV_ATTENTION (so a child process inherits it)."""
+    p.add_argument("--attention", choices=ATTENTION_BACKENDS, default=None,
+                   help="attention backend (default: $REKV_ATTENTION, else auto: cuDNN flash "
+                        "attention on a GPU for bf16, XLA otherwise)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rekv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -210,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator", default=None,
                    help="host:port of the decode process (default: detected, e.g. SLURM)")
     p.add_argument("--experiment", default=None, help=argparse.SUPPRESS)  # JSON, from launch_pair
+    add_attention_flag(p)
     p.set_defaults(func=cmd_handoff)
 
     p = sub.add_parser("profile", help="measure per-layer alpha, beta, gamma, H, J (JSON)")
@@ -219,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
                    default="transfer-server")
     p.add_argument("--link-gbps", type=float, default=None, help="pace the link (GB/s)")
     p.add_argument("--reps", type=int, default=5)
+    add_attention_flag(p)
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("sweep", help="measured sweep -> JSONL, CSV, tables and figures")
@@ -228,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override the preset's link (cpu: calibrated to the paper's ratio)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=30)
+    add_attention_flag(p)
     p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("quality", help="output-quality gate of handoff actions (paper §2.4)")
@@ -241,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wikitext", default=None,
                    help="WikiText-2 folder (default: $REKV_WIKITEXT or ../shared/data/wikitext-2)")
     p.add_argument("--json", action="store_true", help="one JSON object per action")
+    add_attention_flag(p)
     p.set_defaults(func=cmd_quality)
 
     p = sub.add_parser("select", help="Eq. 13: fastest eligible action per (model, length)")
@@ -250,11 +277,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1, help="use timings measured at this batch")
     p.set_defaults(func=cmd_select)
 
+    p = sub.add_parser("doctor", help="self-check of this machine: kernels, exactness, speed, "
+                                      "a handoff (pass/fail table)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--out", default=None, help="also write the JSON report to this file")
+    add_attention_flag(p)
+    p.set_defaults(func=cmd_doctor)
+
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if getattr(args, "attention", None):
+        os.environ[ATTENTION_ENV] = args.attention
     try:
         args.func(args)
     except ValueError as e:  # bad input: one clear line, no traceback

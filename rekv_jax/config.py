@@ -16,6 +16,7 @@ MODEL_TYPES = ("qwen2", "qwen3", "llama")
 # How attention is computed: not a property of the weights, but it changes the bits. `auto`
 # means cuDNN flash attention on a GPU for bf16/f16, XLA otherwise (`model.attention_backend`).
 ATTENTION_BACKENDS = ("auto", "xla", "cudnn")
+ATTENTION_ENV = "REKV_ATTENTION"  # overrides `auto` (what `--attention` sets)
 
 
 @dataclasses.dataclass(frozen=True)

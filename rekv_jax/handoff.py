@@ -28,7 +28,7 @@ from rekv_jax import stats
 from rekv_jax.action import Action, parse_actions
 from rekv_jax.config import ModelConfig
 from rekv_jax.costmodel import PHASES
-from rekv_jax.model import Params, init_params, prefill
+from rekv_jax.model import Params, attention_backend, init_params, prefill
 from rekv_jax.params import load_hf
 from rekv_jax.schedule import (
     SCHEDULES,
@@ -102,8 +102,11 @@ def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
     """One side of the whole experiment; the decode side emits the records."""
     cfg, params = load_model(exp.model, exp.seed)
     actions = parse_actions(exp.actions, cfg.num_layers)
+    # different attention backends give different bits, so the backend is agreed on too
     transport.agree("experiment", {**dataclasses.asdict(exp), "model": _digest(cfg, params),
-                                   "actions": [str(a) for a in actions]}, exp.timeout)
+                                   "actions": [str(a) for a in actions],
+                                   "attention": attention_backend(cfg, params["embed"].dtype)},
+                    exp.timeout)
     tokens = jax.random.randint(jax.random.key(exp.seed + 1), (exp.batch, exp.seq_len), 0,
                                 cfg.vocab_size, jnp.int32)
     for action in actions:

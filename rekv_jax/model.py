@@ -25,12 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rekv_jax.config import ATTENTION_BACKENDS, ModelConfig
+from rekv_jax.config import ATTENTION_BACKENDS, ATTENTION_ENV, ModelConfig
 from rekv_jax.kv import KVCache
 
 Params = dict  # nested dict of arrays, the pure-dict state of `Transformer`
 Past = tuple[jax.Array, jax.Array, jax.Array]  # one layer's cache k, v [B, C, K, H] and start
-ATTENTION_ENV = "REKV_ATTENTION"  # overrides `auto` (what `--attention` sets)
 _INIT = nnx.initializers.normal(0.02)
 
 

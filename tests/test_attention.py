@@ -10,13 +10,14 @@ the cudnn backend there) and by `rekv doctor`.
 """
 
 import dataclasses
+import threading
 
 import jax
 import jax.numpy as jnp
 import pytest
 from jax._src.cudnn import fused_attention_stablehlo
 
-from rekv_jax import ModelConfig
+from rekv_jax import ModelConfig, handoff
 from rekv_jax.model import _run, attention_backend, choose_attention, init_params, prefill
 
 
@@ -79,3 +80,13 @@ def test_cudnn_path_lowers_for_cuda(monkeypatch):
         assert ("__cudnn$fmhaSoftmax" in prompt) == (attention == "cudnn")
         assert ("__cudnn$fmhaScaleBiasSoftmax" in step) == (attention == "cudnn")
         assert "__cudnn$fmhaSoftmax" not in step  # the cache path never uses the causal type
+
+
+def test_handoff_sides_must_agree_on_the_attention_backend(monkeypatch):
+    """Different backends give different bits: a handoff between them fails on the agreement."""
+    monkeypatch.setattr(handoff, "attention_backend", lambda cfg, dtype: (
+        "cudnn" if threading.current_thread().name == "rekv-prefill" else "xla"))
+    exp = handoff.Experiment(seq_len=16, actions="bf16:full", transport="local", warmup=0, reps=1,
+                             timeout=30.0)
+    with pytest.raises(ValueError, match="disagree on attention .decode 'xla', prefill 'cudnn'"):
+        handoff.run_local(exp, lambda record: None)
