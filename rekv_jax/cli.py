@@ -93,6 +93,14 @@ def _flags() -> dict[str, Callable[[argparse.ArgumentParser], None]]:
                        help="host:port of the decode process (default: detected, e.g. SLURM)")
         p.add_argument("--experiment", default=None, help=argparse.SUPPRESS)  # from launch_pair
 
+    def attention(p: argparse.ArgumentParser) -> None:
+        from rekv_jax.config import ATTENTION_BACKENDS
+
+        p.add_argument("--attention", choices=ATTENTION_BACKENDS, default=None,
+                       help="attention backend, the same as $REKV_ATTENTION, which a child "
+                            "process inherits (default: auto: cuDNN flash attention on a GPU "
+                            "for bf16, XLA otherwise)")
+
     def bits(p: argparse.ArgumentParser) -> None:
         from rekv_jax.action import BITS
 
@@ -100,7 +108,7 @@ def _flags() -> dict[str, Callable[[argparse.ArgumentParser], None]]:
 
     return {"json": json_, "model": model, "shape": shape, "actions": actions, "link": link,
             "transport": transport, "reps": reps, "schedule": schedule, "handoff": handoff,
-            "bits": bits}
+            "attention": attention, "bits": bits}
 
 
 # ---------------------------------------------------------------------------------- output
@@ -343,6 +351,22 @@ def cmd_sweep(args: argparse.Namespace) -> None:
     print("cost model median |error| %: " + ", ".join(f"{a} {e:.1f}" for a, e in errors.items()))
 
 
+def cmd_doctor(args: argparse.Namespace) -> None:
+    from rekv_jax import doctor
+
+    checks = doctor.run_checks()
+    result = doctor.report(checks)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.json:
+        _emit_json([result])
+    else:
+        doctor.print_table(checks)
+    if not result["passed"]:
+        raise SystemExit(1)
+
+
 # ---------------------------------------------------------------------------------- parser
 
 # name -> (handler, help, shared flag groups, a function adding the command's own flags)
@@ -380,7 +404,8 @@ def _plan_flags(p: argparse.ArgumentParser) -> None:
 
 
 @command("handoff", cmd_handoff, "timed handoffs between a prefill and a decode process",
-         ("model", "shape", "actions", "link", "transport", "reps", "schedule", "handoff", "json"))
+         ("model", "shape", "actions", "link", "transport", "reps", "schedule", "handoff",
+          "attention", "json"))
 def _handoff_flags(p: argparse.ArgumentParser) -> None:
     p.set_defaults(seq_len=256, link_gbps=PAPER_LINK)
 
@@ -392,21 +417,21 @@ def _calibrate_flags(p: argparse.ArgumentParser) -> None:
 
 
 @command("profile", cmd_profile, "measure per-layer alpha, beta, gamma, H, J",
-         ("model", "shape", "link", "transport", "json"))
+         ("model", "shape", "link", "transport", "attention", "json"))
 def _profile_flags(p: argparse.ArgumentParser) -> None:
     p.set_defaults(seq_len=256)
     p.add_argument("--reps", type=int, default=5)
 
 
 @command("sweep", cmd_sweep, "measured sweep -> JSONL, CSV, tables and figures",
-         ("link", "reps", "json"))
+         ("link", "reps", "attention", "json"))
 def _sweep_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=("cpu", "gpu"), default="cpu")
     p.add_argument("--out", required=True, help="output folder")
 
 
 @command("quality", cmd_quality, "output-quality gate of handoff actions (paper §2.4)",
-         ("model", "shape", "actions", "json"))
+         ("model", "shape", "actions", "attention", "json"))
 def _quality_flags(p: argparse.ArgumentParser) -> None:
     p.set_defaults(model=None, seq_len=512, actions="q8:full,q8:r=2,q4:full,q4:r=2")
     p.add_argument("--cont-len", type=int, default=64, help="continuation tokens T scored")
@@ -420,6 +445,12 @@ def _select_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quality", required=True, help="JSONL from `rekv quality --json`")
     p.add_argument("--timings", default=None, help="JSONL of handoff or sweep summaries")
     p.add_argument("--batch", type=int, default=1, help="use timings measured at this batch")
+
+
+@command("doctor", cmd_doctor, "self-check of this machine: kernels, exactness, speed, a handoff",
+         ("attention", "json"))
+def _doctor_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default=None, help="also write the JSON report to this file")
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -448,6 +479,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(next((a for a in argv if a in COMMANDS), None)).parse_args(argv)
+    if getattr(args, "attention", None):
+        from rekv_jax.config import ATTENTION_ENV
+
+        os.environ[ATTENTION_ENV] = args.attention
     try:
         args.func(args)
     except ValueError as e:  # bad input: one clear line, no traceback

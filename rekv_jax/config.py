@@ -13,6 +13,10 @@ from pathlib import Path
 from typing import Any
 
 MODEL_TYPES = ("qwen2", "qwen3", "llama")
+# How attention is computed: not a property of the weights, but it changes the bits. `auto`
+# means cuDNN flash attention on a GPU for bf16/f16, XLA otherwise (`model.attention_backend`).
+ATTENTION_BACKENDS = ("auto", "xla", "cudnn")
+ATTENTION_ENV = "REKV_ATTENTION"  # overrides `auto` (what `--attention` sets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,11 +49,15 @@ class ModelConfig:
     tie_embeddings: bool = False  # LM head reuses the embedding matrix
     rope_scaling: Llama3RopeScaling | None = None
     max_position_embeddings: int = 32768
+    attention: str = "auto"  # one of ATTENTION_BACKENDS; static under jit, never written to HF
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
             raise ValueError(
                 f"unknown model_type {self.model_type!r}; expected one of {MODEL_TYPES}")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {self.attention!r}; expected one of "
+                             f"{ATTENTION_BACKENDS}")
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
                       "intermediate_size", "vocab_size"):
             if getattr(self, field) <= 0:

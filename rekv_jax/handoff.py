@@ -28,7 +28,7 @@ from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
 from rekv_jax.costmodel import PHASES
 from rekv_jax.loader import load_model
-from rekv_jax.model import Params, prefill
+from rekv_jax.model import Params, attention_backend, prefill
 from rekv_jax.schedule import (
     FALLBACKS,
     SCHEDULES,
@@ -117,7 +117,9 @@ def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
     wrong = [str(a) for a in exp.actions if a.num_layers != cfg.num_layers]
     if wrong:
         raise ValueError(f"actions {wrong} are not for {cfg.name} ({cfg.num_layers} layers)")
-    transport.agree("experiment", {**dataclasses.asdict(exp), "model": fingerprint(cfg, params)},
+    # different attention backends give different bits, so the backend is agreed on too
+    transport.agree("experiment", {**dataclasses.asdict(exp), "model": fingerprint(cfg, params),
+                                   "attention": attention_backend(cfg, params["embed"].dtype)},
                     exp.timeout)
     tokens = jax.random.randint(jax.random.key(exp.seed + 1), (exp.batch, exp.seq_len), 0,
                                 cfg.vocab_size, jnp.int32)

@@ -65,10 +65,23 @@ def synthetic_weight_bytes(cfg: ModelConfig, dtype: jnp.dtype = jnp.bfloat16) ->
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 
 
+def synthetic_model(cfg: ModelConfig, seed: int = 0, dtype: jnp.dtype = jnp.bfloat16
+                    ) -> LoadedModel:
+    """Synthetic weights of `cfg` from `seed`; one layer's weights shared by all layers when the
+    full stack would exceed `SHARE_LAYERS_ABOVE_BYTES` (said in `weights`)."""
+    from rekv_jax.model import init_params
+
+    nbytes = synthetic_weight_bytes(cfg, dtype)
+    share = nbytes > SHARE_LAYERS_ABOVE_BYTES
+    weights = (f"synthetic (seed {seed}, one layer shared by all {cfg.num_layers}: "
+               f"{nbytes / 2**30:.1f} GiB > {SHARE_LAYERS_ABOVE_BYTES / 2**30:g} GiB)"
+               if share else f"synthetic (seed {seed})")
+    return LoadedModel(cfg, init_params(cfg, jax.random.key(seed), dtype, share), weights)
+
+
 def load_model(spec: str, seed: int = 0, dtype: jnp.dtype = jnp.bfloat16) -> LoadedModel:
     """Config, weights and tokenizer of a spec (see the module docstring)."""
     from rekv_jax.data import load_tokenizer
-    from rekv_jax.model import init_params
     from rekv_jax.params import load_hf, restore_params
 
     if spec.startswith("hf:"):
@@ -77,13 +90,7 @@ def load_model(spec: str, seed: int = 0, dtype: jnp.dtype = jnp.bfloat16) -> Loa
         tok = load_tokenizer(folder) if (folder / "tokenizer.json").is_file() else None
         return LoadedModel(cfg, params, spec, tok)
     if spec in MODEL_PRESETS:
-        cfg = ModelConfig.preset(spec)
-        nbytes = synthetic_weight_bytes(cfg, dtype)
-        share = nbytes > SHARE_LAYERS_ABOVE_BYTES
-        weights = (f"synthetic (seed {seed}, one layer shared by all {cfg.num_layers}: "
-                   f"{nbytes / 2**30:.1f} GiB > {SHARE_LAYERS_ABOVE_BYTES / 2**30:g} GiB)"
-                   if share else f"synthetic (seed {seed})")
-        return LoadedModel(cfg, init_params(cfg, jax.random.key(seed), dtype, share), weights)
+        return synthetic_model(ModelConfig.preset(spec), seed, dtype)
     folder = _orbax_folder(spec)
     cfg, params = restore_params(folder / "orbax")
     return LoadedModel(cfg, params, f"orbax {folder}", load_tokenizer(folder))

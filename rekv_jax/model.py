@@ -15,15 +15,17 @@ they work with optax, orbax and tree utilities directly; the functions below `nn
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rekv_jax.config import ModelConfig
+from rekv_jax.config import ATTENTION_BACKENDS, ATTENTION_ENV, ModelConfig
 from rekv_jax.kv import KVCache
 
 Params = dict  # nested dict of arrays, the pure-dict state of `Transformer`
@@ -77,15 +79,21 @@ class Attention(nnx.Module):
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if past is None:
-            out = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # [B, T, N, H]
+        # `attention` is concrete here (the public functions resolve `auto`); None means XLA
+        implementation = "cudnn" if self.cfg.attention == "cudnn" else None
+        if past is None:  # causal prompt: cuDNN's CAUSAL mask type, never a materialized mask
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                               implementation=implementation)  # [B, T, N, H]
         else:  # write at `start` into a capacity-C cache; query t sees keys 0..start + t
             past_k, past_v, start = past
             k = jax.lax.dynamic_update_slice_in_dim(past_k, k, start, axis=1)  # [B, C, K, H]
             v = jax.lax.dynamic_update_slice_in_dim(past_v, v, start, axis=1)  # [B, C, K, H]
             T, C = q.shape[1], k.shape[1]
+            # A [T, C] mask (cuDNN adds it as a bias, flash-capable): cuDNN's causal mask is
+            # top-left aligned, so it cannot express the offset `start` (see the README).
             mask = jnp.arange(C)[None, :] <= start + jnp.arange(T)[:, None]  # [T, C]
-            out = jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])
+            out = jax.nn.dot_product_attention(q, k, v, mask=mask[None, None],
+                                               implementation=implementation)
         return jnp.einsum("btnh,nhd->btd", out, self.o_proj[...]), k, v  # [B, T, D]
 
 
@@ -294,79 +302,91 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.bfloat1
     return make(key)
 
 
-def _positions(batch: int, start: int, length: int) -> jax.Array:
-    return jnp.broadcast_to(jnp.arange(start, start + length, dtype=jnp.int32), (batch, length))
+def choose_attention(requested: str, platform: str, dtype: jnp.dtype) -> str:
+    """The concrete attention backend (`xla` or `cudnn`) for a request on a platform and dtype.
+
+    `auto`: cuDNN flash attention on a GPU for bf16/f16 (it refuses float32), XLA otherwise.
+    `cudnn` where it cannot run is a ValueError with the reason, not a JAX traceback.
+    """
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {requested!r}; expected one of "
+                         f"{ATTENTION_BACKENDS}")
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if requested == "auto":
+        return "cudnn" if platform == "gpu" and half else "xla"
+    if requested == "cudnn" and not (platform == "gpu" and half):
+        raise ValueError(f"attention backend 'cudnn' needs a CUDA GPU and bfloat16/float16 "
+                         f"weights; here: {platform}, {jnp.dtype(dtype).name} (use xla or auto)")
+    return requested
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _prefill(cfg: ModelConfig, params: Params, tokens: jax.Array) -> tuple[KVCache, jax.Array]:
+def attention_backend(cfg: ModelConfig, dtype: jnp.dtype) -> str:
+    """The backend this process runs `cfg` with: `cfg.attention`, else $REKV_ATTENTION, else
+    `auto`, resolved for this process's platform and the weights' dtype."""
+    requested = cfg.attention if cfg.attention != "auto" else os.environ.get(ATTENTION_ENV, "auto")
+    return choose_attention(requested, jax.default_backend(), dtype)
+
+
+def _checked(cfg: ModelConfig, params: Params, tokens: jax.Array | None = None,
+             cut: int | None = None) -> ModelConfig:
+    """Validate the inputs; return `cfg` with its attention backend resolved (a jit key)."""
+    if cut is not None:
+        cfg.check_cut(cut)
+    check_params(cfg, params)
+    if tokens is not None:
+        check_tokens(cfg, tokens)
+    return dataclasses.replace(cfg, attention=attention_backend(cfg, params["embed"].dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "first", "stop", "head", "differentiable"))
+def _run(cfg: ModelConfig, params: Params, inputs: jax.Array, start: jax.Array,
+         positions: jax.Array | None = None, past: KVCache | None = None, *, first: int,
+         stop: int, head: str, differentiable: bool = False) -> tuple[jax.Array, KVCache]:
+    """The one jitted entry: layers `first..stop-1`, then the head; returns (out, KV).
+
+    `inputs` are token ids [B, T] (embedded here) or a residual [B, T, D]; positions default to
+    `start..start+T-1`. `head`: "last" (logits [B, V] of the last position), "all" ([B, T, V]) or
+    "none" (the residual leaving layer `stop - 1`, i.e. `h_stop`).
+    """
     model = _model(cfg, params)
-    B, S = tokens.shape
-    x, kv = model.run_layers(model.embed[...][tokens], _positions(B, 0, S), 0, cfg.num_layers)
-    return kv, model.logits(x[:, -1])
+    x = model.embed[...][inputs] if jnp.issubdtype(inputs.dtype, jnp.integer) else inputs
+    B, T = inputs.shape[:2]
+    if positions is None:
+        positions = jnp.broadcast_to(start + jnp.arange(T, dtype=jnp.int32), (B, T))
+    x, kv = model.run_layers(x, positions, first, stop, past, differentiable)
+    out = {"last": lambda: model.logits(x[:, -1]), "all": lambda: model.logits(x),
+           "none": lambda: x}[head]()
+    return out, kv
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "cut"))
-def _run_prefix(cfg: ModelConfig, params: Params, tokens: jax.Array, cut: int
-                ) -> tuple[jax.Array, KVCache]:
-    model = _model(cfg, params)
-    B, S = tokens.shape
-    return model.run_layers(model.embed[...][tokens], _positions(B, 0, S), 0, cut)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "cut"))
-def _run_suffix(cfg: ModelConfig, params: Params, h_c: jax.Array, cut: int, positions: jax.Array
-                ) -> tuple[KVCache, jax.Array]:
-    model = _model(cfg, params)
-    x, kv = model.run_layers(h_c, positions, cut, cfg.num_layers)
-    return kv, model.logits(x[:, -1])
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _extend(cfg: ModelConfig, params: Params, kv: KVCache, tokens: jax.Array, start: jax.Array
-            ) -> tuple[jax.Array, KVCache]:
-    model = _model(cfg, params)
-    B, T = tokens.shape
-    positions = start + _positions(B, 0, T)
-    x, kv = model.run_layers(model.embed[...][tokens], positions, 0, cfg.num_layers, past=kv)
-    return model.logits(x), kv
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _forward(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
-    model = _model(cfg, params)
-    B, S = tokens.shape
-    x, _ = model.run_layers(model.embed[...][tokens], _positions(B, 0, S), 0, cfg.num_layers,
-                            differentiable=True)
-    return model.logits(x)
+_ZERO = np.int32(0)
 
 
 def prefill(cfg: ModelConfig, params: Params, tokens: jax.Array) -> tuple[KVCache, jax.Array]:
     """All L layers on tokens [B, S]: (KV [L, B, S, K, H], last-position logits [B, V] f32)."""
-    check_params(cfg, params)
-    check_tokens(cfg, tokens)
-    return _prefill(cfg, params, tokens)
+    cfg = _checked(cfg, params, tokens)
+    logits, kv = _run(cfg, params, tokens, _ZERO, first=0, stop=cfg.num_layers, head="last")
+    return kv, logits
 
 
 def run_prefix(cfg: ModelConfig, params: Params, tokens: jax.Array, cut: int
                ) -> tuple[jax.Array, KVCache]:
     """Layers 0..cut-1: (h_c [B, S, D], the residual entering layer `cut`; KV [cut, B, S, K, H])."""
-    cfg.check_cut(cut)
-    check_params(cfg, params)
-    check_tokens(cfg, tokens)
-    return _run_prefix(cfg, params, tokens, cut)
+    cfg = _checked(cfg, params, tokens, cut)
+    return _run(cfg, params, tokens, _ZERO, first=0, stop=cut, head="none")
 
 
 def run_suffix(cfg: ModelConfig, params: Params, h_c: jax.Array, cut: int,
                positions: jax.Array | None = None) -> tuple[KVCache, jax.Array]:
     """Layers cut..L-1 from h_c [B, S, D]: (KV [L-cut, B, S, K, H], last-position logits [B, V])."""
-    cfg.check_cut(cut)
-    check_params(cfg, params)
+    cfg = _checked(cfg, params, cut=cut)
     if h_c.ndim != 3 or h_c.shape[-1] != cfg.hidden_size:
         raise ValueError(f"h_c must be [B, S, {cfg.hidden_size}], got {h_c.shape}")
-    B, S, _ = h_c.shape
-    positions = _positions(B, 0, S) if positions is None else jnp.broadcast_to(positions, (B, S))
-    return _run_suffix(cfg, params, h_c, cut, positions)
+    if positions is not None:
+        positions = jnp.broadcast_to(positions, h_c.shape[:2])
+    logits, kv = _run(cfg, params, h_c, _ZERO, positions, first=cut, stop=cfg.num_layers,
+                      head="last")
+    return kv, logits
 
 
 def extend(cfg: ModelConfig, params: Params, kv: KVCache, tokens: jax.Array, start: int
@@ -377,14 +397,14 @@ def extend(cfg: ModelConfig, params: Params, kv: KVCache, tokens: jax.Array, sta
     or after `start` are ignored (masked), so a cache padded with `KVCache.pad` can be reused
     step after step with one compiled program.
     """
-    check_params(cfg, params)
-    check_tokens(cfg, tokens)
+    cfg = _checked(cfg, params, tokens)
     if kv.num_layers != cfg.num_layers:
         raise ValueError(f"cache holds {kv.num_layers} layers, the model has {cfg.num_layers}")
     if isinstance(start, int) and not 0 <= start <= kv.seq_len - tokens.shape[1]:
         raise ValueError(f"start={start} + {tokens.shape[1]} tokens does not fit a cache of "
                          f"capacity {kv.seq_len}; grow it with KVCache.pad")
-    return _extend(cfg, params, kv, tokens, jnp.asarray(start, jnp.int32))
+    return _run(cfg, params, tokens, jnp.asarray(start, jnp.int32), past=kv, first=0,
+                stop=cfg.num_layers, head="all")
 
 
 def decode_step(cfg: ModelConfig, params: Params, kv: KVCache, token: jax.Array, position: int
@@ -396,9 +416,9 @@ def decode_step(cfg: ModelConfig, params: Params, kv: KVCache, token: jax.Array,
 
 def forward(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
     """Logits at every position [B, S, V] f32 (training and teacher-forced scoring)."""
-    check_params(cfg, params)
-    check_tokens(cfg, tokens)
-    return _forward(cfg, params, tokens)
+    cfg = _checked(cfg, params, tokens)
+    return _run(cfg, params, tokens, _ZERO, first=0, stop=cfg.num_layers, head="all",
+                differentiable=True)[0]
 
 
 def greedy_decode(cfg: ModelConfig, params: Params, kv: KVCache, logits: jax.Array, steps: int

@@ -22,19 +22,6 @@ from rekv_jax.costmodel import Profile, predict, predicted_ms
 PAPER_LINK_GBPS = 448 * sizes.MIB / 202.13e-3 / 1e9  # ~2.32 GB/s
 ANALYTIC_TFLOPS = 700.0  # assumed effective dense BF16 rate of an H100-class GPU
 ANALYTIC_HBM_GBPS = 3350.0  # H100 SXM memory bandwidth
-WEIGHT_BYTES = 2  # BF16 weights
-
-
-def layer_weight_count(cfg: ModelConfig) -> int:
-    """Weights of one decoder layer: attention projections and the SwiGLU MLP (norms ignored)."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return cfg.hidden_size * (2 * q + 2 * kv + 3 * cfg.intermediate_size)
-
-
-def layer_flops(cfg: ModelConfig, seq_len: int, batch: int = 1) -> float:
-    """FLOPs of one layer over a causal prompt: 2 per weight per token, plus QK^T and PV."""
-    attention = 2 * seq_len * seq_len * cfg.num_heads * cfg.head_dim  # 2 matmuls, half masked
-    return batch * (2 * seq_len * layer_weight_count(cfg) + attention)
 
 
 def analytic_profile(cfg: ModelConfig, seq_len: int, batch: int = 1,
@@ -51,16 +38,15 @@ def analytic_profile(cfg: ModelConfig, seq_len: int, batch: int = 1,
     # Quantize reads BF16 and writes codes + scales; restore reads those and writes BF16.
     memory = {16: 0.0} | {b: roofline(0, kv16 + sizes.kv_layer_bytes(cfg, seq_len, batch, b))
                           for b in (8, 4)}
-    head = cfg.hidden_size * cfg.vocab_size
     return Profile.for_config(
         cfg, seq_len, batch, hardware=f"analytic ({tflops:g} TFLOP/s, {hbm_gbps:g} GB/s memory)",
         link=f"analytic {link_gbps:g} GB/s", link_gbps=link_gbps, source="analytic",
         quantize_ms=memory, restore_ms=memory,
-        suffix_layer_ms=roofline(layer_flops(cfg, seq_len, batch),
-                                 layer_weight_count(cfg) * WEIGHT_BYTES),
+        suffix_layer_ms=roofline(sizes.layer_flops(cfg, seq_len, batch),
+                                 sizes.layer_weight_count(cfg) * sizes.WEIGHT_BYTES),
         # the first token: LM head of the last position (transfer-only receives it with the KV)
         join_ms={"transfer": 0.0} | dict.fromkeys(("recompute", "joint"), roofline(
-            2 * batch * head, head * WEIGHT_BYTES)),
+            sizes.head_flops(cfg, 1, batch), sizes.head_weight_count(cfg) * sizes.WEIGHT_BYTES)),
         embed_ms=roofline(0, sizes.boundary_bytes(cfg, seq_len, batch)))  # writes [B, S, D] BF16
 
 

@@ -1,10 +1,12 @@
-"""Byte accounting of a ReKV handoff (paper Eqs. 1, 2, 5, 7): the one place these formulas live.
+"""Byte and FLOP accounting of a ReKV handoff (paper Eqs. 1, 2, 5, 7): the one place they live.
 
 Every payload size used by the cost model, the planner, the CLI and the tables comes from here.
 A KV layer holds `E = 2 * B * S * K * H` elements (keys and values, `[B, S, K, H]` each). At 16
 bits it costs `2E` bytes; at `b` in {8, 4} bits it is sent as packed codes plus one float16 scale
 per group of `G = 64` elements along head_dim: `E * (b/8 + 2/G)` bytes (Eq. 7). The boundary
 state `h_c` is always BF16 (`B * S * D * 2` bytes, Eq. 1); full recomputation sends int32 token IDs.
+Model FLOPs count 2 per weight per token plus the two attention matmuls over the keys each
+query sees (the roofline of `planner.analytic_profile` and `scripts/bench_model.py` use them).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ GROUP_SIZE = 64  # elements sharing one scale (paper §2.2)
 SCALE_BYTES = 2  # float16 scale
 BOUNDARY_ELEM_BYTES = 2  # h_c is sent in BF16
 TOKEN_ID_BYTES = 4  # int32 token IDs
+WEIGHT_BYTES = 2  # BF16 weights
 MIB = 2**20
 
 
@@ -121,3 +124,27 @@ def model_sizes(cfg: ModelConfig, seq_len: int, batch: int = 1) -> dict[str, int
         "boundary_to_kv_layer": b_h / b_kv,  # B_H / B_KV = n_h / (2 n_kv) when D = n_h * H
         "min_saving_suffix_bf16": b_h // b_kv + 1,  # smallest r with r * B_KV > B_H (Eq. 6)
     }
+
+
+def layer_weight_count(cfg: ModelConfig) -> int:
+    """Weights of one decoder layer: attention projections and the SwiGLU MLP (norms ignored)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return cfg.hidden_size * (2 * q + 2 * kv + 3 * cfg.intermediate_size)
+
+
+def head_weight_count(cfg: ModelConfig) -> int:
+    """Weights of the LM head `[D, V]` (the embedding matrix when tied)."""
+    return cfg.hidden_size * cfg.vocab_size
+
+
+def layer_flops(cfg: ModelConfig, seq_len: int, batch: int = 1, past: int = 0) -> float:
+    """FLOPs of one layer on `seq_len` new tokens after `past` cached ones: 2 per weight per
+    token, plus QK^T and PV over the keys each query sees (`past + t`, the causal half ~ S^2/2)."""
+    keys_seen = seq_len * past + seq_len * seq_len / 2
+    attention = 4 * keys_seen * cfg.num_heads * cfg.head_dim  # 2 matmuls of 2 FLOPs per MAC
+    return batch * (2 * seq_len * layer_weight_count(cfg) + attention)
+
+
+def head_flops(cfg: ModelConfig, positions: int = 1, batch: int = 1) -> float:
+    """FLOPs of the LM head on `positions` positions per prompt."""
+    return 2 * batch * positions * head_weight_count(cfg)

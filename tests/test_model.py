@@ -1,4 +1,10 @@
-"""Model core: exact suffix equality at every cut, decoding from a split cache, bad input."""
+"""Model core: exact suffix equality at every cut, decoding from a split cache, bad input.
+
+The exactness tests run every attention backend that can run here: XLA everywhere, cuDNN flash
+attention (bf16 only) where a GPU is present.
+"""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -29,12 +35,18 @@ FAMILIES = {
 }
 
 
-def small_config(family: str, layers: int = 4, kv_heads: int = 2, head_dim: int = 16
-                 ) -> ModelConfig:
+ATTENTIONS = ["xla"] + (["cudnn"] if jax.default_backend() == "gpu" else [])
+# (attention, dtype) pairs that can run here: cuDNN refuses float32
+RUNNABLE = [(a, d) for a in ATTENTIONS for d in (jnp.float32, jnp.bfloat16)
+            if a != "cudnn" or d == jnp.bfloat16]
+
+
+def small_config(family: str, layers: int = 4, kv_heads: int = 2, head_dim: int = 16,
+                 attention: str = "xla") -> ModelConfig:
     return ModelConfig(name=f"small-{family}", num_layers=layers, hidden_size=64, num_heads=4,
                        num_kv_heads=kv_heads, head_dim=head_dim if family != "qwen3" else 32,
                        intermediate_size=96, vocab_size=97, rope_theta=10000.0,
-                       rms_norm_eps=1e-6, **FAMILIES[family])
+                       rms_norm_eps=1e-6, attention=attention, **FAMILIES[family])
 
 
 def random_params(cfg: ModelConfig, dtype, seed: int = 0) -> dict:
@@ -66,10 +78,11 @@ def assert_split_equals_prefill(cfg, params, tokens, cut):
         assert np.array_equal(np.asarray(got), np.asarray(want)), f"cut={cut}"
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("attention, dtype", RUNNABLE,
+                         ids=[f"{a}-{jnp.dtype(d).name}" for a, d in RUNNABLE])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_every_cut_is_exact(family, dtype):
-    cfg = small_config(family)
+def test_every_cut_is_exact(family, attention, dtype):
+    cfg = small_config(family, attention=attention)
     params = random_params(cfg, dtype)
     tokens = tokens_for(cfg, 2, 24)
     for cut in range(0, cfg.num_layers + 1):
@@ -79,18 +92,21 @@ def test_every_cut_is_exact(family, dtype):
 @settings(max_examples=12, deadline=None)
 @given(family=st.sampled_from(list(FAMILIES)), layers=st.integers(2, 5),
        kv_heads=st.sampled_from([1, 2, 4]), batch=st.integers(1, 3), seq=st.integers(1, 40),
-       dtype=st.sampled_from([jnp.float32, jnp.bfloat16]), cut_seed=st.integers(0, 3))
+       attention_dtype=st.sampled_from(RUNNABLE), cut_seed=st.integers(0, 3))
 # Found by this search: XLA inlined the 1-layer prefix loop and compiled that layer differently.
-@example(family="qwen3", layers=2, kv_heads=1, batch=1, seq=4, dtype=jnp.float32, cut_seed=0)
-def test_suffix_exact_property(family, layers, kv_heads, batch, seq, dtype, cut_seed):
-    cfg = small_config(family, layers=layers, kv_heads=kv_heads)
+@example(family="qwen3", layers=2, kv_heads=1, batch=1, seq=4,
+         attention_dtype=("xla", jnp.float32), cut_seed=0)
+def test_suffix_exact_property(family, layers, kv_heads, batch, seq, attention_dtype, cut_seed):
+    attention, dtype = attention_dtype
+    cfg = small_config(family, layers=layers, kv_heads=kv_heads, attention=attention)
     cut = 1 + cut_seed % (layers - 1)
     params = random_params(cfg, dtype, seed=seq)
     assert_split_equals_prefill(cfg, params, tokens_for(cfg, batch, seq, seed=seq), cut)
 
 
-def test_tiny_preset_bf16_exact_and_decodes_from_split_cache():
-    cfg = ModelConfig.preset("tiny")
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_tiny_preset_bf16_exact_and_decodes_from_split_cache(attention):
+    cfg = dataclasses.replace(ModelConfig.preset("tiny"), attention=attention)
     params = init_params(cfg, jax.random.key(0))
     tokens = tokens_for(cfg, 2, 256)
     kv, logits = prefill(cfg, params, tokens)

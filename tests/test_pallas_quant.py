@@ -1,5 +1,6 @@
-"""Pallas quantization kernels: bit-identical to the XLA reference (interpret mode on CPU), and
-lowerable for CUDA from this CPU-only machine, so a kernel that cannot compile fails here."""
+"""Pallas quantization kernels and their block math: bit-identical to the XLA reference
+(interpret mode on CPU), `f16_scale` against every bfloat16, and lowerable for CUDA from this
+CPU-only machine, so a kernel that cannot compile fails here."""
 
 import jax
 import jax.numpy as jnp
@@ -19,15 +20,16 @@ def assert_bitwise_equal(a: jax.Array, b: jax.Array) -> None:
     assert np.array_equal(a.view(f"u{a.itemsize}"), b.view(f"u{b.itemsize}"))
 
 
-def check_same_as_reference(x: jax.Array, bits: int, block_rows: int | None = None) -> None:
-    ref = Q.quantize_xla(x, bits)
-    got = P.quantize(x, bits, block_rows=block_rows, interpret=True)
+def check_same_as_reference(x: jax.Array, bits: int, block_rows: int) -> None:
+    ref = P.quantize_xla(x, bits, 64)
+    block = block_rows * x.shape[-1]
+    got = P.quantize(x, bits, 64, block_elements=block, interpret=True)
     assert_bitwise_equal(got.values, ref.values)
     assert_bitwise_equal(got.scales, ref.scales)
     assert (got.bits, got.group_size, got.dtype) == (ref.bits, ref.group_size, ref.dtype)
     for dtype in (None, jnp.float32, jnp.float16):
-        assert_bitwise_equal(P.dequantize(got, dtype, block_rows=block_rows, interpret=True),
-                             Q.dequantize_xla(ref, dtype))
+        assert_bitwise_equal(P.dequantize(got, dtype, block_elements=block, interpret=True),
+                             P.dequantize_xla(ref, dtype))
 
 
 @settings(max_examples=16, deadline=None)
@@ -53,25 +55,51 @@ def test_nan_through_the_pallas_backend_raises():
         Q.quantize(x, 8, backend="pallas-interpret")
 
 
-@pytest.mark.parametrize("shape, block_rows, match", [
-    ((4, 192), None, "power-of-two last dim"),
-    ((4, 128), 24, "power-of-two block_rows"),
+@pytest.mark.parametrize("shape, block_elements, match", [
+    ((4, 192), P.BLOCK_ELEMENTS, "power-of-two last dim"),
+    ((4, 128), 24 * 128, "power-of-two block_elements"),
 ])
-def test_kernel_shape_limits_raise(shape, block_rows, match):
+def test_kernel_shape_limits_raise(shape, block_elements, match):
     with pytest.raises(ValueError, match=match):
-        P.quantize(jnp.ones(shape, jnp.float32), 8, block_rows=block_rows, interpret=True)
+        P.quantize(jnp.ones(shape, jnp.float32), 8, 64, block_elements=block_elements,
+                   interpret=True)
 
 
-@pytest.mark.parametrize("tokens", [8192, 8191])
+@pytest.mark.parametrize("tokens, block_elements, num_warps", [
+    (8192, P.BLOCK_ELEMENTS, P.NUM_WARPS), (8191, P.BLOCK_ELEMENTS, P.NUM_WARPS),
+    (8191, 16384, 8)])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_kernels_lower_for_cuda(tokens, bits):
-    """Qwen2.5-7B KV layer shape [S, K=4, H=128] in bf16, full and ragged, lowered for CUDA."""
+def test_kernels_lower_for_cuda(tokens, block_elements, num_warps, bits):
+    """Qwen2.5-7B KV layer shape [S, K=4, H=128] in bf16, full and ragged, lowered for CUDA, at
+    the default block and at one `scripts/bench_quant.py` can sweep to."""
     x = jax.ShapeDtypeStruct((tokens, 4, 128), jnp.bfloat16)
-    q = jax.eval_shape(lambda x: P.quantize(x, bits), x)
-    grid = -(-tokens * 4 // (P.BLOCK_ELEMENTS // 128))
-    for fn, arg, name in ((lambda x: P.quantize(x, bits), x, f"rekv_quantize_q{bits}"),
-                          (lambda q: P.dequantize(q), q, f"rekv_dequantize_q{bits}")):
+    tuning = dict(block_elements=block_elements, num_warps=num_warps)
+    q = jax.eval_shape(lambda x: P.quantize(x, bits, 64), x)
+    grid = -(-tokens * 4 // (block_elements // 128))
+    for fn, arg, name in ((lambda x: P.quantize(x, bits, 64, **tuning), x,
+                           f"rekv_quantize_q{bits}"),
+                          (lambda q: P.dequantize(q, **tuning), q, f"rekv_dequantize_q{bits}")):
         text = jax.jit(fn).trace(arg).lower(lowering_platforms=("cuda",)).as_text()
         # one GPU kernel call (Triton), named after our kernel, over every row block
         assert "custom_call @__gpu$" in text and name in text
         assert f"grid_x = {grid} : i32" in text
+        assert f"num_warps = {num_warps} : i32" in text
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_f16_scale_rounds_every_bfloat16_and_every_tie(bits):
+    qmax = P.QMAX[bits]
+    bf16 = np.arange(0x7F81, dtype=np.uint16)  # +0 ... +inf, and one NaN
+    mid = _f16_midpoints() * np.float32(qmax)  # a / qmax halfway between float16s (exact)
+    a = np.concatenate([(bf16.astype(np.uint32) << 16).view(np.float32), mid,
+                        np.nextafter(mid, np.float32(0)), np.nextafter(mid, np.float32(np.inf))])
+    got = np.asarray(jax.jit(P.f16_scale, static_argnums=1)(jnp.asarray(a), bits))
+    with np.errstate(over="ignore"):
+        want = (a.astype(np.float64) / qmax).astype(np.float16)  # exact quotient, rounded once
+    assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+def _f16_midpoints() -> np.ndarray:
+    """float32 midpoints between consecutive finite non-negative float16 values."""
+    f = np.arange(0x7BFF + 1, dtype=np.uint16).view(np.float16).astype(np.float32)
+    return (f[:-1] + f[1:]) / 2

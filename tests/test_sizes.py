@@ -118,3 +118,18 @@ def test_cli_info_reports_sizes(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["sizes"] == sizes.model_sizes(QWEN7B, 8192)
     assert out["sizes"]["boundary_to_kv_layer"] == 3.5
+
+
+def test_layer_weights_match_qwen25_7b_non_embedding_count():
+    # Qwen2.5 report: 6.53B non-embedding parameters (biases and norms are the small rest).
+    cfg = ModelConfig.preset("qwen2.5-7b")
+    assert 28 * sizes.layer_weight_count(cfg) == pytest.approx(6.53e9, rel=0.005)
+
+
+@pytest.mark.parametrize("prompt, more", [(8192, 1), (512, 512), (1, 7)])
+def test_layer_flops_of_a_prompt_then_more_tokens_add_up(prompt, more):
+    """A cache extended by `more` tokens costs what the longer prompt costs, weights and keys."""
+    cfg = ModelConfig.preset("qwen3-8b")
+    split = sizes.layer_flops(cfg, prompt, 2) + sizes.layer_flops(cfg, more, 2, past=prompt)
+    assert split == sizes.layer_flops(cfg, prompt + more, 2)
+    assert sizes.head_flops(cfg, 3, 2) == 2 * 2 * 3 * cfg.hidden_size * cfg.vocab_size
