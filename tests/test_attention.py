@@ -18,6 +18,7 @@ import pytest
 from jax._src.cudnn import fused_attention_stablehlo
 
 from rekv_jax import ModelConfig, handoff
+from rekv_jax.action import Action
 from rekv_jax.model import _run, attention_backend, choose_attention, init_params, prefill
 
 
@@ -86,7 +87,7 @@ def test_handoff_sides_must_agree_on_the_attention_backend(monkeypatch):
     """Different backends give different bits: a handoff between them fails on the agreement."""
     monkeypatch.setattr(handoff, "attention_backend", lambda cfg, dtype: (
         "cudnn" if threading.current_thread().name == "rekv-prefill" else "xla"))
-    exp = handoff.Experiment(seq_len=16, actions="bf16:full", transport="local", warmup=0, reps=1,
-                             timeout=30.0)
+    exp = handoff.Experiment(seq_len=16, actions=(Action.parse("bf16:full", 6),),
+                             transport="local", warmup=0, reps=1, timeout=30.0)
     with pytest.raises(ValueError, match="disagree on attention .decode 'xla', prefill 'cudnn'"):
         handoff.run_local(exp, lambda record: None)
