@@ -13,8 +13,10 @@ from rekv_jax.config import ModelConfig
 
 def load_config(spec: str) -> ModelConfig:
     """`--model` value: a preset name, or `hf:PATH` for an HF checkpoint folder."""
-    if spec.startswith("hf:"):
-        return ModelConfig.from_hf(spec[3:])
+    if spec.startswith("hf:"):  # checked: config and weight files, none read yet
+        from rekv_jax.params import open_hf
+
+        return open_hf(spec[3:])[0]
     return ModelConfig.preset(spec)
 
 
@@ -65,6 +67,7 @@ def cmd_handoff(args: argparse.Namespace) -> None:
             warmup=args.warmup, reps=args.reps, fallback=args.fallback,
             backend=args.quant_backend, seed=args.seed, timeout=args.timeout))
     cfg = load_config(exp.model)
+    cfg.check_seq_len(exp.seq_len)
     summaries: list[dict] = []
     records = sys.stdout
     if args.json:  # stdout carries records only: native libraries (gloo) print to fd 1
@@ -75,6 +78,8 @@ def cmd_handoff(args: argparse.Namespace) -> None:
         if args.json:
             print(json.dumps(record), file=records, flush=True)
         if record["kind"] == "summary":
+            if not args.json:  # each row as it completes: a later failure loses none
+                handoff.print_table([record], header=not summaries)
             summaries.append(record)
 
     if args.role is not None:  # one process of a pair started by a scheduler (or by us)
@@ -87,8 +92,6 @@ def cmd_handoff(args: argparse.Namespace) -> None:
     else:  # both processes on this machine: we are the decode side, a child is the prefill side
         handoff.launch_pair(exp, emit, bar.update)
     bar.close()
-    if not args.json:
-        handoff.print_table(summaries)
 
 
 def cmd_quality(args: argparse.Namespace) -> None:
@@ -155,6 +158,7 @@ def cmd_sweep(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rekv", description=__doc__)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of any error")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("info", help="print a config and its per-layer sizes as JSON")
@@ -257,9 +261,14 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except ValueError as e:  # bad input: one clear line, no traceback
-        print(f"rekv {args.command}: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    except Exception as e:  # bad input (exit 2) or a failed run (exit 1): one line, no traceback
+        from rekv_jax.failures import describe
+
+        told = describe(e)
+        if told is None or args.debug:
+            raise
+        print(f"rekv {args.command}: error: {told.line}", file=sys.stderr, flush=True)
+        raise SystemExit(told.status) from None
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from rekv_jax import stats
 from rekv_jax.action import Action, parse_actions
 from rekv_jax.config import ModelConfig
 from rekv_jax.costmodel import PHASES
+from rekv_jax.failures import exit_text
 from rekv_jax.model import Params, init_params, prefill
 from rekv_jax.params import load_hf
 from rekv_jax.schedule import (
@@ -39,7 +40,7 @@ from rekv_jax.schedule import (
     send_handoff,
 )
 from rekv_jax.sizes import action_bytes
-from rekv_jax.transport import LocalTransport, Transport, connect
+from rekv_jax.transport import LocalTransport, Transport, TransportError, connect
 from rekv_jax.transport.base import Role
 from rekv_jax.transport.launch import free_port
 
@@ -66,8 +67,12 @@ class Experiment:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedules", tuple(self.schedules))  # from JSON: a list
-        if self.seq_len < 1 or self.batch < 1 or self.reps < 1 or self.warmup < 0:
-            raise ValueError("seq_len, batch and reps must be positive and warmup >= 0")
+        for name in ("seq_len", "batch", "reps", "timeout") + ("link_gbps",) * (
+                self.link_gbps is not None):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         bad = [s for s in self.schedules if s not in SCHEDULES]
         if bad or not self.schedules:
             raise ValueError(f"schedules must be a non-empty subset of {SCHEDULES}, got {bad}")
@@ -186,8 +191,9 @@ def launch_pair(exp: Experiment, emit: Emit, progress: Callable[[int], None] = l
                 ) -> None:
     """Run both sides on this machine over loopback: this process decodes, a child prefills.
 
-    The child is killed if it outlives the decode side by more than `exp.timeout`; its output
-    is attached to any error."""
+    The child is killed if it outlives the decode side by more than `exp.timeout`. If it dies
+    first, the error names how (exit status or signal) and quotes its own error line; its whole
+    output is attached as a note (seen with `--debug`)."""
     coordinator = f"127.0.0.1:{free_port()}"
     cmd = [sys.executable, "-m", "rekv_jax.cli", "handoff", "--experiment",
            json.dumps(dataclasses.asdict(exp)), "--role", "prefill", "--coordinator", coordinator]
@@ -197,16 +203,26 @@ def launch_pair(exp: Experiment, emit: Emit, progress: Callable[[int], None] = l
             run_process("decode", exp, coordinator, emit, progress)
             child.wait(timeout=exp.timeout)
         except BaseException as e:
-            if child.poll() is None:
+            died = child.poll()  # None: still running, so the failure is ours
+            if died is None:
                 child.kill()
             child.wait()
             log.seek(0)
-            e.add_note(f"prefill process output (tail):\n{log.read()[-3000:]}")
+            output = log.read()
+            e.add_note(f"prefill process output (tail):\n{output[-3000:]}")
+            if died and isinstance(e, TransportError):  # the peer died: say how, and why
+                raise _prefill_died(died, output) from e
             raise
         if child.returncode:
             log.seek(0)
-            raise RuntimeError(f"prefill process exited with {child.returncode}:\n"
-                               f"{log.read()[-3000:]}")
+            raise _prefill_died(child.returncode, log.read())
+
+
+def _prefill_died(returncode: int, output: str) -> TransportError:
+    """The prefill process's end in one line: how it ended and its own last error line."""
+    said = [line for line in output.splitlines() if line.startswith("rekv ") and "error:" in line]
+    why = f": {said[-1].split('error: ', 1)[1]}" if said else ""
+    return TransportError(f"the prefill process {exit_text(returncode)}{why}")
 
 
 def total_handoffs(exp: Experiment, num_layers: int) -> int:
@@ -216,14 +232,14 @@ def total_handoffs(exp: Experiment, num_layers: int) -> int:
     return sum(per * (len(exp.schedules) if a.kind == "joint" else 1) for a in actions)
 
 
-def print_table(records: list[dict], file=sys.stdout) -> None:
-    """The readable form of the summaries."""
-    header = f"{'action':<16}{'schedule':<12}{'median ms':>10}{'95% CI':>18}" + "".join(
-        f"{p[:8]:>10}" for p in PHASES) + f"{'MiB':>9}  first  cache"
-    print(header, file=file)
+def print_table(records: list[dict], file=sys.stdout, header: bool = True) -> None:
+    """The readable form of the summaries (rows flushed, so each is seen as it completes)."""
+    if header:
+        print(f"{'action':<16}{'schedule':<12}{'median ms':>10}{'95% CI':>18}" + "".join(
+            f"{p[:8]:>10}" for p in PHASES) + f"{'MiB':>9}  first  cache", file=file)
     for r in records:
         ci = f"[{r['ci95_ms'][0]:.2f}, {r['ci95_ms'][1]:.2f}]"
         phases = "".join(f"{r['phases_ms'][p]:>10.2f}" for p in PHASES)
         print(f"{r['action']:<16}{r['schedule']:<12}{r['median_ms']:>10.2f}{ci:>18}{phases}"
               f"{r['payload_bytes'] / 2**20:>9.2f}  {str(r['first_token_match']):<6} "
-              f"{r['cache_check']}", file=file)
+              f"{r['cache_check']}", file=file, flush=True)
