@@ -13,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import platform
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Callable
 
@@ -42,7 +42,7 @@ from rekv_jax.schedule import (
 from rekv_jax.sizes import action_bytes
 from rekv_jax.transport import LocalTransport, Transport, TransportError, connect
 from rekv_jax.transport.base import Role
-from rekv_jax.transport.launch import free_port
+from rekv_jax.transport.launch import SUPERVISED, die_with_parent, free_port, supervise
 
 Emit = Callable[[dict], None]
 
@@ -181,7 +181,18 @@ def run_local(exp: Experiment, emit: Emit, progress: Callable[[int], None] = lam
 
 def run_process(role: Role, exp: Experiment, coordinator: str | None, emit: Emit,
                 progress: Callable[[int], None] = lambda n: None) -> None:
-    """This process's side over a real transport (jax.distributed is initialized here)."""
+    """This process's side over a real transport (jax.distributed is initialized here).
+
+    The prefill side runs in a supervised worker: JAX aborts it when the decode side (which hosts
+    the coordination service) goes away, and the supervisor turns that into one line."""
+    if role == "prefill" and not os.environ.get(SUPERVISED):
+        supervise([sys.executable, "-m", "rekv_jax.cli", "handoff", "--experiment",
+                   json.dumps(dataclasses.asdict(exp)), "--role", role]
+                  + ["--coordinator", coordinator] * (coordinator is not None),
+                  "the prefill worker")
+        return
+    if os.environ.get(SUPERVISED):
+        die_with_parent()
     with connect(exp.transport, role, coordinator, link_gbps=exp.link_gbps,
                  timeout=exp.timeout) as transport:
         run_role(role, exp, transport, emit, progress)
@@ -191,38 +202,26 @@ def launch_pair(exp: Experiment, emit: Emit, progress: Callable[[int], None] = l
                 ) -> None:
     """Run both sides on this machine over loopback: this process decodes, a child prefills.
 
-    The child is killed if it outlives the decode side by more than `exp.timeout`. If it dies
-    first, the error names how (exit status or signal) and quotes its own error line; its whole
-    output is attached as a note (seen with `--debug`)."""
+    The child is killed if it outlives the decode side by more than `exp.timeout`. Its stderr is
+    ours: its one error line reaches our user even if this process dies first. If it dies first,
+    our error names how (exit status or signal)."""
     coordinator = f"127.0.0.1:{free_port()}"
     cmd = [sys.executable, "-m", "rekv_jax.cli", "handoff", "--experiment",
            json.dumps(dataclasses.asdict(exp)), "--role", "prefill", "--coordinator", coordinator]
-    with tempfile.TemporaryFile("w+") as log:
-        child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
-        try:
-            run_process("decode", exp, coordinator, emit, progress)
-            child.wait(timeout=exp.timeout)
-        except BaseException as e:
-            died = child.poll()  # None: still running, so the failure is ours
-            if died is None:
-                child.kill()
-            child.wait()
-            log.seek(0)
-            output = log.read()
-            e.add_note(f"prefill process output (tail):\n{output[-3000:]}")
-            if died and isinstance(e, TransportError):  # the peer died: say how, and why
-                raise _prefill_died(died, output) from e
-            raise
-        if child.returncode:
-            log.seek(0)
-            raise _prefill_died(child.returncode, log.read())
-
-
-def _prefill_died(returncode: int, output: str) -> TransportError:
-    """The prefill process's end in one line: how it ended and its own last error line."""
-    said = [line for line in output.splitlines() if line.startswith("rekv ") and "error:" in line]
-    why = f": {said[-1].split('error: ', 1)[1]}" if said else ""
-    return TransportError(f"the prefill process {exit_text(returncode)}{why}")
+    child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, text=True)
+    try:
+        run_process("decode", exp, coordinator, emit, progress)
+        child.wait(timeout=exp.timeout)
+    except BaseException as e:
+        died = child.poll()  # None: still running, so the failure is ours
+        if died is None:
+            child.kill()
+        child.wait()
+        if died and isinstance(e, TransportError):  # the peer died: say how
+            raise TransportError(f"the prefill process {exit_text(died)}") from e
+        raise
+    if child.returncode:
+        raise TransportError(f"the prefill process {exit_text(child.returncode)}")
 
 
 def total_handoffs(exp: Experiment, num_layers: int) -> int:
