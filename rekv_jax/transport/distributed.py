@@ -104,6 +104,8 @@ def initialize(coordinator: str | None, process_id: int | None, *, init_timeout_
                 shutdown_timeout_seconds=heartbeat_s,
             )
     except RuntimeError as e:  # JaxRuntimeError, or the callback's own error while connecting
+        if not isinstance(e, jax.errors.JaxRuntimeError) and "bad_cast" not in str(e):
+            raise  # misuse (e.g. JAX already started), not a missing peer
         state = _jax_distributed.global_state
         with contextlib.suppress(RuntimeError):
             if state.service is not None:
