@@ -31,6 +31,7 @@ import time
 import numpy as np
 
 HANDOFF_TIMEOUT = 30.0
+WARMUP_TIMEOUT = 600.0  # the first handoff of each action compiles, slowly on shared cores
 FAULTS = ("corrupt", "lost", "delay")
 ACTIONS = ("bf16:full", "q8:full", "bf16:r=2", "q8:r=2", "q4:r=3", "bf16:recompute")
 DELAY_S = 0.1
@@ -115,23 +116,26 @@ def run_side(role: str, coordinator: str, args: argparse.Namespace) -> None:
         first = np.asarray(jax.numpy.argmax(logits, axis=-1))
     counts = dict.fromkeys(("ok", "recovered", "failed_clean", "wrong", "unexpected", "hangs"), 0)
     latency: dict[str, list[tuple[int, float]]] = {}
+    hung: list[str] = []  # what timed out, warm-up included
     start = None
     for i, step in enumerate(warmup + steps):
         if i == len(warmup):
             start = vitals()
         tag = f"{i}/{step.action}/{step.schedule}"
+        timeout = HANDOFF_TIMEOUT if i >= len(warmup) else WARMUP_TIMEOUT
         if step.fault:
             faults[f"{tag}/prefix"] = step.fault
         action = actions[step.action]
         try:
             if role == "prefill":
-                send_handoff(transport, states[step.action], action, tag,
-                             timeout=HANDOFF_TIMEOUT)
+                send_handoff(transport, states[step.action], action, tag, timeout=timeout)
                 continue
             result = receive_handoff(transport, cfg, params, action, 1, args.seq_len, tag,
-                                     step.schedule, step.fallback, timeout=HANDOFF_TIMEOUT)
-        except TransportTimeout:
-            counts["hangs"] += role == "decode"
+                                     step.schedule, step.fallback, timeout=timeout)
+        except TransportTimeout as e:
+            if role == "decode":
+                counts["hangs"] += 1
+                hung.append(f"{tag}: {e}")
             continue
         except TransportError:
             outcome = "failed_clean"
@@ -164,7 +168,7 @@ def run_side(role: str, coordinator: str, args: argparse.Namespace) -> None:
 
     print(json.dumps({
         "handoffs": args.handoffs, "fault_rate": args.fault_rate, "seq_len": args.seq_len,
-        "faults": {f: sum(s.fault == f for s in steps) for f in FAULTS}, **counts,
+        "faults": {f: sum(s.fault == f for s in steps) for f in FAULTS}, **counts, "hung": hung,
         "vitals": {"decode": {"start": start, "end": end}, "prefill": prefill_vitals},
         "latency_ms": {key: {"first_tenth": pct([t for j, t in xs if j < tenth]),
                              "last_tenth": pct([t for j, t in xs if j >= args.handoffs - tenth])}
