@@ -71,9 +71,16 @@ class Action:
         elif cut_text == "recompute":
             cut = 0
         elif cut_text.startswith("r="):
-            cut = num_layers - _int(cut_text[2:], text)
+            suffix = _int(cut_text[2:], text)
+            if not 0 <= suffix <= num_layers:
+                raise ValueError(f"action {text!r}: the suffix length r must be in "
+                                 f"0..{num_layers} for a {num_layers}-layer model, got {suffix}")
+            cut = num_layers - suffix
         else:
             cut = _int(cut_text, text)
+            if not 0 <= cut <= num_layers:
+                raise ValueError(f"action {text!r}: the cut must be in 0..{num_layers} for a "
+                                 f"{num_layers}-layer model, got {cut}")
         if cut == 0 and bits != 16:
             raise ValueError(f"action {text!r}: full recomputation is written bf16:recompute")
         return cls(bits, cut, num_layers)

@@ -8,11 +8,12 @@ are defined once, in `FLAGS`; each subcommand lists the flag groups it takes in 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 # absl/glog lines of the XLA runtime and of jax.distributed's coordination service are for
 # debugging, not for a person's terminal: keep only errors unless the caller asked otherwise.
@@ -33,7 +34,7 @@ def _link(text: str) -> float | str | None:
         raise argparse.ArgumentTypeError(
             f"expected GB/s, {PAPER_LINK!r} or {UNPACED!r}, got {text!r}") from None
     if not value > 0:
-        raise argparse.ArgumentTypeError(f"link bandwidth must be positive, got {value}")
+        raise argparse.ArgumentTypeError(f"--link-gbps must be positive, got {text}")
     return value
 
 
@@ -194,26 +195,28 @@ def _handoff_experiment(args: argparse.Namespace):
 
     if args.experiment:  # the prefill child of launch_pair: everything already decided
         return Experiment.from_json(args.experiment), ""
+    cfg = load_config(args.model)
+    cfg.check_seq_len(args.seq_len)
     link = args.link_gbps
     if link == PAPER_LINK and args.role is not None:
         link = None  # one side of a multi-host pair: the link is real, not emulated
+    exp = Experiment(  # checks every field before any process starts
+        model=args.model, seq_len=args.seq_len, batch=args.batch,
+        actions=tuple(parse_actions(args.actions or DEFAULT_ACTIONS, cfg.num_layers)),
+        schedules=SCHEDULES if args.schedule == "both" else (args.schedule,),
+        transport=args.transport, link_gbps=None if link == PAPER_LINK else link,
+        warmup=args.warmup, reps=args.reps, fallback=args.fallback, backend=args.quant_backend,
+        seed=args.seed, timeout=args.timeout)
     if link == PAPER_LINK:
         calibration = calibrate_link_in_child(args.model, args.seq_len)
-        link, note = calibration.link_gbps, calibration.describe()
+        exp = dataclasses.replace(exp, link_gbps=calibration.link_gbps)
+        note = calibration.describe()
     elif link is None:
         note = ("unpaced loopback: the prefix moves in a few ms, far less than the suffix it "
                 "would overlap, so quantizing or recomputing has little link time to save "
                 "(the paper's regime: --link-gbps paper, the default)")
     else:
         note = f"paced {link:g} GB/s"
-    cfg = load_config(args.model)
-    exp = Experiment(
-        model=args.model, seq_len=args.seq_len, batch=args.batch,
-        actions=tuple(parse_actions(args.actions or DEFAULT_ACTIONS, cfg.num_layers)),
-        schedules=SCHEDULES if args.schedule == "both" else (args.schedule,),
-        transport=args.transport, link_gbps=link, warmup=args.warmup, reps=args.reps,
-        fallback=args.fallback, backend=args.quant_backend, seed=args.seed,
-        timeout=args.timeout)
     return exp, note
 
 
@@ -221,6 +224,7 @@ def cmd_handoff(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     from rekv_jax import handoff, report
+    from rekv_jax.summary import Summary
 
     exp, note = _handoff_experiment(args)
     summaries = []
@@ -232,7 +236,9 @@ def cmd_handoff(args: argparse.Namespace) -> None:
     def emit(record) -> None:
         if args.json:
             print(json.dumps(record.to_json()), file=records, flush=True)
-        if record.to_json()["kind"] == "summary":
+        if isinstance(record, Summary):
+            if not args.json:  # each row as it completes: a later failure loses none
+                print(report.handoff_table([record], header=not summaries), flush=True)
             summaries.append(record)
 
     if args.role is not None:  # one process of a pair started by a scheduler (or by us)
@@ -249,13 +255,10 @@ def cmd_handoff(args: argparse.Namespace) -> None:
         handoff.launch_pair(exp, emit, bar.update)
     bar.close()
     if not args.json:
-        print(report.handoff_table(summaries))
         print("\n".join(report.conclusion(summaries)))
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
-    import dataclasses
-
     from rekv_jax.sweep import calibrate_link
 
     c = calibrate_link(args.model, args.seq_len)
@@ -335,7 +338,6 @@ def cmd_profile(args: argparse.Namespace) -> None:
 
 
 def cmd_sweep(args: argparse.Namespace) -> None:
-    import dataclasses
     from pathlib import Path
 
     from rekv_jax import report, sweep
@@ -453,6 +455,13 @@ def _doctor_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="also write the JSON report to this file")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Usage errors as one line on stderr, exit 2 (the convention of every `rekv` error)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The `rekv` parser. With `only`, the other subcommands get no flags: their flag groups
     import the modules whose constants they offer, which a light command need not load."""
@@ -465,7 +474,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             flags[group](parents[group])
         return parents[group]
 
-    parser = argparse.ArgumentParser(prog="rekv", description=__doc__)
+    parser = OneLineParser(prog="rekv", description=__doc__)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of any error")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (handler, help, groups, own) in COMMANDS.items():
         full = only is None or name == only
@@ -485,9 +495,14 @@ def main(argv: list[str] | None = None) -> None:
         os.environ[ATTENTION_ENV] = args.attention
     try:
         args.func(args)
-    except ValueError as e:  # bad input: one clear line, no traceback
-        print(f"rekv {args.command}: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    except Exception as e:  # bad input (exit 2) or a failed run (exit 1): one line, no traceback
+        from rekv_jax.failures import describe
+
+        told = describe(e)
+        if told is None or args.debug:
+            raise
+        print(f"rekv {args.command}: error: {told.line}", file=sys.stderr, flush=True)
+        raise SystemExit(told.status) from None
 
 
 if __name__ == "__main__":

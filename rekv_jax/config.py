@@ -81,6 +81,13 @@ class ModelConfig:
             raise ValueError(f"cut must be an integer in 0..{self.num_layers}, got {cut!r}")
         return cut
 
+    def check_seq_len(self, seq_len: int) -> int:
+        """Validate a prompt length `S` in `1..max_position_embeddings` and return it."""
+        if not 1 <= seq_len <= self.max_position_embeddings:
+            raise ValueError(f"sequence length must be in 1..{self.max_position_embeddings} "
+                             f"(the max_position_embeddings of {self.name}), got {seq_len}")
+        return seq_len
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -133,8 +140,27 @@ class ModelConfig:
             path = Path(path_or_dict)
             if path.is_dir():
                 path = path / "config.json"
-            hf = json.loads(path.read_text())
+            elif not path.exists():
+                raise ValueError(f"{path}: no such HF checkpoint folder")
+            try:
+                hf = json.loads(path.read_text())
+            except FileNotFoundError:
+                raise ValueError(f"{path.parent}: no config.json (not an HF checkpoint folder)"
+                                 ) from None
+            except OSError as e:
+                raise ValueError(f"{path}: cannot read it ({e.strerror})") from None
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, "
+                                 f"column {e.colno})") from None
+            if not isinstance(hf, dict):
+                raise ValueError(f"{path}: expected a JSON object, got {type(hf).__name__}")
             name = name or str(path.parent)
+            try:
+                return _from_hf_dict(hf, name)
+            except KeyError as e:
+                raise ValueError(f"{path}: missing field {e.args[0]!r}") from None
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{path}: {e}") from None
         return _from_hf_dict(hf, name)
 
 

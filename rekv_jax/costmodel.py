@@ -192,19 +192,34 @@ class Profile:
         unknown = set(d) - names - {"kind"}
         if unknown:
             raise ValueError(f"unknown profile fields {sorted(unknown)}")
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in d
+                   and f.default is f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise ValueError(f"profile lacks the fields {missing}")
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
 def load_profiles(path: str | Path) -> list[Profile]:
     """Profiles in a file: one JSON object, a JSON list, or JSONL (lines without
     `kind: "profile"` are skipped, so a handoff's output stream can be read directly)."""
-    text = Path(path).read_text()
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"profile {path}: cannot read it ({e.strerror})") from None
     try:
         data = json.loads(text)
         items = data if isinstance(data, list) else [data]
     except json.JSONDecodeError:
-        items = [json.loads(line) for line in text.splitlines() if line.strip()]
-    profiles = [Profile.from_json(d) for d in items if d.get("kind", "profile") == "profile"]
+        try:
+            items = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except json.JSONDecodeError as e:
+            raise ValueError(f"profile {path}: not JSON or JSONL ({e.msg}, line {e.lineno})"
+                             ) from None
+    try:
+        profiles = [Profile.from_json(d) for d in items
+                    if isinstance(d, dict) and d.get("kind", "profile") == "profile"]
+    except (ValueError, TypeError) as e:  # TypeError: a field of the wrong type
+        raise ValueError(f"profile {path}: {e}") from None
     if not profiles:
         raise ValueError(f"{path}: no profile found")
     return profiles

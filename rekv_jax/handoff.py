@@ -13,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import platform
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Callable
 
@@ -27,6 +27,7 @@ import numpy as np
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
 from rekv_jax.costmodel import PHASES
+from rekv_jax.failures import exit_text
 from rekv_jax.loader import load_model
 from rekv_jax.model import Params, attention_backend, prefill
 from rekv_jax.schedule import (
@@ -40,9 +41,9 @@ from rekv_jax.schedule import (
 )
 from rekv_jax.sizes import action_bytes
 from rekv_jax.summary import Rep, Summary
-from rekv_jax.transport import LocalTransport, Transport, checksums, connect
+from rekv_jax.transport import LocalTransport, Transport, TransportError, checksums, connect
 from rekv_jax.transport.base import Role
-from rekv_jax.transport.launch import free_port
+from rekv_jax.transport.launch import SUPERVISED, die_with_parent, free_port, supervise
 
 Emit = Callable[[Rep | Summary], None]
 DEFAULT_ACTIONS = "bf16:full,q8:full,bf16:r=2,q8:r=2,bf16:recompute"
@@ -71,8 +72,12 @@ class Experiment:
         object.__setattr__(self, "schedules", tuple(self.schedules))
         object.__setattr__(self, "actions", tuple(
             a if isinstance(a, Action) else Action(**a) for a in self.actions))
-        if self.seq_len < 1 or self.batch < 1 or self.reps < 1 or self.warmup < 0:
-            raise ValueError("seq_len, batch and reps must be positive and warmup >= 0")
+        for name in ("seq_len", "batch", "reps", "timeout") + ("link_gbps",) * (
+                self.link_gbps is not None):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if not self.actions:
             raise ValueError("an experiment needs at least one action")
         bad = [s for s in self.schedules if s not in SCHEDULES]
@@ -187,7 +192,18 @@ def run_local(exp: Experiment, emit: Emit, progress: Callable[[int], None] = lam
 
 def run_process(role: Role, exp: Experiment, coordinator: str | None, emit: Emit,
                 progress: Callable[[int], None] = lambda n: None) -> None:
-    """This process's side over a real transport (jax.distributed is initialized here)."""
+    """This process's side over a real transport (jax.distributed is initialized here).
+
+    The prefill side runs in a supervised worker: JAX aborts it when the decode side (which hosts
+    the coordination service) goes away, and the supervisor turns that into one line."""
+    if role == "prefill" and not os.environ.get(SUPERVISED):
+        supervise([sys.executable, "-m", "rekv_jax.cli", "handoff", "--experiment",
+                   exp.to_json(), "--role", role]
+                  + ["--coordinator", coordinator] * (coordinator is not None),
+                  "the prefill worker")
+        return
+    if os.environ.get(SUPERVISED):
+        die_with_parent()
     with connect(exp.transport, role, coordinator, link_gbps=exp.link_gbps,
                  timeout=exp.timeout) as transport:
         run_role(role, exp, transport, emit, progress)
@@ -197,27 +213,26 @@ def launch_pair(exp: Experiment, emit: Emit, progress: Callable[[int], None] = l
                 ) -> None:
     """Run both sides on this machine over loopback: this process decodes, a child prefills.
 
-    The child is killed if it outlives the decode side by more than `exp.timeout`; its output
-    is attached to any error."""
+    The child is killed if it outlives the decode side by more than `exp.timeout`. Its stderr is
+    ours: its one error line reaches our user even if this process dies first. If it dies first,
+    our error names how (exit status or signal)."""
     coordinator = f"127.0.0.1:{free_port()}"
     cmd = [sys.executable, "-m", "rekv_jax.cli", "handoff", "--experiment", exp.to_json(),
            "--role", "prefill", "--coordinator", coordinator]
-    with tempfile.TemporaryFile("w+") as log:
-        child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
-        try:
-            run_process("decode", exp, coordinator, emit, progress)
-            child.wait(timeout=exp.timeout)
-        except BaseException as e:
-            if child.poll() is None:
-                child.kill()
-            child.wait()
-            log.seek(0)
-            e.add_note(f"prefill process output (tail):\n{log.read()[-3000:]}")
-            raise
-        if child.returncode:
-            log.seek(0)
-            raise RuntimeError(f"prefill process exited with {child.returncode}:\n"
-                               f"{log.read()[-3000:]}")
+    child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, text=True)
+    try:
+        run_process("decode", exp, coordinator, emit, progress)
+        child.wait(timeout=exp.timeout)
+    except BaseException as e:
+        died = child.poll()  # None: still running, so the failure is ours
+        if died is None:
+            child.kill()
+        child.wait()
+        if died and isinstance(e, TransportError):  # the peer died: say how
+            raise TransportError(f"the prefill process {exit_text(died)}") from e
+        raise
+    if child.returncode:
+        raise TransportError(f"the prefill process {exit_text(child.returncode)}")
 
 
 def total_handoffs(exp: Experiment) -> int:

@@ -49,8 +49,10 @@ def _orbax_folder(spec: str) -> Path:
 
 def load_config(spec: str) -> ModelConfig:
     """The config of a spec, without loading any weights."""
-    if spec.startswith("hf:"):
-        return ModelConfig.from_hf(spec[3:])
+    if spec.startswith("hf:"):  # checked: config and weight files, none read yet
+        from rekv_jax.params import open_hf
+
+        return open_hf(spec[3:])[0]
     if spec in MODEL_PRESETS:
         return ModelConfig.preset(spec)
     folder = _orbax_folder(spec)

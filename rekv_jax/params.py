@@ -7,6 +7,7 @@ reshape them (HF stores `[out, in]` matrices; the model uses `[in, out]` with he
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -70,23 +71,33 @@ def _set(tree: dict, path: str, value) -> None:
     tree[leaf] = value
 
 
-def _safetensors_files(path: Path) -> list[Path]:
+def open_hf(path: str | Path) -> tuple[ModelConfig, list[Path]]:
+    """An HF checkpoint folder's config and weight files, checked (present, readable) before any
+    weight is read; ValueError naming the folder or file otherwise."""
+    path = Path(path)
+    cfg = ModelConfig.from_hf(path)
     index = path / "model.safetensors.index.json"
     if index.exists():
-        return sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
-    files = sorted(path.glob("*.safetensors"))
+        try:
+            files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise ValueError(f"{index}: not a readable weight index ({e!r})") from None
+    else:
+        files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"no *.safetensors files in {path}")
-    return files
+        raise ValueError(f"{path}: no *.safetensors weight files")
+    unreadable = [f.name for f in files if not os.access(f, os.R_OK)]
+    if unreadable:
+        raise ValueError(f"{path}: weight files missing or unreadable: {unreadable}")
+    return cfg, files
 
 
 def load_hf(path: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> tuple[ModelConfig, Params]:
     """Read an HF checkpoint folder (config.json + safetensors, single or sharded) into params."""
-    path = Path(path)
-    cfg = ModelConfig.from_hf(path)
+    cfg, files = open_hf(path)
     layers: dict[str, list] = {}  # param path -> per-layer arrays
     params: Params = {}
-    for file in _safetensors_files(path):
+    for file in files:
         with safe_open(str(file), framework="numpy") as f:  # memory-mapped
             for name in f.keys():
                 if _IGNORED.fullmatch(name) or (cfg.tie_embeddings and name == "lm_head.weight"):

@@ -68,7 +68,8 @@ def plan(cfg: ModelConfig, seq_len: int, profile: Profile | None = None,
     """Every candidate action with its predicted latency (ms), the predicted best, and Prop. 2's
     balanced cut per precision. `link_gbps` re-targets the profile's transfer terms."""
     if profile is None:
-        profile = analytic_profile(cfg, seq_len, batch, link_gbps or PAPER_LINK_GBPS)
+        profile = analytic_profile(cfg, seq_len, batch,
+                                   PAPER_LINK_GBPS if link_gbps is None else link_gbps)
     else:
         profile = select_profile([profile], cfg, seq_len, batch)
         if link_gbps is not None:

@@ -450,10 +450,10 @@ def write_report(records: Sequence[Summary], out_dir: str | Path,
     return written
 
 
-def handoff_table(records: Sequence[Summary]) -> str:
+def handoff_table(records: Sequence[Summary], header: bool = True) -> str:
     """One line per summary, for a person: median, CI, phase medians, payload and checks."""
     lines = [f"{'action':<16}{'schedule':<12}{'median ms':>10}{'95% CI':>18}"
-             + "".join(f"{p[:8]:>10}" for p in PHASES) + f"{'MiB':>9}  first  cache"]
+             + "".join(f"{p[:8]:>10}" for p in PHASES) + f"{'MiB':>9}  first  cache"] * header
     for r in records:
         ci = f"[{r.ci95_ms[0]:.2f}, {r.ci95_ms[1]:.2f}]"
         phases = "".join(f"{r.phases_ms[p]:>10.2f}" for p in PHASES)

@@ -111,7 +111,7 @@ def _ms(start: float, stop: float) -> float:
 def send_handoff(transport: Transport, state: PrefillState, action: Action, tag: str,
                  backend: str | None = None, timeout: float = 60.0) -> None:
     """Prefill side of one handoff; posts its quantization time to the decode side."""
-    transport.agree(f"{tag}/go", {})  # both sides start their clocks here
+    transport.agree(f"{tag}/go", {}, timeout)  # both sides start their clocks here
     t0 = time.perf_counter()
     payload = []
     if state.prefix is not None:
@@ -140,7 +140,7 @@ def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, acti
              jax.ShapeDtypeStruct((batch,), jnp.int32)]  # the prefill side's first token
     if action.kind == "joint":
         specs.append(jax.ShapeDtypeStruct((batch, seq_len, cfg.hidden_size), dtype))  # h_c
-    transport.agree(f"{tag}/go", {})
+    transport.agree(f"{tag}/go", {}, timeout)
     t0 = time.perf_counter()
     tokens, sent_first, *h_c = transport.recv(f"{tag}/boundary", specs, timeout)
     h_c = h_c[0] if h_c else None

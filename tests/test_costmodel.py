@@ -159,7 +159,11 @@ def test_fit_profile_recovers_the_generating_profile():
     assert fit.source == "fitted"
     for f in dataclasses.fields(cm.Profile):
         got, want = getattr(fit, f.name), getattr(truth, f.name)
-        if f.name != "source":
+        if f.name == "source":
+            continue
+        if isinstance(want, str):  # labels (model, hardware, link): pytest 9 rejects approx here
+            assert got == want, f.name
+        else:
             assert got == pytest.approx(want, rel=1e-6, abs=1e-9), f.name
 
 

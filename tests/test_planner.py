@@ -95,7 +95,8 @@ def test_cli_plan_reads_as_a_short_table(capsys):
 def test_cli_plan_bad_input_is_a_clean_error(capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", "--model", "tiny", "--seq-len", "256", "--actions", "q8:r=9"])
-    assert e.value.code == 2 and "cut must be" in capsys.readouterr().err
+    err = capsys.readouterr().err  # names what the user typed (r=9), not the derived cut (-3)
+    assert e.value.code == 2 and "suffix length r must be in 0..6" in err and "got 9" in err
 
 
 def test_predicted_crossover_brackets_the_analytic_break_even_link():

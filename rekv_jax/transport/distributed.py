@@ -10,6 +10,12 @@ aborts process 1. Hence the decode side (whose result matters, and which may fal
 recomputation) is process 0 by default, recoverability is on, and a leaving process 0 waits for
 process 1 to disconnect first. `get_live_nodes` is a barrier (it returns once every live task has
 called it), so it serves that wait but not as a liveness probe: the channel keeps its own beat.
+
+JAX's client aborts its process (a C++ fatal error and stack) on any error it detects: a
+coordinator that never answers, or one that went away. `initialize` hands the client an error
+callback instead, which records the error: connecting then fails with a TransportError, and a peer
+lost later is reported by `KVChannel` like any other dead peer. A prefill side first waits
+(bounded) for the coordinator's port to open, so an unreachable coordinator is a one-line error.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import jax
 from jax._src import distributed as _jax_distributed  # private: the KV-store client
@@ -30,17 +37,83 @@ _PREFIX = "rekv/"
 _SLICE_S = 0.5  # how often a blocked wait re-checks that the peer is alive
 
 
+_client_error: list[str] = []  # what JAX's client reported (set from its own threads)
+
+
+def _record_client_error(status: object) -> None:
+    """JAX client error callback, in place of its default one that aborts the process. (jaxlib
+    0.10 cannot pass the status to Python: the call then fails inside `connect`, which raises.)"""
+    _client_error.append(str(status).strip().splitlines()[0])
+
+
+@contextlib.contextmanager
+def _client_errors_recorded() -> Iterator[None]:
+    """While JAX builds its distributed client, give it `_record_client_error` as its callback."""
+    lib = _jax_distributed._jax
+    make_client = getattr(lib, "get_distributed_runtime_client", None)
+    if make_client is None:  # another JAX layout: keep its default (aborting) behaviour
+        yield
+        return
+
+    class _WithCallback:
+        def __getattr__(self, name: str) -> object:
+            return getattr(lib, name)
+
+        @staticmethod
+        def get_distributed_runtime_client(*args: object, **kwargs: object) -> object:
+            return make_client(*args, missed_heartbeat_callback=_record_client_error, **kwargs)
+
+    _jax_distributed._jax = _WithCallback()
+    try:
+        yield
+    finally:
+        _jax_distributed._jax = lib
+
+
+def wait_for_port(address: str, timeout: float) -> None:
+    """Return once `host:port` accepts TCP connections; TransportTimeout after `timeout` s."""
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+                return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise TransportTimeout(f"the coordinator {address} did not answer within "
+                                       f"{timeout:g}s (is the decode side running?)") from None
+            time.sleep(0.2)
+
+
 def initialize(coordinator: str | None, process_id: int | None, *, init_timeout_s: int = 60,
                heartbeat_s: int = 10) -> None:
     """`jax.distributed.initialize` for exactly two processes, with gloo CPU collectives and
-    recoverability on. `coordinator=None` lets JAX detect the cluster (SLURM, Open MPI, ...)."""
+    recoverability on. `coordinator=None` lets JAX detect the cluster (SLURM, Open MPI, ...).
+    TransportError (not an abort) if the peer or the coordinator is not there in time."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_enable_recoverability", True)
-    jax.distributed.initialize(
-        coordinator, 2 if coordinator else None, process_id,
-        initialization_timeout=init_timeout_s, heartbeat_timeout_seconds=heartbeat_s,
-        shutdown_timeout_seconds=heartbeat_s,
-    )
+    start = time.monotonic()
+    if coordinator is not None and process_id != 0:
+        wait_for_port(coordinator, init_timeout_s)
+    init_timeout_s = max(1, round(init_timeout_s - (time.monotonic() - start)))
+    try:
+        with _client_errors_recorded():
+            jax.distributed.initialize(
+                coordinator, 2 if coordinator else None, process_id,
+                initialization_timeout=init_timeout_s, heartbeat_timeout_seconds=heartbeat_s,
+                shutdown_timeout_seconds=heartbeat_s,
+            )
+    except RuntimeError as e:  # JaxRuntimeError, or the callback's own error while connecting
+        if not isinstance(e, jax.errors.JaxRuntimeError) and "bad_cast" not in str(e):
+            raise  # misuse (e.g. JAX already started), not a missing peer
+        state = _jax_distributed.global_state
+        with contextlib.suppress(RuntimeError):
+            if state.service is not None:
+                state.service.shutdown()
+        state.client = state.service = None  # nothing left for JAX's exit hook to shut down
+        peer = "prefill" if process_id == 0 else "decode"
+        raise TransportError(f"the {peer} side did not join {coordinator or 'the cluster'} "
+                             f"within {init_timeout_s}s") from e
     if jax.process_count() != 2:
         raise ValueError(f"a handoff needs exactly 2 processes, JAX reports {jax.process_count()}")
 
@@ -99,6 +172,8 @@ class KVChannel:
                 raise TransportTimeout(f"nothing under {key!r} within {timeout:g}s")
 
     def peer_alive(self) -> bool:
+        if _client_error:  # the coordination service told our client the peer is gone
+            return False
         try:
             beat = self._client.key_value_try_get(f"{_PREFIX}beat/{self.peer_id}")
         except jax.errors.JaxRuntimeError:  # not beating yet, or the service is gone

@@ -1,15 +1,62 @@
-"""Start the two processes of a loopback handoff on one machine, bounded in time, no strays."""
+"""Start the two processes of a loopback handoff on one machine, bounded in time, no strays;
+and `supervise` one side, so that even a native abort ends in one line its user reads."""
 
 from __future__ import annotations
 
+import ctypes
+import os
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from rekv_jax.transport.base import ROLES, Role
+from rekv_jax.transport.base import ROLES, Role, TransportError
+
+SUPERVISED = "REKV_SUPERVISED"  # set in the environment of a supervised worker
+# What JAX's client writes before it aborts its process because the coordination service (hosted
+# by the decode side) went away; see distributed.py.
+_SERVICE_GONE = ("Polled an error from coordination service", "detected fatal errors",
+                 "Socket closed", "std::bad_cast")
+
+
+def die_with_parent() -> None:
+    """Linux: have the kernel kill this process when its parent dies (a supervised worker never
+    outlives its supervisor). Elsewhere a no-op."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+
+
+def supervise(argv: list[str], name: str) -> None:
+    """Run `argv` (one side of a handoff, with SUPERVISED set) to its end.
+
+    The worker's stderr, native logs included, goes to a file; its own error line (`rekv ...
+    error: ...`) is raised here as a TransportError, as is an abort because its peer went away or
+    a signal that killed it, each in one line naming `name`. Returns if the worker succeeded."""
+    with tempfile.TemporaryFile("w+") as log:
+        worker = subprocess.Popen(argv, stderr=log, text=True, env={**os.environ, SUPERVISED: "1"})
+        try:
+            code = worker.wait()
+        except BaseException:  # interrupted: the worker must not outlive us
+            worker.kill()
+            worker.wait()
+            raise
+        if code == 0:
+            return
+        log.seek(0)
+        output = log.read()
+    said = [line.split("error: ", 1)[1] for line in output.splitlines()
+            if line.startswith("rekv ") and "error: " in line]
+    if said:  # the worker's own line, with its kind: bad input (exit 2) or a failed run
+        raise (ValueError if code == 2 else TransportError)(f"{name}: {said[-1]}")
+    if any(sign in output for sign in _SERVICE_GONE):
+        raise TransportError(f"{name} stopped: the decode side went away (its coordination "
+                             "service stopped answering)")
+    from rekv_jax.failures import exit_text
+
+    raise TransportError(f"{name} {exit_text(code)}")
 
 
 def free_port() -> int:

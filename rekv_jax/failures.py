@@ -1,0 +1,45 @@
+"""How a failed command is told to its user: one line and an exit status, no traceback.
+
+Bad input (ValueError: a file, a flag, a model that does not fit) exits 2; a run that failed
+(a dead or unreachable peer, a timeout, a device out of memory) exits 1. Anything else is a bug
+and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import signal
+
+from rekv_jax.transport.base import TransportError
+
+
+@dataclasses.dataclass(frozen=True)
+class Told:
+    status: int  # the process's exit status
+    line: str  # what the user reads
+
+
+def describe(e: BaseException) -> Told | None:
+    """The one line for an expected failure; None for anything else (a bug)."""
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else type(e).__name__
+    if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in text:
+        size = re.search(r"(\d+) bytes", text)
+        detail = f"{int(size[1]) / 2**30:.1f} GiB requested; " if size else ""
+        return Told(1, f"out of memory ({detail}{first})")
+    if isinstance(e, ValueError):
+        return Told(2, first)
+    if isinstance(e, TransportError | TimeoutError):
+        return Told(1, first)
+    return None
+
+
+def exit_text(returncode: int) -> str:
+    """`subprocess` return code in words: "was killed by SIGKILL", "exited with status 1"."""
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with status {returncode}"

@@ -1,0 +1,243 @@
+"""Soak: one pair of processes through N handoffs with transport faults injected; does it hold?
+
+Both sides draw the same plan from `--seed`: per handoff an action (mixed), a schedule (both), a
+fallback (`error` or `recompute`) and, with probability `--fault-rate`, one fault the transport
+tests know: a corrupted byte in the prefix payload (prefill side), a lost prefix (the decode
+side's pull fails, as if the peer died mid-transfer) or a delayed peer (the prefill side sends
+the prefix late). Expected outcomes: `ok` (no fault, or a delay), `recovered` (a failed prefix
+under `recompute`: the cache is rebuilt from the token ids), `failed_clean` (under `error`: both
+sides raise TransportError and go on). Every cache and first token that comes back is checked
+against a single-process prefill: `wrong` counts differences, `unexpected` outcomes that are not
+the expected ones, `hangs` handoffs that timed out (or a side that never finished).
+
+Resident memory and live threads are read on both sides after a warm-up (one fault-free handoff
+per action and schedule) and at the end; latency p50/p99 per action and schedule is over the
+fault-free handoffs of the first and the last tenth (the schedule only matters, and is only
+named, for joint actions).
+
+    python scripts/soak.py --handoffs 1000 --fault-rate 0.05 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import sys
+import threading
+import time
+
+import numpy as np
+
+HANDOFF_TIMEOUT = 30.0
+WARMUP_TIMEOUT = 600.0  # the first handoff of each action compiles, slowly on shared cores
+FAULTS = ("corrupt", "lost", "delay")
+ACTIONS = ("bf16:full", "q8:full", "bf16:r=2", "q8:r=2", "q4:r=3", "bf16:recompute")
+DELAY_S = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One planned handoff."""
+
+    action: str
+    schedule: str
+    fallback: str
+    fault: str | None
+
+    @property
+    def expected(self) -> str:
+        if self.fault in (None, "delay") or self.action == "bf16:recompute":
+            return "ok"
+        return "recovered" if self.fallback == "recompute" else "failed_clean"
+
+
+def plan(n: int, fault_rate: float, seed: int) -> list[Step]:
+    """The same list on both sides."""
+    rng = random.Random(seed)
+    steps = []
+    for _ in range(n):
+        action = rng.choice(ACTIONS)
+        fault = rng.choice(FAULTS) if rng.random() < fault_rate else None
+        if action == "bf16:recompute":  # nothing but token ids to fault
+            fault = None
+        steps.append(Step(action, rng.choice(("overlapped", "sequential")),
+                          rng.choice(("error", "recompute")), fault))
+    return steps
+
+
+def vitals() -> dict[str, int]:
+    """Resident memory (KiB) and live threads (Python's and the OS's) of this process."""
+    status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+    return {"rss_kib": int(status["VmRSS"].split()[0]), "os_threads": int(status["Threads"]),
+            "py_threads": threading.active_count()}
+
+
+def run_side(role: str, coordinator: str, args: argparse.Namespace) -> None:
+    """One process of the pair; the decode side prints the report as one JSON line."""
+    import jax
+
+    from rekv_jax.action import Action
+    from rekv_jax.loader import load_model
+    from rekv_jax.model import prefill
+    from rekv_jax.schedule import SCHEDULES, check_cache, prepare, receive_handoff, send_handoff
+    from rekv_jax.transport import TransportError, TransportTimeout, connect
+
+    transport = connect("transfer-server", role, coordinator, timeout=HANDOFF_TIMEOUT)
+    model = load_model("tiny")
+    cfg, params = model.cfg, model.params
+    tokens = jax.random.randint(jax.random.key(1), (1, args.seq_len), 0, cfg.vocab_size)
+    actions = {a: Action.parse(a, cfg.num_layers) for a in ACTIONS}
+    steps = plan(args.handoffs, args.fault_rate, args.seed)
+    warmup = [Step(a, s, "error", None) for a in ACTIONS for s in SCHEDULES]
+    push, pull = transport._push, transport._pull  # the fault hooks (see transport_worker.py)
+
+    def faulty_push(tag: str, arrays: list, deadline: float) -> None:
+        fault = faults.get(tag)
+        if fault == "delay":
+            time.sleep(DELAY_S)
+        elif fault == "corrupt":
+            flipped = np.asarray(arrays[0]).copy()
+            flipped.reshape(-1).view(np.uint8)[7] ^= 0x10
+            arrays = [jax.device_put(flipped), *arrays[1:]]
+        push(tag, arrays, deadline)
+
+    def faulty_pull(tag: str, specs: list, deadline: float) -> list:
+        if faults.get(tag) == "lost":
+            raise TransportError(f"{tag}: injected loss of the prefix")
+        return pull(tag, specs, deadline)
+
+    faults: dict[str, str] = {}
+    transport._push, transport._pull = faulty_push, faulty_pull
+    if role == "prefill":
+        states = {a: prepare(cfg, params, tokens, action) for a, action in actions.items()}
+    else:
+        reference, logits = prefill(cfg, params, tokens)
+        first = np.asarray(jax.numpy.argmax(logits, axis=-1))
+    counts = dict.fromkeys(("ok", "recovered", "failed_clean", "wrong", "unexpected", "hangs"), 0)
+    latency: dict[str, list[tuple[int, float]]] = {}
+    hung: list[str] = []  # what timed out, warm-up included
+    start = None
+    for i, step in enumerate(warmup + steps):
+        if i == len(warmup):
+            start = vitals()
+        tag = f"{i}/{step.action}/{step.schedule}"
+        timeout = HANDOFF_TIMEOUT if i >= len(warmup) else WARMUP_TIMEOUT
+        if step.fault:
+            faults[f"{tag}/prefix"] = step.fault
+        action = actions[step.action]
+        try:
+            if role == "prefill":
+                send_handoff(transport, states[step.action], action, tag, timeout=timeout)
+                continue
+            result = receive_handoff(transport, cfg, params, action, 1, args.seq_len, tag,
+                                     step.schedule, step.fallback, timeout=timeout)
+        except TransportTimeout as e:
+            if role == "decode":
+                counts["hangs"] += 1
+                hung.append(f"{tag}: {e}")
+            continue
+        except TransportError:
+            outcome = "failed_clean"
+        else:
+            if role == "prefill":
+                continue
+            good = (np.array_equal(result.first_token, first)
+                    and not check_cache(reference, action, result).startswith("MISMATCH"))
+            counts["wrong"] += not good
+            outcome = "recovered" if result.fallback else "ok"
+            if step.fault is None and i >= len(warmup):
+                key = step.action + f"/{step.schedule}" * (action.kind == "joint")
+                latency.setdefault(key, []).append(
+                    (i - len(warmup), result.total_ms))
+        if role == "decode" and i >= len(warmup):
+            counts[outcome] += 1
+            counts["unexpected"] += outcome != step.expected
+    end = vitals()
+    if role == "prefill":
+        transport.send_meta("soak/prefill", {"start": start, "end": end})
+        transport.close()
+        return
+    prefill_vitals = transport.recv_meta("soak/prefill", HANDOFF_TIMEOUT)
+    transport.close()
+    tenth = max(1, args.handoffs // 10)
+
+    def pct(xs: list[float]) -> dict[str, float | None]:
+        return {"p50": float(np.percentile(xs, 50)) if xs else None,
+                "p99": float(np.percentile(xs, 99)) if xs else None, "n": len(xs)}
+
+    print(json.dumps({
+        "handoffs": args.handoffs, "fault_rate": args.fault_rate, "seq_len": args.seq_len,
+        "faults": {f: sum(s.fault == f for s in steps) for f in FAULTS}, **counts, "hung": hung,
+        "vitals": {"decode": {"start": start, "end": end}, "prefill": prefill_vitals},
+        "latency_ms": {key: {"first_tenth": pct([t for j, t in xs if j < tenth]),
+                             "last_tenth": pct([t for j, t in xs if j >= args.handoffs - tenth])}
+                       for key, xs in sorted(latency.items())},
+    }), flush=True)
+
+
+def verdict(report: dict, max_rss_growth: float) -> dict:
+    """The pass criteria: nothing wrong, unexpected or hung; memory and threads flat."""
+    checks = {"wrong": report["wrong"] == 0, "unexpected": report["unexpected"] == 0,
+              "hangs": report["hangs"] == 0,
+              "all_counted": report["ok"] + report["recovered"] + report["failed_clean"]
+              + report["hangs"] == report["handoffs"]}
+    for side, v in report["vitals"].items():
+        growth = v["end"]["rss_kib"] / v["start"]["rss_kib"] - 1
+        report[f"rss_growth_{side}"] = growth
+        checks[f"rss_{side}"] = growth < max_rss_growth
+        checks[f"threads_{side}"] = all(v["end"][k] == v["start"][k]
+                                        for k in ("py_threads", "os_threads"))
+    return {"passed": all(checks.values()), "checks": checks}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--handoffs", type=int, default=1000)
+    parser.add_argument("--fault-rate", type=float, default=0.05)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-rss-growth", type=float, default=0.05)
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds for the whole soak")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--role", choices=("prefill", "decode"), help=argparse.SUPPRESS)
+    parser.add_argument("--coordinator", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.handoffs < 10 or not 0 <= args.fault_rate <= 1:
+        parser.error("--handoffs must be >= 10 and --fault-rate in [0, 1]")
+    if args.role:
+        run_side(args.role, args.coordinator, args)
+        return
+
+    from rekv_jax.transport.launch import run_pair
+
+    t0 = time.monotonic()
+    try:
+        done = run_pair(lambda role, coordinator: [
+            sys.executable, __file__, *sys.argv[1:], "--role", role, "--coordinator", coordinator],
+            args.timeout)
+    except TimeoutError as e:
+        print(json.dumps({"handoffs": args.handoffs, "hangs": 1, "passed": False,
+                          "error": str(e)[-2000:]}))
+        raise SystemExit(1) from None
+    lines = [line for line in done["decode"].stdout.splitlines() if line.startswith("{")]
+    if not lines or any(p.returncode for p in done.values()):
+        detail = {r: p.stderr[-2000:] for r, p in done.items()}
+        print(json.dumps({"handoffs": args.handoffs, "passed": False, "error": detail}))
+        raise SystemExit(1)
+    report = json.loads(lines[-1])
+    report.update(verdict(report, args.max_rss_growth), wall_s=round(time.monotonic() - t0, 1))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for key in ("handoffs", "ok", "recovered", "failed_clean", "wrong", "unexpected", "hangs",
+                    "faults", "vitals", "passed", "checks", "wall_s"):
+            print(f"{key:>14}: {report[key]}")
+        for key, lat in report["latency_ms"].items():
+            print(f"{key:>26}: {lat}")
+    raise SystemExit(0 if report["passed"] else 1)
+
+
+if __name__ == "__main__":
+    main()

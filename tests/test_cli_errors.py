@@ -1,0 +1,76 @@
+"""Bad input ends in one line on stderr, exit 2, no traceback, before any process or weight."""
+
+import json
+
+import pytest
+
+from rekv_jax import cli
+from rekv_jax.config import ModelConfig
+
+
+def _folders(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    truncated = tmp_path / "truncated"
+    truncated.mkdir()
+    (truncated / "config.json").write_text('{"model_type": "qwen2", "num_hidden')
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text(json.dumps(ModelConfig.preset("tiny").to_hf()))
+    lacking = tmp_path / "lacking"
+    lacking.mkdir()
+    (lacking / "config.json").write_text('{"model_type": "qwen2"}')
+    unreadable = tmp_path / "unreadable"  # a config.json no one can read, even root
+    (unreadable / "config.json").mkdir(parents=True)
+    (tmp_path / "empty.json").write_text("{}")
+    return tmp_path
+
+
+# (argv, words the one line must hold); {tmp} is a folder holding the files above
+CASES = [
+    (["info", "--model", "hf:/missing"], ["/missing", "no such"]),
+    (["handoff", "--model", "hf:/missing"], ["/missing", "no such"]),
+    (["quality", "--model", "hf:/missing"], ["/missing", "no such"]),
+    (["handoff", "--model", "hf:{tmp}/empty"], ["empty", "no config.json"]),
+    (["handoff", "--model", "hf:{tmp}/truncated"], ["truncated/config.json", "not valid JSON"]),
+    (["handoff", "--model", "hf:{tmp}/lacking"], ["lacking/config.json", "num_attention_heads"]),
+    (["handoff", "--model", "hf:{tmp}/unreadable"], ["unreadable/config.json", "cannot read"]),
+    (["handoff", "--model", "hf:{tmp}/no_weights"], ["no_weights", "safetensors"]),
+    (["plan", "--profile", "/missing.json"], ["/missing.json", "cannot read"]),
+    (["plan", "--profile", "{tmp}/empty.json"], ["empty.json", "lacks", "suffix_layer_ms"]),
+    (["handoff", "--seq-len", "100000000"], ["4096", "100000000"]),
+    (["handoff", "--actions", "q8:r=99"], ["q8:r=99", "99", "0..6"]),
+    (["handoff", "--actions", "q8:7"], ["q8:7", "0..6"]),
+    (["plan", "--actions", "q4:r=-1"], ["q4:r=-1", "-1"]),
+    (["handoff", "--link-gbps", "0"], ["--link-gbps", "positive"]),
+    (["handoff", "--link-gbps", "-1"], ["--link-gbps", "positive"]),
+    (["handoff", "--link-gbps", "fast"], ["--link-gbps", "fast"]),
+    (["plan", "--link-gbps", "0"], ["positive"]),
+    (["handoff", "--reps", "0"], ["reps", "positive"]),
+    (["handoff", "--warmup", "-1"], ["warmup"]),
+    (["handoff", "--batch", "0"], ["batch", "positive"]),
+    (["handoff", "--timeout", "0"], ["timeout", "positive"]),
+    (["profile", "--reps", "0"], ["reps", "positive"]),
+]
+
+
+@pytest.mark.parametrize("argv,words", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_bad_input_is_one_line_exit_2(argv, words, tmp_path, capsys, monkeypatch):
+    tmp = _folders(tmp_path)
+    started = []  # no process may start for bad input
+    monkeypatch.setattr("subprocess.Popen", lambda *a, **k: started.append(a) or 1 / 0)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([a.replace("{tmp}", str(tmp)) for a in argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"rekv {argv[0]}: error: ")
+    for word in words:
+        assert word.replace("{tmp}", str(tmp)) in lines[0], lines[0]
+    assert not started
+
+
+def test_debug_shows_the_traceback():
+    with pytest.raises(ValueError, match="no such HF checkpoint folder"):
+        cli.main(["--debug", "info", "--model", "hf:/missing"])

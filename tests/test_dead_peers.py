@@ -1,0 +1,121 @@
+"""Dead or unreachable peers end in one line within the timeout; finished summaries are kept.
+
+Real processes over loopback only (127.0.0.1), kept short: one or two tiny actions, one rep."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rekv_jax.failures import describe, exit_text
+from rekv_jax.transport.launch import free_port
+
+HANDOFF = [sys.executable, "-m", "rekv_jax.cli", "handoff", "--seq-len", "16", "--warmup", "0",
+           "--reps", "1"]
+NATIVE_CRASH = ("Traceback", "Check failure", "terminate called", "Aborted")
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line.split("rekv handoff: error: ", 1)[1] for line in stderr.splitlines()
+            if "rekv handoff: error: " in line]
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_unreachable_coordinator_is_one_line_within_the_timeout(role):
+    # nobody listens on this loopback port: the decode side hosts it and no prefill side comes;
+    # a prefill side finds nobody there
+    timeout = 4
+    start = time.monotonic()
+    out = subprocess.run(HANDOFF + ["--actions", "bf16:full", "--role", role, "--coordinator",
+                                    f"127.0.0.1:{free_port()}", "--timeout", str(timeout)],
+                         capture_output=True, text=True, timeout=180)
+    elapsed = time.monotonic() - start
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert not any(s in out.stderr for s in NATIVE_CRASH), out.stderr[-3000:]
+    (line,) = error_lines(out.stderr)
+    assert ("did not join" if role == "decode" else "did not answer within 4s") in line, line
+    # JAX's own registration wait overshoots its timeout by ~5 s; process start-up under load
+    # (2 shared cores) takes the rest of the margin
+    assert elapsed < timeout + 60
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def _start_pair_and_kill(victim: str, json_out: bool) -> tuple[subprocess.Popen, str, str, list]:
+    """Run a two-action handoff, kill `victim` (decode | prefill worker) once the first summary is
+    out; return the decode process, its whole stdout and stderr, and the prefill pids."""
+    cmd = HANDOFF + ["--actions", "bf16:full,bf16:recompute", "--timeout", "30"]
+    proc = subprocess.Popen(cmd + ["--json"] * json_out, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    lines = []
+    while not any('"summary"' in line or "bitwise" in line for line in lines):
+        line = proc.stdout.readline()
+        assert line, proc.communicate(timeout=60)[1][-3000:]
+        lines.append(line)
+    supervisor = _children(proc.pid)
+    prefill = supervisor + [w for s in supervisor for w in _children(s)]
+    assert len(prefill) == 2, prefill  # the prefill supervisor and its worker
+    os.kill(prefill[1] if victim == "prefill worker" else proc.pid, signal.SIGKILL)
+    out, err = proc.communicate(timeout=120)
+    return proc, "".join(lines) + out, err, prefill
+
+
+@pytest.mark.parametrize("json_out", [True, False], ids=["json", "table"])
+def test_killed_prefill_is_named_and_finished_summaries_are_kept(json_out):
+    proc, out, err, _ = _start_pair_and_kill("prefill worker", json_out)
+    assert proc.returncode == 1, err[-3000:]
+    assert not any(s in err for s in NATIVE_CRASH), err[-3000:]
+    said = error_lines(err)
+    assert "the prefill worker was killed by SIGKILL" in said, err[-3000:]  # from its supervisor
+    assert "the prefill process exited with status 1" in said, err[-3000:]  # from the decode side
+    if json_out:
+        summaries = [json.loads(line) for line in out.splitlines() if '"summary"' in line]
+        assert [s["action"] for s in summaries] == ["bf16:full"]
+        assert summaries[0]["cache_check"] == "bitwise"
+    else:
+        rows = [line for line in out.splitlines() if line.startswith("bf16:")]
+        assert len(rows) == 1 and rows[0].split()[0] == "bf16:full", out
+
+
+def test_dead_decode_side_ends_prefill_in_one_line():
+    proc, _, err, prefill = _start_pair_and_kill("decode", json_out=True)
+    assert proc.returncode == -signal.SIGKILL
+    # the prefill supervisor still writes to the (dead) decode side's stderr: our pipe
+    said = error_lines(err)
+    assert said == ["the prefill worker stopped: the decode side went away (its coordination "
+                    "service stopped answering)"], err[-3000:]
+    assert not any(s in err for s in NATIVE_CRASH), err[-3000:]
+    deadline = time.monotonic() + 60
+    while any(_running(pid) for pid in prefill) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(_running(pid) for pid in prefill)  # nothing stays behind
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is only a record
+    except OSError:
+        return False
+
+
+def test_out_of_memory_is_named_with_its_size():
+    told = describe(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
+                                 "153600000000 bytes.\nmore detail"))
+    assert told.status == 1
+    assert told.line.startswith("out of memory (143.1 GiB requested; RESOURCE_EXHAUSTED")
+    assert "\n" not in told.line
+
+
+def test_exit_text_names_the_signal():
+    assert exit_text(-9) == "was killed by SIGKILL" and exit_text(3) == "exited with status 3"
