@@ -216,14 +216,14 @@ def cmd_handoff(args: argparse.Namespace) -> None:
 
     exp, note = _handoff_experiment(args)
     summaries = []
-    records = sys.stdout
-    if args.json:  # stdout carries records only: native libraries (gloo) print to fd 1
-        records = os.fdopen(os.dup(1), "w")
-        os.dup2(2, 1)
+    # stdout carries our records and tables only: native libraries (gloo) print to fd 1
+    sys.stdout.flush()
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
 
     def emit(record) -> None:
         if args.json:
-            print(json.dumps(record.to_json()), file=records, flush=True)
+            print(json.dumps(record.to_json()), file=out, flush=True)
         if record.to_json()["kind"] == "summary":
             summaries.append(record)
 
@@ -232,7 +232,7 @@ def cmd_handoff(args: argparse.Namespace) -> None:
         return
     if not args.json:
         print(f"{exp.model}, {exp.seq_len} tokens, batch {exp.batch}, {exp.transport}; link: "
-              f"{note}", flush=True)
+              f"{note}", file=out, flush=True)
     bar = tqdm(total=handoff.total_handoffs(exp), desc="handoffs", unit="", file=sys.stderr,
                disable=args.json)
     if exp.transport == "local":
@@ -241,8 +241,8 @@ def cmd_handoff(args: argparse.Namespace) -> None:
         handoff.launch_pair(exp, emit, bar.update)
     bar.close()
     if not args.json:
-        print(report.handoff_table(summaries))
-        print("\n".join(report.conclusion(summaries)))
+        print(report.handoff_table(summaries), file=out)
+        print("\n".join(report.conclusion(summaries)), file=out, flush=True)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
