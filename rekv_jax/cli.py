@@ -228,17 +228,17 @@ def cmd_handoff(args: argparse.Namespace) -> None:
 
     exp, note = _handoff_experiment(args)
     summaries = []
-    records = sys.stdout
-    if args.json:  # stdout carries records only: native libraries (gloo) print to fd 1
-        records = os.fdopen(os.dup(1), "w")
-        os.dup2(2, 1)
+    # stdout carries our records and tables only: native libraries (gloo) print to fd 1
+    sys.stdout.flush()
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
 
     def emit(record) -> None:
         if args.json:
-            print(json.dumps(record.to_json()), file=records, flush=True)
+            print(json.dumps(record.to_json()), file=out, flush=True)
         if isinstance(record, Summary):
             if not args.json:  # each row as it completes: a later failure loses none
-                print(report.handoff_table([record], header=not summaries), flush=True)
+                print(report.handoff_table([record], header=not summaries), file=out, flush=True)
             summaries.append(record)
 
     if args.role is not None:  # one process of a pair started by a scheduler (or by us)
@@ -246,7 +246,7 @@ def cmd_handoff(args: argparse.Namespace) -> None:
         return
     if not args.json:
         print(f"{exp.model}, {exp.seq_len} tokens, batch {exp.batch}, {exp.transport}; link: "
-              f"{note}", flush=True)
+              f"{note}", file=out, flush=True)
     bar = tqdm(total=handoff.total_handoffs(exp), desc="handoffs", unit="", file=sys.stderr,
                disable=args.json)
     if exp.transport == "local":
@@ -255,7 +255,7 @@ def cmd_handoff(args: argparse.Namespace) -> None:
         handoff.launch_pair(exp, emit, bar.update)
     bar.close()
     if not args.json:
-        print("\n".join(report.conclusion(summaries)))
+        print("\n".join(report.conclusion(summaries)), file=out, flush=True)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
