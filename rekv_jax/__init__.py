@@ -10,6 +10,7 @@ from rekv_jax.model import (
     greedy_decode,
     init_params,
     prefill,
+    run_layers,
     run_prefix,
     run_suffix,
 )
@@ -18,5 +19,5 @@ from rekv_jax.params import load_hf, restore_params, save_hf, save_params
 __all__ = [
     "PRESETS", "Action", "KVCache", "Llama3RopeScaling", "ModelConfig", "action_space",
     "decode_step", "extend", "forward", "greedy_decode", "init_params", "load_hf", "parse_actions",
-    "prefill", "restore_params", "run_prefix", "run_suffix", "save_hf", "save_params",
+    "prefill", "restore_params", "run_layers", "run_prefix", "run_suffix", "save_hf", "save_params",
 ]

@@ -322,6 +322,12 @@ def _run_suffix(cfg: ModelConfig, params: Params, h_c: jax.Array, cut: int, posi
     return kv, model.logits(x[:, -1])
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "first", "stop"))
+def _run_layers(cfg: ModelConfig, params: Params, x: jax.Array, first: int, stop: int,
+                positions: jax.Array) -> tuple[jax.Array, KVCache]:
+    return _model(cfg, params).run_layers(x, positions, first, stop)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _extend(cfg: ModelConfig, params: Params, kv: KVCache, tokens: jax.Array, start: jax.Array
             ) -> tuple[jax.Array, KVCache]:
@@ -367,6 +373,20 @@ def run_suffix(cfg: ModelConfig, params: Params, h_c: jax.Array, cut: int,
     B, S, _ = h_c.shape
     positions = _positions(B, 0, S) if positions is None else jnp.broadcast_to(positions, (B, S))
     return _run_suffix(cfg, params, h_c, cut, positions)
+
+
+def run_layers(cfg: ModelConfig, params: Params, x: jax.Array, first: int, stop: int,
+               positions: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+    """Layers first..stop-1 on the residual x [B, S, D]: (x entering layer `stop`, KV
+    [stop-first, B, S, K, H]). Steps chained after `run_prefix` equal `prefill` bitwise."""
+    if not 0 <= first <= stop <= cfg.num_layers:
+        raise ValueError(f"need 0 <= first <= stop <= {cfg.num_layers}, got {first}, {stop}")
+    check_params(cfg, params)
+    if x.ndim != 3 or x.shape[-1] != cfg.hidden_size:
+        raise ValueError(f"x must be [B, S, {cfg.hidden_size}], got {x.shape}")
+    B, S, _ = x.shape
+    positions = _positions(B, 0, S) if positions is None else jnp.broadcast_to(positions, (B, S))
+    return _run_layers(cfg, params, x, first, stop, positions)
 
 
 def extend(cfg: ModelConfig, params: Params, kv: KVCache, tokens: jax.Array, start: int
