@@ -63,7 +63,8 @@ def cmd_handoff(args: argparse.Namespace) -> None:
             model=args.model, seq_len=args.seq_len, batch=args.batch, actions=args.actions,
             schedules=schedules, transport=args.transport, link_gbps=args.link_gbps,
             warmup=args.warmup, reps=args.reps, fallback=args.fallback,
-            backend=args.quant_backend, seed=args.seed, timeout=args.timeout))
+            backend=args.quant_backend, seed=args.seed, timeout=args.timeout,
+            interval=args.interval, prefill=args.prefill))
     cfg = load_config(exp.model)
     summaries: list[dict] = []
     records = sys.stdout
@@ -153,6 +154,16 @@ def cmd_sweep(args: argparse.Namespace) -> None:
     print(json.dumps({"kind": "prediction_error_pct", **errors}))
 
 
+def add_mode_flags(p: argparse.ArgumentParser) -> None:
+    """--interval and --prefill (costmodel.INTERVALS, PREFILL_MODES)."""
+    p.add_argument("--interval", choices=["ready", "prompt"], default="ready",
+                   help="time from the prefill state being ready (paper Table 1) or from the "
+                        "prompt's arrival at the prefill worker")
+    p.add_argument("--prefill", choices=["full", "split"], default="full",
+                   help="the prefill worker runs all L layers, or only 0..c-1 streaming each "
+                        "layer as computed (needs --interval prompt)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rekv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -200,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--fallback", choices=["error", "recompute"], default="error",
                    help="on a failed prefix transfer: fail, or rebuild the cache from token ids")
+    add_mode_flags(p)
     p.add_argument("--quant-backend", choices=["xla", "pallas", "pallas-interpret"], default=None,
                    help="default: Pallas on GPU, XLA elsewhere")
     p.add_argument("--seed", type=int, default=0)

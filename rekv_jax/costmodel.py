@@ -39,6 +39,9 @@ from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
 
 PHASES = ("quantize", "boundary", "prefix", "suffix", "join")
+PROMPT_PHASES = ("prefill", *PHASES)  # a measured handoff also reports the prefill's own compute
+INTERVALS = ("ready", "prompt")  # timed from the prefill state being ready, or from the prompt
+PREFILL_MODES = ("full", "split")  # the prefill side runs all L layers, or only 0..c-1
 KINDS = ("transfer", "recompute", "joint")  # Action.kind
 _BITS_FIELDS = ("kv_layer_bytes", "quantize_ms", "restore_ms")  # dicts keyed by bits
 

@@ -27,16 +27,18 @@ import numpy as np
 from rekv_jax import stats
 from rekv_jax.action import Action, parse_actions
 from rekv_jax.config import ModelConfig
-from rekv_jax.costmodel import PHASES
+from rekv_jax.costmodel import PROMPT_PHASES
 from rekv_jax.model import Params, init_params, prefill
 from rekv_jax.params import load_hf
 from rekv_jax.schedule import (
     SCHEDULES,
     Handoff,
     check_cache,
+    check_modes,
     prepare,
     receive_handoff,
     send_handoff,
+    send_prompt,
 )
 from rekv_jax.sizes import action_bytes
 from rekv_jax.transport import LocalTransport, Transport, connect
@@ -63,6 +65,8 @@ class Experiment:
     backend: str | None = None  # quantization backend (None: Pallas on GPU, XLA elsewhere)
     seed: int = 0
     timeout: float = 120.0
+    interval: str = "ready"  # costmodel.INTERVALS: timed from the prefill state, or the prompt
+    prefill: str = "full"  # costmodel.PREFILL_MODES: prefill all L layers, or 0..c-1, streamed
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedules", tuple(self.schedules))  # from JSON: a list
@@ -71,6 +75,7 @@ class Experiment:
         bad = [s for s in self.schedules if s not in SCHEDULES]
         if bad or not self.schedules:
             raise ValueError(f"schedules must be a non-empty subset of {SCHEDULES}, got {bad}")
+        check_modes(self.interval, self.prefill)
 
 
 def load_model(spec: str, seed: int = 0, dtype: jnp.dtype = jnp.bfloat16
@@ -107,18 +112,24 @@ def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
     tokens = jax.random.randint(jax.random.key(exp.seed + 1), (exp.batch, exp.seq_len), 0,
                                 cfg.vocab_size, jnp.int32)
     for action in actions:
-        state = prepare(cfg, params, tokens, action) if role == "prefill" else None
+        ready = role == "prefill" and exp.interval == "ready"
+        state = prepare(cfg, params, tokens, action) if ready else None
         # the schedule only matters when there is both a prefix and a suffix
         schedules = exp.schedules if action.kind == "joint" else exp.schedules[:1]
         for schedule in schedules:
             results = []
             for rep in range(exp.warmup + exp.reps):
                 tag = f"{action}/{schedule}/{rep}"
-                if role == "prefill":
+                if ready:
                     send_handoff(transport, state, action, tag, exp.backend, exp.timeout)
                     continue
+                if role == "prefill":
+                    send_prompt(transport, cfg, params, tokens, action, tag, exp.prefill,
+                                exp.backend, exp.timeout)
+                    continue
                 result = receive_handoff(transport, cfg, params, action, exp.batch, exp.seq_len,
-                                         tag, schedule, exp.fallback, exp.backend, exp.timeout)
+                                         tag, schedule, exp.fallback, exp.backend, exp.timeout,
+                                         exp.prefill)
                 progress(1)
                 if rep >= exp.warmup:
                     results.append(result)
@@ -140,10 +151,10 @@ def summarize(cfg: ModelConfig, params: Params, tokens: jax.Array, exp: Experime
         "action": str(action), "bits": action.bits, "cut": action.cut,
         "suffix_len": action.suffix_len, "transport": exp.transport,
         "schedule": schedule if action.kind == "joint" else "n/a",
-        "link_gbps": exp.link_gbps, "hardware": hardware(),
+        "interval": exp.interval, "prefill": exp.prefill, "link_gbps": exp.link_gbps, "hardware": hardware(),
         "median_ms": stats.median(totals), "ci95_ms": list(stats.median_ci(totals, seed=exp.seed)),
         "reps_ms": totals,
-        "phases_ms": {p: stats.median([r.phases_ms[p] for r in results]) for p in PHASES},
+        "phases_ms": {p: stats.median([r.phases_ms[p] for r in results]) for p in PROMPT_PHASES},
         "payload_bytes": action_bytes(cfg, action, exp.seq_len, exp.batch)["total_bytes"],
         "first_token_match": all(np.array_equal(r.first_token, first) for r in results),
         "cache_check": check_cache(reference, action, results[-1], exp.backend),
@@ -219,11 +230,11 @@ def total_handoffs(exp: Experiment, num_layers: int) -> int:
 def print_table(records: list[dict], file=sys.stdout) -> None:
     """The readable form of the summaries."""
     header = f"{'action':<16}{'schedule':<12}{'median ms':>10}{'95% CI':>18}" + "".join(
-        f"{p[:8]:>10}" for p in PHASES) + f"{'MiB':>9}  first  cache"
+        f"{p[:8]:>10}" for p in PROMPT_PHASES) + f"{'MiB':>9}  first  cache"
     print(header, file=file)
     for r in records:
         ci = f"[{r['ci95_ms'][0]:.2f}, {r['ci95_ms'][1]:.2f}]"
-        phases = "".join(f"{r['phases_ms'][p]:>10.2f}" for p in PHASES)
+        phases = "".join(f"{r['phases_ms'][p]:>10.2f}" for p in PROMPT_PHASES)
         print(f"{r['action']:<16}{r['schedule']:<12}{r['median_ms']:>10.2f}{ci:>18}{phases}"
               f"{r['payload_bytes'] / 2**20:>9.2f}  {str(r['first_token_match']):<6} "
               f"{r['cache_check']}", file=file)
