@@ -92,6 +92,49 @@ def cmd_handoff(args: argparse.Namespace) -> None:
         handoff.print_table(summaries)
 
 
+def cmd_generate(args: argparse.Namespace) -> None:
+    from rekv_jax import generate
+
+    if args.request:  # the prefill process started by generate.generate
+        generate.run_process(args.role, generate.Request(**json.loads(args.request)),
+                             args.coordinator)
+        return
+    args.model = args.model or str(generate.SHIPPED_MODEL)
+    tok = generate.tokenizer_of(args.model)
+    if args.token_ids is not None:
+        text = args.token_ids
+        if text.startswith("@"):
+            with open(text[1:]) as f:
+                text = f.read()
+        ids = [int(t) for t in text.replace(",", " ").split()]
+    elif args.prompt is not None and tok is not None:
+        ids = tok.encode(args.prompt).ids
+    else:
+        raise ValueError("give --prompt TEXT (a model with a tokenizer) or --token-ids 1,2,3|@file")
+    req = generate.Request(
+        token_ids=ids, model=args.model, action=args.action, max_new_tokens=args.max_new_tokens,
+        dtype=args.dtype, prefill=args.prefill, schedule=args.schedule, transport=args.transport,
+        link_gbps=args.link_gbps, fallback=args.fallback, compare=args.compare,
+        timeout=args.timeout)
+    shown: list[int] = []
+
+    def stream(token: int) -> None:  # print the text as it grows
+        if args.json or tok is None:
+            return
+        before = tok.decode(shown)
+        shown.append(token)
+        print(tok.decode(shown)[len(before):], end="", flush=True)
+
+    out = generate.generate(req, stream)
+    if args.json:
+        print(json.dumps(out.to_json(args.compare)))
+    else:
+        print(f"\n[{out.action}, {out.prefill} prefill: ttft {out.ttft_ms:.1f} ms, tpot "
+              f"{out.tpot_ms:.1f} ms, {out.tokens_per_s:.1f} tokens/s, {out.payload_bytes} B]"
+              + (f" first divergence: {out.first_divergence}" if args.compare else ""),
+              file=sys.stderr)
+
+
 def cmd_quality(args: argparse.Namespace) -> None:
     from rekv_jax import data, quality
     from rekv_jax.action import parse_actions
@@ -223,6 +266,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host:port of the decode process (default: detected, e.g. SLURM)")
     p.add_argument("--experiment", default=None, help=argparse.SUPPRESS)  # JSON, from launch_pair
     p.set_defaults(func=cmd_handoff)
+
+    p = sub.add_parser("generate", help="generate text on a handed-off ReKV cache (two workers)")
+    p.add_argument("--model", default=None,
+                   help="trained-model folder (default: the shipped wt2-tiny) or hf:PATH")
+    p.add_argument("--action", default="q8:r=2",
+                   help="PREC:CUT (bf16|q8|q4 : c|full|recompute|r=N)")
+    p.add_argument("--prompt", default=None, help="prompt text (the model's tokenizer)")
+    p.add_argument("--token-ids", default=None, help="prompt ids: 1,2,3 or @FILE")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--prefill", choices=["full", "split"], default="split",
+                   help="the prefill worker runs all L layers, or only 0..c-1, streamed")
+    p.add_argument("--schedule", choices=["overlapped", "sequential"], default="overlapped")
+    p.add_argument("--transport", choices=["transfer-server", "collective", "local"],
+                   default="transfer-server")
+    p.add_argument("--link-gbps", type=float, default=None, help="pace the link (GB/s)")
+    p.add_argument("--fallback", choices=["error", "recompute"], default="error",
+                   help="on a failed prefix transfer: fail, or rebuild the cache from token ids")
+    p.add_argument("--compare", action="store_true",
+                   help="also decode on a single-process cache; report first_divergence")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may take")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--role", choices=["prefill", "decode"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--request", default=None, help=argparse.SUPPRESS)  # JSON, from generate()
+    p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("profile", help="measure per-layer alpha, beta, gamma, H, J (JSON)")
     p.add_argument("--model", default="tiny", help="preset name")

@@ -34,8 +34,8 @@ import numpy as np
 
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
-from rekv_jax.kv import KVCache
 from rekv_jax.costmodel import INTERVALS, PREFILL_MODES
+from rekv_jax.kv import KVCache
 from rekv_jax.model import Params, prefill, run_layers, run_prefix, run_suffix
 from rekv_jax.quantize import QuantizedTensor, dequantize, quantize, quantize_unchecked
 from rekv_jax.sizes import GROUP_SIZE
@@ -104,8 +104,9 @@ def prefix_specs(cfg: ModelConfig, action: Action, batch: int, seq_len: int, dty
                  layers: int | None = None) -> list[jax.ShapeDtypeStruct]:
     """Shapes and dtypes of the prefix buffers the decode side must receive (of `layers`
     layers: default the whole prefix, 1 for one streamed layer)."""
-    kv = jax.ShapeDtypeStruct(
-        (action.cut if layers is None else layers, batch, seq_len, cfg.num_kv_heads, cfg.head_dim), jnp.dtype(dtype))
+    c = action.cut if layers is None else layers
+    kv = jax.ShapeDtypeStruct((c, batch, seq_len, cfg.num_kv_heads, cfg.head_dim),
+                              jnp.dtype(dtype))
     if action.bits == 16:
         return [kv, kv]
     q = jax.eval_shape(lambda x: quantize_unchecked(x, action.bits, backend="xla"), kv)
