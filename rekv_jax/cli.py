@@ -49,7 +49,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
             bits = [int(b) for b in args.bits.split(",")]
         actions = list(action_space(cfg.num_layers, bits))
     print(json.dumps(plan(cfg, args.seq_len, profile, args.link_gbps, actions, args.batch,
-                          args.schedule)))
+                          args.schedule, args.interval, args.prefill)))
 
 
 def cmd_handoff(args: argparse.Namespace) -> None:
@@ -237,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--actions", default=None, help="comma list of PREC:CUT, or all")
     p.add_argument("--bits", default=None, help="precisions to consider, e.g. 16,8 (default all)")
     p.add_argument("--schedule", default="overlapped", choices=("overlapped", "sequential"))
+    add_mode_flags(p)
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("handoff", help="timed handoffs between a prefill and a decode process")
