@@ -102,6 +102,16 @@ def _flags() -> dict[str, Callable[[argparse.ArgumentParser], None]]:
                             "process inherits (default: auto: cuDNN flash attention on a GPU "
                             "for bf16, XLA otherwise)")
 
+    def modes(p: argparse.ArgumentParser) -> None:
+        from rekv_jax.costmodel import INTERVALS, PREFILL_MODES
+
+        p.add_argument("--interval", choices=INTERVALS, default=INTERVALS[0],
+                       help="time from the prefill state being ready (paper Table 1) or from the "
+                            "prompt's arrival at the prefill worker")
+        p.add_argument("--prefill", choices=PREFILL_MODES, default=PREFILL_MODES[0],
+                       help="the prefill worker runs all L layers, or only 0..c-1 streaming each "
+                            "layer as computed (needs --interval prompt)")
+
     def bits(p: argparse.ArgumentParser) -> None:
         from rekv_jax.action import BITS
 
@@ -109,7 +119,7 @@ def _flags() -> dict[str, Callable[[argparse.ArgumentParser], None]]:
 
     return {"json": json_, "model": model, "shape": shape, "actions": actions, "link": link,
             "transport": transport, "reps": reps, "schedule": schedule, "handoff": handoff,
-            "attention": attention, "bits": bits}
+            "attention": attention, "modes": modes, "bits": bits}
 
 
 # ---------------------------------------------------------------------------------- output
@@ -180,7 +190,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
         if args.plan_bits:
             bits = [int(b) for b in args.plan_bits.split(",")]
         actions = list(action_space(cfg.num_layers, bits))
-    result = plan(cfg, args.seq_len, profile, args.link_gbps, actions, args.batch, args.schedule)
+    result = plan(cfg, args.seq_len, profile, args.link_gbps, actions, args.batch, args.schedule,
+                  args.interval, args.prefill)
     if args.json:
         return _emit_json([result])
     print(plan_text(result))
@@ -206,7 +217,7 @@ def _handoff_experiment(args: argparse.Namespace):
         schedules=SCHEDULES if args.schedule == "both" else (args.schedule,),
         transport=args.transport, link_gbps=None if link == PAPER_LINK else link,
         warmup=args.warmup, reps=args.reps, fallback=args.fallback, backend=args.quant_backend,
-        seed=args.seed, timeout=args.timeout)
+        seed=args.seed, timeout=args.timeout, interval=args.interval, prefill=args.prefill)
     if link == PAPER_LINK:
         calibration = calibrate_link_in_child(args.model, args.seq_len)
         exp = dataclasses.replace(exp, link_gbps=calibration.link_gbps)
@@ -353,6 +364,51 @@ def cmd_sweep(args: argparse.Namespace) -> None:
     print("cost model median |error| %: " + ", ".join(f"{a} {e:.1f}" for a, e in errors.items()))
 
 
+def cmd_generate(args: argparse.Namespace) -> None:
+    from rekv_jax import generate
+    from rekv_jax.handoff import calibrate_link_in_child
+
+    if args.request:  # the prefill process started by generate.generate
+        generate.run_process(args.role, generate.Request(**json.loads(args.request)),
+                             args.coordinator)
+        return
+    args.model = args.model or str(generate.SHIPPED_MODEL)
+    tok = generate.tokenizer_of(args.model)
+    if args.token_ids is not None:
+        text = args.token_ids
+        if text.startswith("@"):
+            with open(text[1:]) as f:
+                text = f.read()
+        ids = [int(t) for t in text.replace(",", " ").split()]
+    elif args.prompt is not None and tok is not None:
+        ids = tok.encode(args.prompt).ids
+    else:
+        raise ValueError("give --prompt TEXT (a model with a tokenizer) or --token-ids 1,2,3|@file")
+    link = args.link_gbps
+    if link == PAPER_LINK:
+        link = calibrate_link_in_child(args.model, len(ids)).link_gbps
+    req = generate.Request(
+        token_ids=ids, model=args.model, action=args.action, max_new_tokens=args.max_new_tokens,
+        dtype=args.dtype, prefill=args.prefill, schedule=args.schedule, transport=args.transport,
+        link_gbps=link, fallback=args.fallback, compare=args.compare, timeout=args.timeout)
+    shown: list[int] = []
+
+    def stream(token: int) -> None:  # print the text as it grows
+        if args.json or tok is None:
+            return
+        before = tok.decode(shown)
+        shown.append(token)
+        print(tok.decode(shown)[len(before):], end="", flush=True)
+
+    out = generate.generate(req, stream)
+    if args.json:
+        return _emit_json([out.to_json(args.compare)])
+    print(f"\n[{out.action}, {out.prefill} prefill: ttft {out.ttft_ms:.1f} ms, tpot "
+          f"{out.tpot_ms:.1f} ms, {out.tokens_per_s:.1f} tokens/s, {out.payload_bytes} B]"
+          + (f" first divergence: {out.first_divergence}" if args.compare else ""),
+          file=sys.stderr)
+
+
 def cmd_doctor(args: argparse.Namespace) -> None:
     from rekv_jax import doctor
 
@@ -396,7 +452,7 @@ def _bytes_flags(p: argparse.ArgumentParser) -> None:
 
 
 @command("plan", cmd_plan, "predicted latency of every action and the best one",
-         ("model", "shape", "actions", "link", "schedule", "json"))
+         ("model", "shape", "actions", "link", "schedule", "modes", "json"))
 def _plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None,
                    help="profile JSON/JSONL (e.g. from `rekv profile` on a GPU); default: analytic")
@@ -407,7 +463,7 @@ def _plan_flags(p: argparse.ArgumentParser) -> None:
 
 @command("handoff", cmd_handoff, "timed handoffs between a prefill and a decode process",
          ("model", "shape", "actions", "link", "transport", "reps", "schedule", "handoff",
-          "attention", "json"))
+          "modes", "attention", "json"))
 def _handoff_flags(p: argparse.ArgumentParser) -> None:
     p.set_defaults(seq_len=256, link_gbps=PAPER_LINK)
 
@@ -447,6 +503,33 @@ def _select_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quality", required=True, help="JSONL from `rekv quality --json`")
     p.add_argument("--timings", default=None, help="JSONL of handoff or sweep summaries")
     p.add_argument("--batch", type=int, default=1, help="use timings measured at this batch")
+
+
+@command("generate", cmd_generate, "generate text on a handed-off ReKV cache (two workers)",
+         ("transport", "link", "attention", "json"))
+def _generate_flags(p: argparse.ArgumentParser) -> None:
+    from rekv_jax.costmodel import PREFILL_MODES
+    from rekv_jax.schedule import FALLBACKS, SCHEDULES
+
+    p.add_argument("--model", default=None,
+                   help="trained-model folder (default: the shipped wt2-tiny) or hf:PATH")
+    p.add_argument("--action", default="q8:r=2",
+                   help="PREC:CUT (bf16|q8|q4 : c|full|recompute|r=N)")
+    p.add_argument("--prompt", default=None, help="prompt text (the model's tokenizer)")
+    p.add_argument("--token-ids", default=None, help="prompt ids: 1,2,3 or @FILE")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--prefill", choices=PREFILL_MODES, default="split",
+                   help="the prefill worker runs all L layers, or only 0..c-1, streamed")
+    p.add_argument("--schedule", choices=SCHEDULES, default=SCHEDULES[0])
+    p.add_argument("--fallback", choices=FALLBACKS, default=FALLBACKS[0],
+                   help="a failed prefix transfer: fail, or rebuild the cache from tokens")
+    p.add_argument("--compare", action="store_true",
+                   help="also decode on a single-process cache; report first_divergence")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may take")
+    p.add_argument("--role", choices=("prefill", "decode"), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--request", default=None, help=argparse.SUPPRESS)  # JSON, from generate()
 
 
 @command("doctor", cmd_doctor, "self-check of this machine: kernels, exactness, speed, a handoff",

@@ -21,6 +21,29 @@ of the handoff. Transfer-only
 (`c = L`) then sends the full KV and no `h_c`; full recomputation (`c = 0`) sends nothing more and
 runs the embedding and all `L` layers (the `suffix` phase). Byte counts come from
 `rekv_jax.sizes`; times are in ms, bandwidth in GB/s (1e9 bytes/s, as the transports' pacing).
+
+Timed from the prompt's arrival at the prefill worker (`interval="prompt"`), the prefill's own
+compute joins the sum. It runs the same per-layer program as the decode side's suffix, on the
+same kind of device, so a prompt layer costs `γ` too and a call `r0`; `E` is the embedding.
+
+* Full prefill (paper Fig. 3): all L layers, then the handoff as above:
+      T_full = E + r0 + L γ + T_ov (or T_seq).
+* Split, streamed prefill (`schedule.send_prompt(..., "split")`): only layers 0..c-1 run, one
+  call each (`g = r0 + γ`; the first also embeds), each followed by its quantize call
+  (`a = q0 + α_b`, 0 for BF16) and sent as its own message (`β' = m + x0_b + β_b`). The token ids
+  leave at once (`τ = h0 + B_tok / W`); `h_c` leaves when layer c-1 is computed (`H' = m + B_H / W`)
+  and overtakes that layer's payload. With time 0 at the prompt's arrival:
+      C_l = E + (l+1) g + l a            layer l computed        P_l = C_l + a   its payload ready
+  and on the FIFO link (messages in the order sent: ids, layers 0..c-2, h_c, layer c-1):
+      D_-1 = τ,  D_l = max(P_l, D_{l-1}) + β'  (l <= c-2)
+      D_H = max(C_{c-1}, D_{c-2}) + H',   D_{c-1} = max(P_{c-1}, D_H) + β'
+      T_split,ov = max(D_{c-1}, D_H + R(c)) + J        T_split,seq = D_{c-1} + R(c) + J
+  The recursion is a two-stage flow line, so `D_k = max(τ + (k+1) β', E + (g+a) + (k+1) β',
+  E + (k+1)(g+a) + β')`: the link either drains a backlog (β' > g + a) or keeps up, and then `h_c`
+  waits only `max(0, β' - g)` behind the last streamed layer. Keeping up, with the fixed terms
+  at zero, split is never slower than full (tested): it skips the prefill's `(L - c) γ` and hides
+  all but one layer's quantize and transfer under the prompt's compute. Transfer-only (`c = L`)
+  sends the first token in place of `h_c`; full recomputation (`c = 0`) sends only the ids.
 """
 
 from __future__ import annotations
@@ -39,6 +62,9 @@ from rekv_jax.action import ACTION_KINDS, Action
 from rekv_jax.config import ModelConfig
 
 PHASES = ("quantize", "boundary", "prefix", "suffix", "join")
+PROMPT_PHASES = ("prefill", *PHASES)  # a measured handoff also reports the prefill's own compute
+INTERVALS = ("ready", "prompt")  # timed from the prefill state being ready, or from the prompt
+PREFILL_MODES = ("full", "split")  # the prefill side runs all L layers, or only 0..c-1
 _BITS_FIELDS = ("kv_layer_bytes", "quantize_ms", "restore_ms")  # dicts keyed by bits
 
 
@@ -46,7 +72,7 @@ def transfer_ms(nbytes: float, link_gbps: float) -> float:
     """Time to move `nbytes` over a `link_gbps` GB/s link."""
     if not link_gbps > 0:
         raise ValueError(f"link bandwidth must be positive GB/s, got {link_gbps!r}")
-    return nbytes / (link_gbps * 1e6)
+    return nbytes / (link_gbps * 10**6)  # an int factor keeps exact Fractions exact
 
 
 def t_seq(q: float, h: float, x: float, r: float, j: float) -> float:
@@ -258,12 +284,51 @@ def predict(profile: Profile, action: Action) -> dict[str, Any]:
             "t_ov_ms": t_ov(*args), "saved_ms": saved(ph["prefix"], ph["suffix"])}
 
 
-def predicted_ms(profile: Profile, action: Action, schedule: str = "overlapped") -> float:
-    """The predicted total of `action` under a schedule (`overlapped` or `sequential`)."""
+def predicted_ms(profile: Profile, action: Action, schedule: str = "overlapped",
+                 interval: str = "ready", prefill: str = "full") -> float:
+    """The predicted total of `action` under a schedule (`overlapped` or `sequential`), timed
+    from the prefill state (`ready`) or from the prompt (`prompt`, with a `full` or `split`
+    prefill; see the module docstring)."""
     key = {"overlapped": "t_ov_ms", "sequential": "t_seq_ms"}.get(schedule)
     if key is None:
         raise ValueError(f"schedule must be 'overlapped' or 'sequential', got {schedule!r}")
-    return predict(profile, action)[key]
+    if interval not in INTERVALS or prefill not in PREFILL_MODES or (
+            prefill == "split" and interval != "prompt"):
+        raise ValueError(f"need interval in {INTERVALS}, prefill in {PREFILL_MODES} (split only "
+                         f"with the prompt interval); got {interval!r}, {prefill!r}")
+    if prefill == "split":
+        return streamed_ms(profile, action, schedule)
+    ready = predict(profile, action)[key]
+    return ready + (prompt_compute_ms(profile, profile.num_layers) if interval == "prompt" else 0)
+
+
+def prompt_compute_ms(profile: Profile, layers: int) -> float:
+    """The prefill worker's compute of `layers` prompt layers in one call: E + r0 + layers γ."""
+    return profile.embed_ms + profile.suffix_fixed_ms + layers * profile.suffix_layer_ms
+
+
+def streamed_ms(profile: Profile, action: Action, schedule: str = "overlapped") -> float:
+    """T_split of `action` (ms from the prompt's arrival): the recursion of the module docstring."""
+    p = profile
+    phase_ms(p, action)  # validates the action against the profile
+    c, L, W = action.cut, p.num_layers, p.link_gbps
+    tokens = p.boundary_fixed_ms + transfer_ms(p.token_bytes, W)  # τ
+    if c == 0:
+        return tokens + prompt_compute_ms(p, L) + p.join_ms["recompute"]
+    g = p.suffix_fixed_ms + p.suffix_layer_ms
+    a = p.quantize_fixed_ms + p.quantize_ms[action.bits] if action.bits < 16 else 0
+    link = p.message_ms + p.restore_fixed_ms[action.bits] + p.beta(action.bits)  # β'
+    boundary = p.message_ms + (transfer_ms(p.boundary_bytes, W) if c < L else 0)  # H'
+    done = tokens  # D_{l-1}: when the link is free again
+    for layer in range(c - 1):
+        done = max(p.embed_ms + (layer + 1) * (g + a), done) + link
+    computed = p.embed_ms + c * g + (c - 1) * a  # C_{c-1}
+    at_boundary = max(computed, done) + boundary  # D_H
+    at_prefix = max(computed + a, at_boundary) + link  # D_{c-1}
+    suffix = p.suffix_fixed_ms + (L - c) * p.suffix_layer_ms if c < L else 0  # R(c)
+    if schedule == "sequential":
+        return at_prefix + suffix + p.join_ms[action.kind]
+    return max(at_prefix, at_boundary + suffix) + p.join_ms[action.kind]
 
 
 def fit_profile(cfg: ModelConfig, records: Sequence[dict[str, Any]], hardware: str, link: str

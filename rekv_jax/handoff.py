@@ -26,8 +26,7 @@ import numpy as np
 
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
-from rekv_jax.costmodel import PHASES
-from rekv_jax.failures import exit_text
+from rekv_jax.costmodel import PROMPT_PHASES
 from rekv_jax.loader import load_model
 from rekv_jax.model import Params, attention_backend, prefill
 from rekv_jax.schedule import (
@@ -35,15 +34,17 @@ from rekv_jax.schedule import (
     SCHEDULES,
     Handoff,
     check_cache,
+    check_modes,
     prepare,
     receive_handoff,
     send_handoff,
+    send_prompt,
 )
 from rekv_jax.sizes import action_bytes
 from rekv_jax.summary import Rep, Summary
-from rekv_jax.transport import LocalTransport, Transport, TransportError, checksums, connect
+from rekv_jax.transport import LocalTransport, Transport, checksums, connect
 from rekv_jax.transport.base import Role
-from rekv_jax.transport.launch import SUPERVISED, die_with_parent, free_port, supervise
+from rekv_jax.transport.launch import SUPERVISED, die_with_parent, supervise, with_prefill_child
 
 Emit = Callable[[Rep | Summary], None]
 DEFAULT_ACTIONS = "bf16:full,q8:full,bf16:r=2,q8:r=2,bf16:recompute"
@@ -66,6 +67,8 @@ class Experiment:
     backend: str | None = None  # quantization backend (None: Pallas on GPU, XLA elsewhere)
     seed: int = 0
     timeout: float = 120.0
+    interval: str = "ready"  # costmodel.INTERVALS: timed from the prefill state, or the prompt
+    prefill: str = "full"  # costmodel.PREFILL_MODES: prefill all L layers, or 0..c-1, streamed
 
     def __post_init__(self) -> None:
         # from JSON: lists, and actions as {bits, cut, num_layers} dicts
@@ -85,6 +88,7 @@ class Experiment:
             raise ValueError(f"schedules must be a non-empty subset of {SCHEDULES}, got {bad}")
         if self.fallback not in FALLBACKS:
             raise ValueError(f"fallback must be one of {FALLBACKS}, got {self.fallback!r}")
+        check_modes(self.interval, self.prefill)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -129,16 +133,22 @@ def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
     tokens = jax.random.randint(jax.random.key(exp.seed + 1), (exp.batch, exp.seq_len), 0,
                                 cfg.vocab_size, jnp.int32)
     for action in exp.actions:
-        state = prepare(cfg, params, tokens, action) if role == "prefill" else None
+        ready = role == "prefill" and exp.interval == "ready"
+        state = prepare(cfg, params, tokens, action) if ready else None
         for schedule in exp.schedules_of(action):
             results = []
             for rep in range(exp.warmup + exp.reps):
                 tag = f"{action}/{schedule}/{rep}"
-                if role == "prefill":
+                if ready:
                     send_handoff(transport, state, action, tag, exp.backend, exp.timeout)
                     continue
+                if role == "prefill":
+                    send_prompt(transport, cfg, params, tokens, action, tag, exp.prefill,
+                                exp.backend, exp.timeout)
+                    continue
                 result = receive_handoff(transport, cfg, params, action, exp.batch, exp.seq_len,
-                                         tag, schedule, exp.fallback, exp.backend, exp.timeout)
+                                         tag, schedule, exp.fallback, exp.backend, exp.timeout,
+                                         exp.prefill)
                 progress(1)
                 if rep >= exp.warmup:
                     results.append(result)
@@ -160,11 +170,12 @@ def summarize(cfg: ModelConfig, params: Params, tokens: jax.Array, exp: Experime
         transport=exp.transport, schedule=schedule if action.kind == "joint" else "n/a",
         link_gbps=exp.link_gbps, hardware=hardware(),
         reps_ms=tuple(r.total_ms for r in results),
-        phases_ms={p: float(np.median([r.phases_ms[p] for r in results])) for p in PHASES},
+        phases_ms={p: float(np.median([r.phases_ms[p] for r in results])) for p in PROMPT_PHASES},
         payload_bytes=action_bytes(cfg, action, exp.seq_len, exp.batch)["total_bytes"],
         first_token_match=all(np.array_equal(r.first_token, first) for r in results),
         cache_check=check_cache(reference, action, results[-1], exp.backend),
-        fallbacks=sum(r.fallback for r in results), weights=weights)
+        fallbacks=sum(r.fallback for r in results), weights=weights,
+        interval=exp.interval, prefill=exp.prefill)
 
 
 def run_local(exp: Experiment, emit: Emit, progress: Callable[[int], None] = lambda n: None
@@ -211,28 +222,12 @@ def run_process(role: Role, exp: Experiment, coordinator: str | None, emit: Emit
 
 def launch_pair(exp: Experiment, emit: Emit, progress: Callable[[int], None] = lambda n: None
                 ) -> None:
-    """Run both sides on this machine over loopback: this process decodes, a child prefills.
-
-    The child is killed if it outlives the decode side by more than `exp.timeout`. Its stderr is
-    ours: its one error line reaches our user even if this process dies first. If it dies first,
-    our error names how (exit status or signal)."""
-    coordinator = f"127.0.0.1:{free_port()}"
+    """Run both sides on this machine over loopback: this process decodes, a child prefills
+    (`transport.launch.with_prefill_child`: bounded, and a dead child is named by its exit)."""
     cmd = [sys.executable, "-m", "rekv_jax.cli", "handoff", "--experiment", exp.to_json(),
-           "--role", "prefill", "--coordinator", coordinator]
-    child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, text=True)
-    try:
-        run_process("decode", exp, coordinator, emit, progress)
-        child.wait(timeout=exp.timeout)
-    except BaseException as e:
-        died = child.poll()  # None: still running, so the failure is ours
-        if died is None:
-            child.kill()
-        child.wait()
-        if died and isinstance(e, TransportError):  # the peer died: say how
-            raise TransportError(f"the prefill process {exit_text(died)}") from e
-        raise
-    if child.returncode:
-        raise TransportError(f"the prefill process {exit_text(child.returncode)}")
+           "--role", "prefill"]
+    with_prefill_child(cmd, lambda coordinator: run_process("decode", exp, coordinator, emit,
+                                                            progress), exp.timeout)
 
 
 def total_handoffs(exp: Experiment) -> int:

@@ -389,6 +389,20 @@ def run_suffix(cfg: ModelConfig, params: Params, h_c: jax.Array, cut: int,
     return kv, logits
 
 
+def run_layers(cfg: ModelConfig, params: Params, x: jax.Array, first: int, stop: int,
+               positions: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+    """Layers first..stop-1 on the residual x [B, S, D]: (x entering layer `stop`, KV
+    [stop-first, B, S, K, H]). Steps chained after `run_prefix` equal `prefill` bitwise."""
+    if not 0 <= first <= stop <= cfg.num_layers:
+        raise ValueError(f"need 0 <= first <= stop <= {cfg.num_layers}, got {first}, {stop}")
+    cfg = _checked(cfg, params)
+    if x.ndim != 3 or x.shape[-1] != cfg.hidden_size:
+        raise ValueError(f"x must be [B, S, {cfg.hidden_size}], got {x.shape}")
+    if positions is not None:
+        positions = jnp.broadcast_to(positions, x.shape[:2])
+    return _run(cfg, params, x, _ZERO, positions, first=first, stop=stop, head="none")
+
+
 def extend(cfg: ModelConfig, params: Params, kv: KVCache, tokens: jax.Array, start: int
            ) -> tuple[jax.Array, KVCache]:
     """Run tokens [B, T] at positions start..start+T-1 on a cache of capacity C >= start + T.

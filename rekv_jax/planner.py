@@ -64,9 +64,11 @@ def select_profile(profiles: Sequence[Profile], cfg: ModelConfig, seq_len: int, 
 
 def plan(cfg: ModelConfig, seq_len: int, profile: Profile | None = None,
          link_gbps: float | None = None, actions: Sequence[Action] | None = None,
-         batch: int = 1, schedule: str = "overlapped") -> dict[str, Any]:
+         batch: int = 1, schedule: str = "overlapped", interval: str = "ready",
+         prefill: str = "full") -> dict[str, Any]:
     """Every candidate action with its predicted latency (ms), the predicted best, and Prop. 2's
-    balanced cut per precision. `link_gbps` re-targets the profile's transfer terms."""
+    balanced cut per precision. `link_gbps` re-targets the profile's transfer terms; `interval`
+    and `prefill` choose the timed interval (the best is then the cut for that interval)."""
     if profile is None:
         profile = analytic_profile(cfg, seq_len, batch,
                                    PAPER_LINK_GBPS if link_gbps is None else link_gbps)
@@ -85,12 +87,13 @@ def plan(cfg: ModelConfig, seq_len: int, profile: Profile | None = None,
             "action": str(a), "kind": a.kind, "bits": a.bits, "cut": a.cut,
             "suffix_len": a.suffix_len,
             "payload_bytes": sizes.action_bytes(cfg, a, seq_len, batch)["total_bytes"],
-            "predicted_ms": predicted_ms(profile, a, schedule),
+            "predicted_ms": predicted_ms(profile, a, schedule, interval, prefill),
             "t_seq_ms": pred["t_seq_ms"], "t_ov_ms": pred["t_ov_ms"],
             "phases_ms": pred["phases_ms"]})
     best = min(candidates, key=lambda c: c["predicted_ms"])
     out: dict[str, Any] = {
         "model": cfg.name, "seq_len": seq_len, "batch": batch, "schedule": schedule,
+        "interval": interval, "prefill": prefill,
         "profile": {k: v for k, v in profile.to_json().items() if k != "kind"},
         "best": {k: best[k] for k in ("action", "predicted_ms", "kind", "bits", "cut")},
         "balanced_cut": _balanced_cuts(profile) if cfg.num_layers >= 2 else {},

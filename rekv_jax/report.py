@@ -41,9 +41,10 @@ def link_label(link_gbps: float | None) -> str:
 
 
 def setup_label(setup: Setup) -> str:
-    hardware, transport, link, batch = setup
+    hardware, transport, link, batch, interval, prefill = setup
+    timed = "" if interval == "ready" else f" · timed from the prompt, {prefill} prefill"
     return (f"hardware: {hardware} · transport: {transport} · link: {link_label(link)} · "
-            f"batch {batch}")
+            f"batch {batch}{timed}")
 
 
 def _order(key: tuple) -> tuple:

@@ -12,6 +12,14 @@ ids. Full recomputation (`c = 0`) sends token ids only and runs the whole prompt
 
 Token ids always cross the link (they are tiny): the decode side needs them to check its cache
 and, under `fallback="recompute"`, to rebuild the cache if the prefix transfer fails.
+
+Timed from the prompt's arrival instead (`send_prompt`), the prefill side computes inside the
+interval. `full`: it runs all L layers, then hands off as above (the paper's Fig. 3). `split`: it
+runs layers 0..c-1 only, one step per layer (`model.run_layers`, the same per-layer program as
+`prefill`), and streams: the token ids at once, each layer's quantized KV as its own message
+(`TAG/layerN`) while the next layer computes, and `h_c` the moment layer c-1 is computed. The
+decode side's receive worker restores each layer as it arrives. Either way a `prefill` phase
+(the prefill side's own compute) joins `Q, H, X, R, J`.
 """
 
 from __future__ import annotations
@@ -26,8 +34,9 @@ import numpy as np
 
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
+from rekv_jax.costmodel import INTERVALS, PREFILL_MODES
 from rekv_jax.kv import KVCache
-from rekv_jax.model import Params, prefill, run_prefix, run_suffix
+from rekv_jax.model import Params, prefill, run_layers, run_prefix, run_suffix
 from rekv_jax.quantize import QuantizedTensor, dequantize, quantize, quantize_unchecked
 from rekv_jax.sizes import GROUP_SIZE
 from rekv_jax.transport import Transport, TransportError
@@ -36,6 +45,7 @@ SCHEDULES = ("overlapped", "sequential")
 FALLBACKS = ("error", "recompute")
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PrefillState:
     """What the prefill worker holds when its prefill is done (before the timed interval)."""
@@ -53,7 +63,7 @@ class Handoff:
     kv: KVCache  # [L, B, S, K, H]
     first_token: jax.Array  # [B]
     total_ms: float
-    phases_ms: dict[str, float]
+    phases_ms: dict[str, float]  # keyed by costmodel.PROMPT_PHASES
     fallback: bool = False  # True if the prefix transfer failed and the cache was recomputed
 
 
@@ -90,11 +100,13 @@ def decode_prefix(buffers: list[jax.Array], bits: int, dtype: jnp.dtype,
                    dequantize(QuantizedTensor(vc, vs, bits, GROUP_SIZE, dtype), backend=backend))
 
 
-def prefix_specs(cfg: ModelConfig, action: Action, batch: int, seq_len: int, dtype: jnp.dtype
-                 ) -> list[jax.ShapeDtypeStruct]:
-    """Shapes and dtypes of the prefix buffers the decode side must receive."""
-    kv = jax.ShapeDtypeStruct(
-        (action.cut, batch, seq_len, cfg.num_kv_heads, cfg.head_dim), jnp.dtype(dtype))
+def prefix_specs(cfg: ModelConfig, action: Action, batch: int, seq_len: int, dtype: jnp.dtype,
+                 layers: int | None = None) -> list[jax.ShapeDtypeStruct]:
+    """Shapes and dtypes of the prefix buffers the decode side must receive (of `layers`
+    layers: default the whole prefix, 1 for one streamed layer)."""
+    c = action.cut if layers is None else layers
+    kv = jax.ShapeDtypeStruct((c, batch, seq_len, cfg.num_kv_heads, cfg.head_dim),
+                              jnp.dtype(dtype))
     if action.bits == 16:
         return [kv, kv]
     q = jax.eval_shape(lambda x: quantize_unchecked(x, action.bits, backend="xla"), kv)
@@ -108,92 +120,199 @@ def _ms(start: float, stop: float) -> float:
     return 1e3 * (stop - start)
 
 
+def check_modes(interval: str, prefill_mode: str) -> None:
+    """ValueError unless (interval, prefill mode) is a valid pair (split needs the prompt)."""
+    if interval not in INTERVALS or prefill_mode not in PREFILL_MODES:
+        raise ValueError(f"interval must be one of {INTERVALS} and prefill one of "
+                         f"{PREFILL_MODES}, got {interval!r}, {prefill_mode!r}")
+    if prefill_mode == "split" and interval != "prompt":
+        raise ValueError("a split prefill streams while it computes, so its interval starts at "
+                         "the prompt: use interval 'prompt'")
+
+
 def send_handoff(transport: Transport, state: PrefillState, action: Action, tag: str,
                  backend: str | None = None, timeout: float = 60.0) -> None:
-    """Prefill side of one handoff; posts its quantization time to the decode side."""
+    """Prefill side of one handoff from a ready prefill state (the paper's interval)."""
     transport.agree(f"{tag}/go", {}, timeout)  # both sides start their clocks here
+    _send_state(transport, state, action, tag, backend, timeout, time.perf_counter(), 0.0)
+
+
+def send_prompt(transport: Transport, cfg: ModelConfig, params: Params, tokens: jax.Array,
+                action: Action, tag: str, prefill_mode: str = "full", backend: str | None = None,
+                timeout: float = 60.0) -> None:
+    """Prefill side of one handoff timed from the prompt's arrival: `full` runs all L layers
+    (`prepare`), then hands off as `send_handoff`; `split` streams layers 0..c-1 as computed."""
+    check_modes("prompt", prefill_mode)
+    transport.agree(f"{tag}/go", {}, timeout)
     t0 = time.perf_counter()
+    if prefill_mode == "split":
+        _send_streamed(transport, cfg, params, tokens, action, tag, backend, timeout, t0)
+        return
+    state = jax.block_until_ready(prepare(cfg, params, tokens, action))
+    _send_state(transport, state, action, tag, backend, timeout, t0, _ms(t0, time.perf_counter()))
+
+
+def _send_state(transport: Transport, state: PrefillState, action: Action, tag: str,
+                backend: str | None, timeout: float, t0: float, prefill_ms: float) -> None:
+    """Quantize the prefix (Q), send the token ids with `h_c` first, then the prefix payload."""
+    start = time.perf_counter()
     payload = []
     if state.prefix is not None:
         payload = jax.block_until_ready(encode_prefix(state.prefix, action.bits, backend))
-    quantize_ms = _ms(t0, time.perf_counter()) if action.bits != 16 else 0.0
+    quantize_ms = _ms(start, time.perf_counter()) if action.bits != 16 else 0.0
     boundary = [state.tokens, state.first_token] + ([state.h_c] if state.h_c is not None else [])
+    boundary_at_ms = _ms(t0, time.perf_counter())
     transport.send(f"{tag}/boundary", boundary, timeout)  # one message: ids (+ h_c) first
     if payload:
         transport.send(f"{tag}/prefix", payload, timeout)
-    transport.send_meta(f"{tag}/prefill", {"quantize_ms": quantize_ms})
-    for phase in ["boundary"] + ["prefix"] * bool(payload):  # the decode side's errors surface here
+    _finish_send(transport, tag, ["boundary"] + ["prefix"] * bool(payload), timeout,
+                 prefill_ms=prefill_ms, quantize_ms=quantize_ms, boundary_at_ms=boundary_at_ms)
+
+
+def _send_streamed(transport: Transport, cfg: ModelConfig, params: Params, tokens: jax.Array,
+                   action: Action, tag: str, backend: str | None, timeout: float, t0: float
+                   ) -> None:
+    """Split prefill: the token ids at once, then per layer 0..c-1: compute it, quantize it and
+    hand it to the link, which moves it while the next layer computes. `h_c` (or, transfer-only,
+    the first token) leaves as soon as layer c-1 is computed, before that layer's payload."""
+    c, L = action.cut, cfg.num_layers
+    transport.send(f"{tag}/tokens", [tokens], timeout)
+    phases, prefill_ms, quantize_ms, boundary_at_ms = ["tokens"], 0.0, 0.0, 0.0
+    x = tokens
+    for layer in range(c):
+        start = time.perf_counter()
+        x, kv = jax.block_until_ready(  # x: the residual entering layer + 1 [B, S, D]
+            run_prefix(cfg, params, tokens, 1) if layer == 0
+            else run_layers(cfg, params, x, layer, layer + 1))
+        if layer == c - 1:
+            boundary = [x]
+            if c == L:  # transfer-only: the prefill side picks the first token
+                _, logits = run_suffix(cfg, params, x, L)
+                boundary = [jnp.argmax(logits, axis=-1).astype(jnp.int32)]
+            boundary = jax.block_until_ready(boundary)
+            prefill_ms += _ms(start, time.perf_counter())
+            boundary_at_ms = _ms(t0, time.perf_counter())
+            transport.send(f"{tag}/boundary", boundary, timeout)
+            phases.append("boundary")
+        else:
+            prefill_ms += _ms(start, time.perf_counter())
+        start = time.perf_counter()
+        payload = jax.block_until_ready(encode_prefix(kv, action.bits, backend))
+        quantize_ms += _ms(start, time.perf_counter()) if action.bits != 16 else 0.0
+        transport.send(f"{tag}/layer{layer}", payload, timeout)
+        phases.append(f"layer{layer}")
+    _finish_send(transport, tag, phases, timeout, prefill_ms=prefill_ms,
+                 quantize_ms=quantize_ms, boundary_at_ms=boundary_at_ms)
+
+
+def _finish_send(transport: Transport, tag: str, phases: list[str], timeout: float,
+                 **times_ms: float) -> None:
+    """Post the prefill side's times, then wait for every phase's ack (the decode side's errors
+    surface here)."""
+    transport.send_meta(f"{tag}/prefill", times_ms)
+    for phase in phases:
         transport.wait_ack(f"{tag}/{phase}", timeout)
 
 
 def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, action: Action,
                     batch: int, seq_len: int, tag: str, schedule: str = "overlapped",
                     fallback: str = "error", backend: str | None = None,
-                    timeout: float = 60.0) -> Handoff:
-    """Decode side of one handoff: receive, recompute, restore, join; time every phase."""
+                    timeout: float = 60.0, prefill_mode: str = "full") -> Handoff:
+    """Decode side of one handoff: receive, recompute, restore, join; time every phase.
+
+    `prefill_mode="split"` receives the streamed form (`_send_streamed`): the token ids first,
+    then a receive worker restores each prefix layer as it arrives while this thread waits for
+    `h_c` and runs the suffix (overlapped) or first waits for the whole prefix (sequential).
+    """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+    check_modes("prompt" if prefill_mode == "split" else "ready", prefill_mode)
+    split, c = prefill_mode == "split", action.cut
     dtype = params["embed"].dtype
-    specs = [jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),  # token ids
-             jax.ShapeDtypeStruct((batch,), jnp.int32)]  # the prefill side's first token
-    if action.kind == "joint":
-        specs.append(jax.ShapeDtypeStruct((batch, seq_len, cfg.hidden_size), dtype))  # h_c
+    token_spec = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
+    first_spec = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    h_c_spec = jax.ShapeDtypeStruct((batch, seq_len, cfg.hidden_size), dtype)
+    if split:  # the ids came alone; the boundary is h_c, or the first token (transfer-only)
+        specs = {"joint": [h_c_spec], "transfer": [first_spec], "recompute": []}[action.kind]
+    else:
+        specs = [token_spec, first_spec] + [h_c_spec] * (action.kind == "joint")
     transport.agree(f"{tag}/go", {}, timeout)
     t0 = time.perf_counter()
-    tokens, sent_first, *h_c = transport.recv(f"{tag}/boundary", specs, timeout)
-    h_c = h_c[0] if h_c else None
-    t_boundary = time.perf_counter()
 
     def restore_prefix() -> tuple[KVCache, float]:
-        specs = prefix_specs(cfg, action, batch, seq_len, dtype)
-        buffers = transport.recv(f"{tag}/prefix", specs, timeout)
-        prefix = jax.block_until_ready(decode_prefix(buffers, action.bits, dtype, backend))
-        return prefix, time.perf_counter()
+        if not split:
+            buffers = transport.recv(f"{tag}/prefix", prefix_specs(cfg, action, batch, seq_len,
+                                                                   dtype), timeout)
+            prefix = decode_prefix(buffers, action.bits, dtype, backend)
+        else:  # restore each layer as it arrives
+            layers = []
+            for layer in range(c):
+                try:
+                    buffers = transport.recv(f"{tag}/layer{layer}", prefix_specs(
+                        cfg, action, batch, seq_len, dtype, layers=1), timeout)
+                except TransportError as e:
+                    raise TransportError(f"prefix layer {layer} lost after {layer} of {c} "
+                                         f"arrived: {e}") from e
+                layers.append(decode_prefix(buffers, action.bits, dtype, backend))
+            prefix = KVCache.concat(*layers)
+        return jax.block_until_ready(prefix), time.perf_counter()
 
     def run_suffix_now(kind: str) -> tuple[KVCache, jax.Array, float, float]:
         start = time.perf_counter()
         if kind == "recompute":
             kv, logits = prefill(cfg, params, tokens)
         else:
-            kv, logits = run_suffix(cfg, params, h_c, action.cut)
+            kv, logits = run_suffix(cfg, params, h_c, c)
         return *jax.block_until_ready((kv, logits)), start, time.perf_counter()
 
-    prefix = suffix = logits = None
-    t_prefix = t_boundary
+    tokens = transport.recv(f"{tag}/tokens", [token_spec], timeout)[0] if split else None
+    prefix = suffix = logits = sent_first = h_c = None
+    t_boundary = t_prefix = time.perf_counter()
     fell_back = False
+    pool = ThreadPoolExecutor(1, thread_name_prefix="rekv-prefix")
     try:
+        pending = pool.submit(restore_prefix) if split and c > 0 else None
+        if specs:
+            boundary = transport.recv(f"{tag}/boundary", specs, timeout)
+            if not split:
+                tokens, sent_first, *boundary = boundary
+            h_c = boundary[0] if action.kind == "joint" else None
+            sent_first = boundary[0] if split and action.kind == "transfer" else sent_first
+        t_boundary = t_prefix = time.perf_counter()
         if action.kind == "recompute":
             suffix, logits, t_start, t_suffix = run_suffix_now("recompute")
-        elif action.kind == "transfer":
-            prefix, t_prefix = restore_prefix()
-            t_start = t_suffix = t_prefix
-        elif schedule == "sequential":
-            prefix, t_prefix = restore_prefix()
-            suffix, logits, t_start, t_suffix = run_suffix_now("suffix")
         else:
-            with ThreadPoolExecutor(1, thread_name_prefix="rekv-prefix") as pool:
-                pending = pool.submit(restore_prefix)  # transfer + dequantize ...
+            pending = pending or pool.submit(restore_prefix)  # transfer + restore ...
+            if action.kind == "joint" and schedule == "overlapped":
                 suffix, logits, t_start, t_suffix = run_suffix_now("suffix")  # ... meanwhile
-                prefix, t_prefix = pending.result()
+            prefix, t_prefix = pending.result()
+            if action.kind == "joint" and schedule == "sequential":
+                suffix, logits, t_start, t_suffix = run_suffix_now("suffix")
+            elif action.kind == "transfer":
+                t_start = t_suffix = t_prefix
     except TransportError:
-        if fallback != "recompute" or action.kind == "recompute":
+        if fallback != "recompute" or action.kind == "recompute" or tokens is None:
             raise
         fell_back, prefix, t_prefix = True, None, t_boundary
         suffix, logits, t_start, t_suffix = run_suffix_now("recompute")
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
     kv = suffix if prefix is None else prefix if suffix is None else KVCache.concat(prefix, suffix)
     first = sent_first if logits is None else jnp.argmax(logits, axis=-1).astype(jnp.int32)
     kv, first = jax.block_until_ready((kv, first))
     t_end = time.perf_counter()
 
-    quantize_ms = transport.recv_meta(f"{tag}/prefill", timeout)["quantize_ms"]
+    sent = transport.recv_meta(f"{tag}/prefill", timeout)
     phases = {
-        "quantize": quantize_ms,
-        # the prefill side quantized before sending h_c, so that wait is not link time
-        "boundary": max(_ms(t0, t_boundary) - quantize_ms, 0.0),
-        "prefix": _ms(t_boundary, t_prefix),
+        "prefill": sent["prefill_ms"],
+        "quantize": sent["quantize_ms"],
+        # the link time of the boundary: from when the prefill side sent it to its arrival
+        "boundary": max(_ms(t0, t_boundary) - sent["boundary_at_ms"], 0.0),
+        # what the prefix adds after the boundary (a streamed prefix is mostly there before)
+        "prefix": max(_ms(t_boundary, t_prefix), 0.0),
         "suffix": _ms(t_start, t_suffix),
         "join": _ms(max(t_prefix, t_suffix), t_end),
     }

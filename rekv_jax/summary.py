@@ -16,12 +16,13 @@ from typing import Any
 
 from rekv_jax import stats
 from rekv_jax.action import Action
-from rekv_jax.costmodel import PHASES
+from rekv_jax.costmodel import PROMPT_PHASES
 
 # The schedule of a record: overlapped or sequential for a joint action; "n/a" for transfer-only
 # and full recomputation, which have nothing to overlap.
 RECORD_SCHEDULES = ("overlapped", "sequential", "n/a")
-Setup = tuple[str, str, float | None, int]  # (hardware, transport, link_gbps, batch)
+# (hardware, transport, link_gbps, batch, interval, prefill mode)
+Setup = tuple[str, str, float | None, int, str, str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +38,7 @@ class Summary:
     link_gbps: float | None  # the paced link (None: unpaced)
     hardware: str
     reps_ms: tuple[float, ...]  # every timed rep's total
-    phases_ms: dict[str, float]  # median per phase (costmodel.PHASES)
+    phases_ms: dict[str, float]  # median per phase (costmodel.PROMPT_PHASES)
     payload_bytes: int
     median_ms: float = float("nan")  # filled from reps_ms when not given
     ci95_ms: tuple[float, float] = (float("nan"), float("nan"))  # bootstrap CI of the median
@@ -46,6 +47,8 @@ class Summary:
     fallbacks: int = 0  # reps whose prefix transfer failed and were recomputed
     predicted_ms: float | None = None  # the cost model's prediction, when one was made
     weights: str = ""  # where the weights came from (loader.LoadedModel.weights)
+    interval: str = "ready"  # costmodel.INTERVALS: timed from the prefill state, or the prompt
+    prefill: str = "full"  # costmodel.PREFILL_MODES: the prefill side ran all L layers or 0..c-1
 
     def __post_init__(self) -> None:
         if self.schedule not in RECORD_SCHEDULES:
@@ -58,14 +61,16 @@ class Summary:
             object.__setattr__(self, "median_ms", stats.median(self.reps_ms))
             object.__setattr__(self, "ci95_ms", stats.median_ci(self.reps_ms))
         object.__setattr__(self, "ci95_ms", tuple(self.ci95_ms))
-        missing = set(PHASES) - set(self.phases_ms)
+        object.__setattr__(self, "phases_ms", {"prefill": 0.0, **self.phases_ms})  # older lines
+        missing = set(PROMPT_PHASES) - set(self.phases_ms)
         if missing:
             raise ValueError(f"record {self.action}: phases_ms lacks {sorted(missing)}")
 
     @property
     def setup(self) -> Setup:
         """Where it was measured; every table and figure is made per setup."""
-        return self.hardware, self.transport, self.link_gbps, self.batch
+        return (self.hardware, self.transport, self.link_gbps, self.batch, self.interval,
+                self.prefill)
 
     @property
     def family(self) -> str:

@@ -199,3 +199,73 @@ def test_fit_profile_needs_enough_distinct_points():
 def test_bad_input_raises(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# -- the prompt interval: full vs split (streamed) prefill ------------------------------------
+
+small = st.fractions(min_value=0, max_value=20, max_denominator=20)
+
+
+def _stream_profile(L, alpha, restore, gamma, gbps, embed, join, fixed) -> cm.Profile:
+    q0, h0, m, r0, x0 = fixed
+    p = cm.Profile.for_config(
+        TINY, 256, 1, hardware="test", link="test", link_gbps=gbps, source="measured",
+        quantize_ms={16: 0, 8: alpha}, restore_ms={16: 0, 8: restore}, suffix_layer_ms=gamma,
+        join_ms=dict.fromkeys(cm.KINDS, join), embed_ms=embed, quantize_fixed_ms=q0,
+        boundary_fixed_ms=h0, message_ms=m, suffix_fixed_ms=r0, restore_fixed_ms={16: 0, 8: x0})
+    return dataclasses.replace(p, num_layers=L)
+
+
+PROFILES = dict(L=st.integers(2, 12), alpha=small, restore=small, gamma=small,
+                gbps=st.fractions(min_value=Fraction(1, 100), max_value=10, max_denominator=100),
+                embed=small, join=small,
+                fixed=st.one_of(st.just((0,) * 5), st.tuples(*[small] * 5)))
+
+
+@SETTINGS
+@given(**PROFILES)
+def test_streamed_schedule_closed_form(L, alpha, restore, gamma, gbps, embed, join, fixed):
+    """The recursion of `streamed_ms` equals the flow-line closed form of the docstring."""
+    p = _stream_profile(L, alpha, restore, gamma, gbps, embed, join, fixed)
+    q0, h0, m, r0, x0 = fixed
+    for bits in (16, 8):
+        g, a = r0 + gamma, (q0 + alpha if bits == 8 else 0)
+        link = m + p.restore_fixed_ms[bits] + p.beta(bits)
+        tau = h0 + cm.transfer_ms(p.token_bytes, gbps)
+        for c in range(1, L + 1):
+            k = c - 2
+            backlog = max(tau + (k + 1) * link, embed + (g + a) + (k + 1) * link,
+                          embed + (k + 1) * (g + a) + link) if c >= 2 else tau
+            computed = embed + c * g + (c - 1) * a
+            h = m + (cm.transfer_ms(p.boundary_bytes, gbps) if c < L else 0)
+            at_h = max(computed, backlog) + h
+            at_prefix = max(computed + a, at_h) + link
+            r = r0 + (L - c) * gamma if c < L else 0
+            action = Action(bits, c, L)
+            assert cm.streamed_ms(p, action, "overlapped") == max(at_prefix, at_h + r) + join
+            assert cm.streamed_ms(p, action, "sequential") == at_prefix + r + join
+
+
+@SETTINGS
+@given(**PROFILES)
+def test_split_prefill_never_slower_when_the_link_keeps_up(L, alpha, restore, gamma, gbps, embed,
+                                                           join, fixed):
+    """Linear model (no fixed terms), link at least as fast as prefill + quantize per layer:
+    split <= full at every cut and schedule, overlapped <= sequential, and the prompt interval
+    is the ready interval plus the full prefill's compute."""
+    p = _stream_profile(L, alpha, restore, gamma, gbps, embed, join, (0,) * 5)
+    for bits in (16, 8):
+        if p.beta(bits) > gamma + (alpha if bits == 8 else 0):
+            continue
+        for c in range(bits != 16, L + 1):  # c = 0 is BF16 only
+            action = Action(bits, c, L)
+            for schedule in ("overlapped", "sequential"):
+                # `phase_ms` writes absent phases as 0.0, so `full` is a float: 1e-12 of slack
+                full = cm.predicted_ms(p, action, schedule, "prompt", "full")
+                ready = cm.predicted_ms(p, action, schedule)
+                assert math.isclose(full, ready + embed + L * gamma, rel_tol=1e-12, abs_tol=1e-12)
+                split = cm.predicted_ms(p, action, schedule, "prompt", "split")
+                assert split <= full * (1 + 1e-12) + 1e-12
+            assert cm.streamed_ms(p, action) <= cm.streamed_ms(p, action, "sequential")
+    with pytest.raises(ValueError, match="split only"):
+        cm.predicted_ms(p, Action(8, 1, L), "overlapped", "ready", "split")

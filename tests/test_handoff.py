@@ -10,9 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rekv_jax import Action, ModelConfig, init_params, parse_actions, prefill
+from rekv_jax import Action, ModelConfig, greedy_decode, init_params, parse_actions, prefill
 from rekv_jax.handoff import Experiment, run_local
-from rekv_jax.schedule import check_cache, prepare, receive_handoff, send_handoff
+from rekv_jax.schedule import (
+    check_cache,
+    prepare,
+    receive_handoff,
+    send_handoff,
+    send_prompt,
+)
 from rekv_jax.sizes import action_bytes
 from rekv_jax.transport import LocalTransport, TransportError
 from rekv_jax.transport.launch import run_pair
@@ -31,7 +37,8 @@ def check_summaries(summaries: list[dict], actions: str, seq_len: int) -> None:
         assert s["cache_check"] == want, s
         assert s["payload_bytes"] == action_bytes(cfg, action, seq_len)["total_bytes"]
         assert len(s["reps_ms"]) == 2 and s["ci95_ms"][0] <= s["median_ms"] <= s["ci95_ms"][1]
-        assert set(s["phases_ms"]) == {"quantize", "boundary", "prefix", "suffix", "join"}
+        assert set(s["phases_ms"]) == {"prefill", "quantize", "boundary", "prefix", "suffix",
+                                       "join"}
         if action.kind == "joint":
             assert s["phases_ms"]["suffix"] > 0 and s["phases_ms"]["prefix"] > 0
         assert (s["phases_ms"]["quantize"] > 0) == (action.bits != 16)
@@ -118,3 +125,78 @@ def test_failed_prefix_transfer(fallback):
         thread.join(20)
     assert not thread.is_alive()
     assert errors and "connection reset" in str(errors[0])  # the prefill side hears of it too
+
+
+def run_one(cfg, params, tokens, action, prefill_mode, schedule="overlapped", receiver=None,
+            fallback="error"):
+    """One prompt-interval handoff over a local link: (decode side's Handoff, prefill's errors).
+    Timeouts are generous: the first call compiles every per-layer step on a loaded machine."""
+    sender, decode = LocalTransport.pair()
+    receiver = receiver(decode._channel) if receiver else decode
+    errors = []
+
+    def send():
+        try:
+            send_prompt(sender, cfg, params, tokens, action, "t", prefill_mode, timeout=120)
+        except Exception as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    try:
+        result = receive_handoff(receiver, cfg, params, action, *tokens.shape, "t", schedule,
+                                 fallback, timeout=120, prefill_mode=prefill_mode)
+    finally:
+        thread.join(120)
+    assert not thread.is_alive()
+    return result, errors
+
+
+@pytest.mark.parametrize("action", ["q8:r=2", "bf16:r=3", "q4:full", "bf16:recompute"])
+def test_streamed_equals_non_streamed_bitwise(action):
+    cfg = ModelConfig.preset("tiny")
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (1, 32), 0, cfg.vocab_size, jnp.int32)
+    action = Action.parse(action, cfg.num_layers)
+    reference, logits = prefill(cfg, params, tokens)
+    full, _ = run_one(cfg, params, tokens, action, "full")
+    for schedule in ("overlapped", "sequential"):
+        split, errors = run_one(cfg, params, tokens, action, "split", schedule)
+        assert not errors and not split.fallback
+        assert np.array_equal(split.kv.k, full.kv.k) and np.array_equal(split.kv.v, full.kv.v)
+        assert np.array_equal(split.first_token, full.first_token)
+        assert np.array_equal(split.first_token, jnp.argmax(logits, axis=-1))
+        assert check_cache(reference, action, split) == check_cache(reference, action, full)
+        assert not check_cache(reference, action, split).startswith("MISMATCH")
+        assert split.phases_ms["prefill"] > 0 or action.cut == 0
+
+
+def lose_layer(k):
+    class LosesLayer(LocalTransport):
+        """A prefill peer that dies after streaming k prefix layers."""
+
+        def _pull(self, tag, specs, deadline):
+            if tag.endswith(f"/layer{k}"):
+                raise TransportError(f"{tag}: the peer process is gone")
+            return super()._pull(tag, specs, deadline)
+
+    return lambda channel: LosesLayer("decode", channel)
+
+
+@pytest.mark.parametrize("fallback", ["error", "recompute"])
+def test_peer_dies_mid_stream(fallback):
+    cfg = ModelConfig.preset("tiny")
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (1, 32), 0, cfg.vocab_size, jnp.int32)
+    action = Action.parse("q8:r=2", cfg.num_layers)  # c = 4 streamed layers; the 3rd is lost
+    if fallback == "error":
+        with pytest.raises(TransportError, match="prefix layer 2 lost after 2 of 4 arrived"):
+            run_one(cfg, params, tokens, action, "split", receiver=lose_layer(2))
+        return
+    result, errors = run_one(cfg, params, tokens, action, "split", receiver=lose_layer(2),
+                             fallback="recompute")
+    reference, logits = prefill(cfg, params, tokens)
+    assert result.fallback and check_cache(reference, action, result) == "bitwise"
+    assert np.array_equal(greedy_decode(cfg, params, result.kv, logits, 4),
+                          greedy_decode(cfg, params, reference, logits, 4))
+    assert errors and "gone" in str(errors[0])  # the prefill side hears of it too

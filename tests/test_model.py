@@ -22,6 +22,7 @@ from rekv_jax.model import (
     greedy_decode,
     init_params,
     prefill,
+    run_layers,
     run_prefix,
     run_suffix,
 )
@@ -102,6 +103,28 @@ def test_suffix_exact_property(family, layers, kv_heads, batch, seq, attention_d
     cut = 1 + cut_seed % (layers - 1)
     params = random_params(cfg, dtype, seed=seq)
     assert_split_equals_prefill(cfg, params, tokens_for(cfg, batch, seq, seed=seq), cut)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_streamed_layer_steps_equal_prefill(family, dtype):
+    """The split prefill's per-layer steps (embedding + layer 0, then one layer at a time, or a
+    chunk) and the suffix from their h_c reproduce `prefill` bitwise at every cut."""
+    cfg = small_config(family)
+    params = random_params(cfg, dtype)
+    tokens = tokens_for(cfg, 2, 24)
+    kv, logits = prefill(cfg, params, tokens)
+    for cut in (1, 2, 3):
+        for chunk in (1, 2):
+            x, step = run_prefix(cfg, params, tokens, min(chunk, cut))
+            parts = [step]
+            for first in range(step.num_layers, cut, chunk):
+                x, step = run_layers(cfg, params, x, first, min(first + chunk, cut))
+                parts.append(step)
+            suffix, suffix_logits = run_suffix(cfg, params, x, cut)
+            joined = KVCache.concat(*parts, suffix)
+            for got, want in [(joined.k, kv.k), (joined.v, kv.v), (suffix_logits, logits)]:
+                assert np.array_equal(np.asarray(got), np.asarray(want)), (cut, chunk)
 
 
 @pytest.mark.parametrize("attention", ATTENTIONS)

@@ -12,9 +12,11 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 from rekv_jax.transport.base import ROLES, Role, TransportError
 
+T = TypeVar("T")
 SUPERVISED = "REKV_SUPERVISED"  # set in the environment of a supervised worker
 # What JAX's client writes before it aborts its process because the coordination service (hosted
 # by the decode side) went away; see distributed.py.
@@ -64,6 +66,34 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def with_prefill_child(argv: list[str], decode: Callable[[str], T], timeout: float) -> T:
+    """Run `decode(coordinator)` here while a child process runs `argv + ["--coordinator",
+    coordinator]` (the prefill side) over loopback; return what `decode` returns.
+
+    The child is killed if it outlives the decode side by more than `timeout`. Its stderr is
+    ours: its one error line reaches our user even if this process dies first. If it dies
+    first, our error names how (exit status or signal)."""
+    from rekv_jax.failures import exit_text
+
+    coordinator = f"127.0.0.1:{free_port()}"
+    child = subprocess.Popen([*argv, "--coordinator", coordinator], stdout=subprocess.DEVNULL,
+                             text=True)
+    try:
+        out = decode(coordinator)
+        child.wait(timeout=timeout)
+    except BaseException as e:
+        died = child.poll()  # None: still running, so the failure is ours
+        if died is None:
+            child.kill()
+        child.wait()
+        if died and isinstance(e, TransportError):  # the peer died: say how
+            raise TransportError(f"the prefill process {exit_text(died)}") from e
+        raise
+    if child.returncode:
+        raise TransportError(f"the prefill process {exit_text(child.returncode)}")
+    return out
 
 
 def run_pair(argv: Callable[[Role, str], list[str]], timeout: float,
