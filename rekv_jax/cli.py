@@ -63,7 +63,13 @@ def cmd_handoff(args: argparse.Namespace) -> None:
             model=args.model, seq_len=args.seq_len, batch=args.batch, actions=args.actions,
             schedules=schedules, transport=args.transport, link_gbps=args.link_gbps,
             warmup=args.warmup, reps=args.reps, fallback=args.fallback,
-            backend=args.quant_backend, seed=args.seed, timeout=args.timeout))
+            backend=args.quant_backend, seed=args.seed, timeout=args.timeout,
+            prefill_devices=args.prefill_devices, decode_devices=args.decode_devices))
+    from rekv_jax.sharding import force_host_devices  # before JAX starts (CPU host devices)
+
+    # the decode side also builds the prefill mesh, for its reference (handoff.summarize)
+    force_host_devices(exp.prefill_devices if args.role == "prefill"
+                       else max(exp.prefill_devices, exp.decode_devices))
     cfg = load_config(exp.model)
     summaries: list[dict] = []
     records = sys.stdout
@@ -204,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: Pallas on GPU, XLA elsewhere")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may take")
+    p.add_argument("--prefill-devices", type=int, default=1,
+                   help="tensor-parallel devices of the prefill side (CPU: host devices)")
+    p.add_argument("--decode-devices", type=int, default=1,
+                   help="tensor-parallel devices of the decode side")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--role", choices=["prefill", "decode"], default=None,
                    help="run one side only (multi-host); default: start both here")

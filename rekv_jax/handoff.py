@@ -38,6 +38,7 @@ from rekv_jax.schedule import (
     receive_handoff,
     send_handoff,
 )
+from rekv_jax.sharding import MeshTransport, shard_params, split_reference
 from rekv_jax.sizes import action_bytes
 from rekv_jax.transport import LocalTransport, Transport, connect
 from rekv_jax.transport.base import Role
@@ -63,11 +64,15 @@ class Experiment:
     backend: str | None = None  # quantization backend (None: Pallas on GPU, XLA elsewhere)
     seed: int = 0
     timeout: float = 120.0
+    prefill_devices: int = 1  # tensor-parallel devices per side (rekv_jax.sharding)
+    decode_devices: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedules", tuple(self.schedules))  # from JSON: a list
         if self.seq_len < 1 or self.batch < 1 or self.reps < 1 or self.warmup < 0:
             raise ValueError("seq_len, batch and reps must be positive and warmup >= 0")
+        if self.prefill_devices < 1 or self.decode_devices < 1:
+            raise ValueError("each side needs at least one device")
         bad = [s for s in self.schedules if s not in SCHEDULES]
         if bad or not self.schedules:
             raise ValueError(f"schedules must be a non-empty subset of {SCHEDULES}, got {bad}")
@@ -106,6 +111,9 @@ def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
                                    "actions": [str(a) for a in actions]}, exp.timeout)
     tokens = jax.random.randint(jax.random.key(exp.seed + 1), (exp.batch, exp.seq_len), 0,
                                 cfg.vocab_size, jnp.int32)
+    if exp.prefill_devices * exp.decode_devices > 1:  # a mesh per side
+        transport = MeshTransport(transport, cfg, exp.prefill_devices, exp.decode_devices)
+        params = shard_params(cfg, params, transport.mesh)
     for action in actions:
         state = prepare(cfg, params, tokens, action) if role == "prefill" else None
         # the schedule only matters when there is both a prefix and a suffix
@@ -132,8 +140,15 @@ def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
 def summarize(cfg: ModelConfig, params: Params, tokens: jax.Array, exp: Experiment,
               action: Action, schedule: str, results: list[Handoff]) -> dict:
     """One summary record: median and bootstrap CI, phase medians, payload, and the checks."""
-    reference, logits = prefill(cfg, params, tokens)
+    devices = (exp.prefill_devices, exp.decode_devices)
+    sharded = devices != (1, 1)
+    if sharded:  # bits differ across meshes: the reference is the same split, in this process
+        cut = 0 if results[-1].fallback else action.cut
+        reference, logits = split_reference(cfg, params, tokens, cut, *devices)
+    else:
+        reference, logits = prefill(cfg, params, tokens)
     first = np.asarray(jnp.argmax(logits, axis=-1))
+    cache_check = check_cache(reference, action, results[-1], exp.backend)
     totals = [r.total_ms for r in results]
     return {
         "kind": "summary", "model": cfg.name, "seq_len": exp.seq_len, "batch": exp.batch,
@@ -146,9 +161,20 @@ def summarize(cfg: ModelConfig, params: Params, tokens: jax.Array, exp: Experime
         "phases_ms": {p: stats.median([r.phases_ms[p] for r in results]) for p in PHASES},
         "payload_bytes": action_bytes(cfg, action, exp.seq_len, exp.batch)["total_bytes"],
         "first_token_match": all(np.array_equal(r.first_token, first) for r in results),
-        "cache_check": check_cache(reference, action, results[-1], exp.backend),
+        "cache_check": cache_check + (_reference_text(cfg, action, *devices) if sharded else ""),
+        "prefill_devices": devices[0], "decode_devices": devices[1],
         "fallbacks": sum(r.fallback for r in results),
     }
+
+
+def _reference_text(cfg: ModelConfig, action: Action, prefill_devices: int,
+                    decode_devices: int) -> str:
+    """What the sharded sides' cache was compared with (see `split_reference`)."""
+    if action.cut == 0:
+        return f" to a prefill on {decode_devices} devices"
+    if action.cut == cfg.num_layers:
+        return f" to a prefill on {prefill_devices} devices"
+    return f" to a prefix on {prefill_devices} devices and a suffix on {decode_devices}"
 
 
 def run_local(exp: Experiment, emit: Emit, progress: Callable[[int], None] = lambda n: None

@@ -9,6 +9,8 @@ state `h_c` is always BF16 (`B * S * D * 2` bytes, Eq. 1); full recomputation se
 
 from __future__ import annotations
 
+import math
+
 from rekv_jax.action import BITS, Action
 from rekv_jax.config import ModelConfig
 
@@ -121,3 +123,29 @@ def model_sizes(cfg: ModelConfig, seq_len: int, batch: int = 1) -> dict[str, int
         "boundary_to_kv_layer": b_h / b_kv,  # B_H / B_KV = n_h / (2 n_kv) when D = n_h * H
         "min_saving_suffix_bf16": b_h // b_kv + 1,  # smallest r with r * B_KV > B_H (Eq. 6)
     }
+
+
+# ---------------------------------------------------------------------------- sharded sides
+
+
+def kv_shards(cfg: ModelConfig, devices: int) -> int:
+    """KV-head shards of a side with `devices` tensor-parallel devices: gcd(K, devices) (each
+    shard is replicated over the rest, `rekv_jax.sharding.make_mesh`)."""
+    _check_positive(devices=devices)
+    return math.gcd(cfg.num_kv_heads, devices)
+
+
+def parallel_links(cfg: ModelConfig, prefill_devices: int = 1, decode_devices: int = 1
+                   ) -> dict[str, int]:
+    """Links a handoff between sharded sides uses at once, counting one link per receiving decode
+    device: the prefix crosses as lcm of both sides' KV shards pieces (cut along K, each piece to
+    a decode device holding it), `h_c` as lcm(N, M) pieces cut along D."""
+    pieces = {"prefix": math.lcm(kv_shards(cfg, prefill_devices), kv_shards(cfg, decode_devices)),
+              "boundary": math.lcm(prefill_devices, decode_devices)}
+    return {name: min(n, decode_devices) for name, n in pieces.items()}
+
+
+def link_bytes(nbytes: int, links: int) -> int:
+    """Bytes on the busiest of `links` parallel links carrying `nbytes` in equal pieces."""
+    _check_positive(links=links)
+    return -(-nbytes // links)
