@@ -1,5 +1,11 @@
 """Transport (a): one cross-process `ppermute` program per phase over a 2-device mesh (one device
-per process; gloo on CPU, NCCL on GPU). Both sides run the same program with the same shapes."""
+per process; gloo on CPU, NCCL on GPU). Both sides run the same program with the same shapes.
+
+Between sharded sides (`rekv_jax.sharding.MeshTransport`) the decode side's specs name the device
+each buffer (a piece of a shard) must reach; its go-ahead carries those devices and the prefill
+side answers with where each piece lives. One program over just the devices involved then runs
+one `ppermute` per piece from its prefill device to its decode device, so the device pairs move
+their pieces at once and neither side gathers. Processes may hold different device counts."""
 
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ from rekv_jax.transport import distributed
 from rekv_jax.transport.base import Role, Transport, TransportError, poll_until
 
 
-def _DEVICES() -> dict[int, jax.Device]:
+def _devices_by_id() -> dict[int, jax.Device]:
     return {d.id: d for d in jax.devices()}
 
 
@@ -64,7 +70,7 @@ class CollectiveTransport(Transport):
             return
         src = [next(iter(a.devices())) for a in arrays]
         self._channel.put(f"{tag}/src", json.dumps([d.id for d in src]))
-        dst = [_DEVICES()[i] for i in json.loads(ready.removeprefix("ok placed "))]
+        dst = [_devices_by_id()[i] for i in json.loads(ready.removeprefix("ok placed "))]
         self._exchange_placed(tag, arrays, src, dst, deadline)
 
     def _pull(self, tag: str, specs: list[jax.ShapeDtypeStruct], deadline: float
@@ -72,7 +78,7 @@ class CollectiveTransport(Transport):
         if self._ready(specs) == "ok":
             return self._exchange(tag, [self._blank(s) for s in specs], deadline)
         src = json.loads(self._channel.get(f"{tag}/src", max(0.0, deadline - time.monotonic())))
-        return self._exchange_placed(tag, specs, [_DEVICES()[i] for i in src],
+        return self._exchange_placed(tag, specs, [_devices_by_id()[i] for i in src],
                                      [_device_of(s) for s in specs], deadline)
 
     def _ready(self, specs: list[jax.ShapeDtypeStruct]) -> str:
