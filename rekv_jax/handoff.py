@@ -142,8 +142,8 @@ def summarize(cfg: ModelConfig, params: Params, tokens: jax.Array, exp: Experime
     """One summary record: median and bootstrap CI, phase medians, payload, and the checks."""
     devices = (exp.prefill_devices, exp.decode_devices)
     sharded = devices != (1, 1)
+    cut = 0 if results[-1].fallback else action.cut  # the cache was rebuilt from the tokens
     if sharded:  # bits differ across meshes: the reference is the same split, in this process
-        cut = 0 if results[-1].fallback else action.cut
         reference, logits = split_reference(cfg, params, tokens, cut, *devices)
     else:
         reference, logits = prefill(cfg, params, tokens)
@@ -161,18 +161,18 @@ def summarize(cfg: ModelConfig, params: Params, tokens: jax.Array, exp: Experime
         "phases_ms": {p: stats.median([r.phases_ms[p] for r in results]) for p in PHASES},
         "payload_bytes": action_bytes(cfg, action, exp.seq_len, exp.batch)["total_bytes"],
         "first_token_match": all(np.array_equal(r.first_token, first) for r in results),
-        "cache_check": cache_check + (_reference_text(cfg, action, *devices) if sharded else ""),
+        "cache_check": cache_check + (_reference_text(cfg, cut, *devices) if sharded else ""),
         "prefill_devices": devices[0], "decode_devices": devices[1],
         "fallbacks": sum(r.fallback for r in results),
     }
 
 
-def _reference_text(cfg: ModelConfig, action: Action, prefill_devices: int,
-                    decode_devices: int) -> str:
+def _reference_text(cfg: ModelConfig, cut: int, prefill_devices: int, decode_devices: int
+                    ) -> str:
     """What the sharded sides' cache was compared with (see `split_reference`)."""
-    if action.cut == 0:
+    if cut == 0:
         return f" to a prefill on {decode_devices} devices"
-    if action.cut == cfg.num_layers:
+    if cut == cfg.num_layers:
         return f" to a prefill on {prefill_devices} devices"
     return f" to a prefix on {prefill_devices} devices and a suffix on {decode_devices}"
 

@@ -25,8 +25,9 @@ from rekv_jax.quantize import quantize
 from rekv_jax.schedule import encode_prefix
 
 # Measured here (tiny, bf16 weights, 64 tokens, seed 0): the largest |difference| between meshes
-# of 1, 2 and 4 devices is 0.0156 in the KV (bf16 values up to ~4) and 0.0105 in the f32 logits.
-# The bounds leave a factor ~3 for other CPUs; within one mesh every result is bitwise equal.
+# of 1, 2 and 4 devices is 0.0137 in the KV (bf16 values up to ~4), 0.0092 in the f32 logits and
+# 0.0090 in the next step's logits. The bounds leave a factor ~3 for other CPUs; within one mesh
+# every result is bitwise equal.
 CROSS_MESH_KV_BOUND = 0.05
 CROSS_MESH_LOGITS_BOUND = 0.03
 
@@ -36,7 +37,7 @@ def four_devices():
     assert jax.local_device_count() == 4, "run with --xla_force_host_platform_device_count=4"
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(family=st.sampled_from(list(FAMILIES)), devices=st.sampled_from([2, 4]),
        kv_heads=st.sampled_from([1, 2, 4]), batch=st.integers(1, 2), seq=st.integers(1, 24),
        dtype=st.sampled_from([jnp.float32, jnp.bfloat16]), cut=st.integers(0, 3))
