@@ -89,8 +89,7 @@ def test_cross_mesh_drift_is_bounded_and_decoding_works():
         assert max(k, v) <= CROSS_MESH_KV_BOUND and max(logits, step) <= CROSS_MESH_LOGITS_BOUND
 
 
-@pytest.mark.parametrize("sides", [(1, 2), (2, 1), (4, 2), (2, 4), (1, 4), (4, 4)])
-@pytest.mark.parametrize("bits", [16, 4])
+@pytest.mark.parametrize("sides,bits", [((4, 2), 16), ((4, 2), 4), ((2, 4), 4), ((1, 2), 8)])
 def test_payload_crosses_meshes_in_pieces(sides, bits):
     """Every piece comes from one prefill device and lands on one decode device; assembled, the
     payload equals the sent one bitwise, in the decode mesh's KV sharding. Quantized groups run
@@ -120,7 +119,7 @@ def test_payload_crosses_meshes_in_pieces(sides, bits):
         assert got.sharding == target and np.array_equal(got, x)
 
 
-@pytest.mark.parametrize("sides", [(4, 2), (2, 4)])
+@pytest.mark.parametrize("sides", [(4, 2)])  # 2 -> 4 and both real transports: test_sharding
 def test_local_handoff_between_meshes(sides):
     records = []
     exp = Experiment(seq_len=32, actions="q8:r=2", schedules=("overlapped",), transport="local",
