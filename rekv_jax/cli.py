@@ -93,6 +93,10 @@ def _flags() -> dict[str, Callable[[argparse.ArgumentParser], None]]:
         p.add_argument("--coordinator", default=None,
                        help="host:port of the decode process (default: detected, e.g. SLURM)")
         p.add_argument("--experiment", default=None, help=argparse.SUPPRESS)  # from launch_pair
+        p.add_argument("--prefill-devices", type=int, default=1,
+                       help="tensor-parallel devices of the prefill side (CPU: host devices)")
+        p.add_argument("--decode-devices", type=int, default=1,
+                       help="tensor-parallel devices of the decode side")
 
     def attention(p: argparse.ArgumentParser) -> None:
         from rekv_jax.config import ATTENTION_BACKENDS
@@ -217,7 +221,8 @@ def _handoff_experiment(args: argparse.Namespace):
         schedules=SCHEDULES if args.schedule == "both" else (args.schedule,),
         transport=args.transport, link_gbps=None if link == PAPER_LINK else link,
         warmup=args.warmup, reps=args.reps, fallback=args.fallback, backend=args.quant_backend,
-        seed=args.seed, timeout=args.timeout, interval=args.interval, prefill=args.prefill)
+        seed=args.seed, timeout=args.timeout, interval=args.interval, prefill=args.prefill,
+        prefill_devices=args.prefill_devices, decode_devices=args.decode_devices)
     if link == PAPER_LINK:
         calibration = calibrate_link_in_child(args.model, args.seq_len)
         exp = dataclasses.replace(exp, link_gbps=calibration.link_gbps)
@@ -238,6 +243,11 @@ def cmd_handoff(args: argparse.Namespace) -> None:
     from rekv_jax.summary import Summary
 
     exp, note = _handoff_experiment(args)
+    from rekv_jax.sharding import force_host_devices  # before JAX starts (CPU host devices)
+
+    # the decode side also builds the prefill mesh, for its reference (handoff.summarize)
+    force_host_devices(exp.prefill_devices if args.role == "prefill"
+                       else max(exp.prefill_devices, exp.decode_devices))
     summaries = []
     # stdout carries our records and tables only: native libraries (gloo) print to fd 1
     sys.stdout.flush()

@@ -133,8 +133,8 @@ class Profile:
     link: str  # what the link is, e.g. "loopback tcp paced", "analytic"
     link_gbps: float  # W: bandwidth the transfer terms use (GB/s)
     source: str  # "measured", "fitted" or "analytic"
-    kv_layer_bytes: dict[int, int]  # bits -> one layer's KV payload (sizes.kv_layer_bytes)
-    boundary_bytes: int  # B_H (sizes.boundary_bytes)
+    kv_layer_bytes: dict[int, int]  # bits -> one layer's KV payload (per link, see for_config)
+    boundary_bytes: int  # B_H (sizes.boundary_bytes; per link)
     token_bytes: int  # int32 token IDs (sizes.token_bytes)
     quantize_ms: dict[int, float]  # bits -> α_b, per layer (0 for 16)
     restore_ms: dict[int, float]  # bits -> per-layer restore after receive (0 for 16)
@@ -172,12 +172,20 @@ class Profile:
                 raise ValueError(f"profile {f.name} must be >= 0, got {v}")
 
     @classmethod
-    def for_config(cls, cfg: ModelConfig, seq_len: int, batch: int = 1, **costs: Any) -> Profile:
-        """A profile of `cfg` whose byte counts come from `sizes` (the costs are keyword args)."""
+    def for_config(cls, cfg: ModelConfig, seq_len: int, batch: int = 1, prefill_devices: int = 1,
+                   decode_devices: int = 1, **costs: Any) -> Profile:
+        """A profile of `cfg` whose byte counts come from `sizes` (the costs are keyword args).
+
+        Between sharded sides the byte counts are those of the busiest of the parallel links
+        (`sizes.parallel_links`), so every transfer term is per link; the compute terms are the
+        per-device times measured on the sides' meshes."""
+        links = sizes.parallel_links(cfg, prefill_devices, decode_devices)
         return cls(model=cfg.name, num_layers=cfg.num_layers, seq_len=seq_len, batch=batch,
-                   kv_layer_bytes={b: sizes.kv_layer_bytes(cfg, seq_len, batch, b)
+                   kv_layer_bytes={b: sizes.link_bytes(sizes.kv_layer_bytes(cfg, seq_len, batch, b),
+                                                       links["prefix"])
                                    for b in costs["quantize_ms"]},
-                   boundary_bytes=sizes.boundary_bytes(cfg, seq_len, batch),
+                   boundary_bytes=sizes.link_bytes(sizes.boundary_bytes(cfg, seq_len, batch),
+                                                   links["boundary"]),
                    token_bytes=sizes.token_bytes(seq_len, batch), **costs)
 
     def at_link(self, link_gbps: float, link: str | None = None) -> Profile:

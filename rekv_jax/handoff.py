@@ -40,6 +40,7 @@ from rekv_jax.schedule import (
     send_handoff,
     send_prompt,
 )
+from rekv_jax.sharding import MeshTransport, shard_params, split_reference
 from rekv_jax.sizes import action_bytes
 from rekv_jax.summary import Rep, Summary
 from rekv_jax.transport import LocalTransport, Transport, checksums, connect
@@ -69,14 +70,16 @@ class Experiment:
     timeout: float = 120.0
     interval: str = "ready"  # costmodel.INTERVALS: timed from the prefill state, or the prompt
     prefill: str = "full"  # costmodel.PREFILL_MODES: prefill all L layers, or 0..c-1, streamed
+    prefill_devices: int = 1  # tensor-parallel devices per side (rekv_jax.sharding)
+    decode_devices: int = 1
 
     def __post_init__(self) -> None:
         # from JSON: lists, and actions as {bits, cut, num_layers} dicts
         object.__setattr__(self, "schedules", tuple(self.schedules))
         object.__setattr__(self, "actions", tuple(
             a if isinstance(a, Action) else Action(**a) for a in self.actions))
-        for name in ("seq_len", "batch", "reps", "timeout") + ("link_gbps",) * (
-                self.link_gbps is not None):
+        for name in ("seq_len", "batch", "reps", "timeout", "prefill_devices",
+                     "decode_devices") + ("link_gbps",) * (self.link_gbps is not None):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.warmup < 0:
@@ -132,6 +135,9 @@ def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
                     exp.timeout)
     tokens = jax.random.randint(jax.random.key(exp.seed + 1), (exp.batch, exp.seq_len), 0,
                                 cfg.vocab_size, jnp.int32)
+    if exp.prefill_devices * exp.decode_devices > 1:  # a mesh per side
+        transport = MeshTransport(transport, cfg, exp.prefill_devices, exp.decode_devices)
+        params = shard_params(cfg, params, transport.mesh)
     for action in exp.actions:
         ready = role == "prefill" and exp.interval == "ready"
         state = prepare(cfg, params, tokens, action) if ready else None
@@ -163,8 +169,15 @@ def summarize(cfg: ModelConfig, params: Params, tokens: jax.Array, exp: Experime
               action: Action, schedule: str, results: list[Handoff], weights: str = ""
               ) -> Summary:
     """One summary: median and bootstrap CI, phase medians, payload, and the checks."""
-    reference, logits = prefill(cfg, params, tokens)
+    devices = (exp.prefill_devices, exp.decode_devices)
+    sharded = devices != (1, 1)
+    cut = 0 if results[-1].fallback else action.cut  # the cache was rebuilt from the tokens
+    if sharded:  # bits differ across meshes: the reference is the same split, in this process
+        reference, logits = split_reference(cfg, params, tokens, cut, *devices)
+    else:
+        reference, logits = prefill(cfg, params, tokens)
     first = np.asarray(jnp.argmax(logits, axis=-1))
+    cache_check = check_cache(reference, action, results[-1], exp.backend)
     return Summary(
         model=cfg.name, seq_len=exp.seq_len, batch=exp.batch, action=action,
         transport=exp.transport, schedule=schedule if action.kind == "joint" else "n/a",
@@ -173,9 +186,20 @@ def summarize(cfg: ModelConfig, params: Params, tokens: jax.Array, exp: Experime
         phases_ms={p: float(np.median([r.phases_ms[p] for r in results])) for p in PROMPT_PHASES},
         payload_bytes=action_bytes(cfg, action, exp.seq_len, exp.batch)["total_bytes"],
         first_token_match=all(np.array_equal(r.first_token, first) for r in results),
-        cache_check=check_cache(reference, action, results[-1], exp.backend),
+        cache_check=cache_check + (_reference_text(cfg, cut, *devices) if sharded else ""),
         fallbacks=sum(r.fallback for r in results), weights=weights,
-        interval=exp.interval, prefill=exp.prefill)
+        interval=exp.interval, prefill=exp.prefill, prefill_devices=devices[0],
+        decode_devices=devices[1])
+
+
+def _reference_text(cfg: ModelConfig, cut: int, prefill_devices: int, decode_devices: int
+                    ) -> str:
+    """What the sharded sides' cache was compared with (see `split_reference`)."""
+    if cut == 0:
+        return f" to a prefill on {decode_devices} devices"
+    if cut == cfg.num_layers:
+        return f" to a prefill on {prefill_devices} devices"
+    return f" to a prefix on {prefill_devices} devices and a suffix on {decode_devices}"
 
 
 def run_local(exp: Experiment, emit: Emit, progress: Callable[[int], None] = lambda n: None

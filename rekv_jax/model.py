@@ -123,9 +123,11 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], past: Past | None
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        attn_out, k, v = self.attn(self.input_norm(x), rope, past)
+        with jax.named_scope("attn"):  # profile labels: decoder_layer/attn, decoder_layer/mlp
+            attn_out, k, v = self.attn(self.input_norm(x), rope, past)
         x = x + attn_out
-        return x + self.mlp(self.post_attn_norm(x)), k, v
+        with jax.named_scope("mlp"):
+            return x + self.mlp(self.post_attn_norm(x)), k, v
 
 
 class Transformer(nnx.Module):
@@ -177,7 +179,8 @@ class Transformer(nnx.Module):
             # head), so each entry point computes it identically, bit for bit.
             x, weights, layer_rope, layer_past = jax.lax.optimization_barrier(
                 (x, weights, rope, layer_past))
-            x, k, v = nnx.merge(layer_def, weights)(x, layer_rope, layer_past)
+            with jax.named_scope("decoder_layer"):  # one loop body serves every layer
+                x, k, v = nnx.merge(layer_def, weights)(x, layer_rope, layer_past)
             x, k, v = jax.lax.optimization_barrier((x, k, v))
             ks = jax.lax.dynamic_update_index_in_dim(ks, k, i, axis=0)
             vs = jax.lax.dynamic_update_index_in_dim(vs, v, i, axis=0)

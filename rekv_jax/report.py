@@ -41,10 +41,11 @@ def link_label(link_gbps: float | None) -> str:
 
 
 def setup_label(setup: Setup) -> str:
-    hardware, transport, link, batch, interval, prefill = setup
+    hardware, transport, link, batch, interval, prefill, n_prefill, n_decode = setup
     timed = "" if interval == "ready" else f" · timed from the prompt, {prefill} prefill"
+    devices = "" if (n_prefill, n_decode) == (1, 1) else f" · devices {n_prefill}->{n_decode}"
     return (f"hardware: {hardware} · transport: {transport} · link: {link_label(link)} · "
-            f"batch {batch}{timed}")
+            f"batch {batch}{timed}{devices}")
 
 
 def _order(key: tuple) -> tuple:

@@ -11,6 +11,8 @@ query sees (the roofline of `planner.analytic_profile` and `scripts/bench_model.
 
 from __future__ import annotations
 
+import math
+
 from rekv_jax.action import BITS, Action
 from rekv_jax.config import ModelConfig
 
@@ -148,3 +150,29 @@ def layer_flops(cfg: ModelConfig, seq_len: int, batch: int = 1, past: int = 0) -
 def head_flops(cfg: ModelConfig, positions: int = 1, batch: int = 1) -> float:
     """FLOPs of the LM head on `positions` positions per prompt."""
     return 2 * batch * positions * head_weight_count(cfg)
+
+
+# ---------------------------------------------------------------------------- sharded sides
+
+
+def kv_shards(cfg: ModelConfig, devices: int) -> int:
+    """KV-head shards of a side with `devices` tensor-parallel devices: gcd(K, devices) (each
+    shard is replicated over the rest, `rekv_jax.sharding.make_mesh`)."""
+    _check_positive(devices=devices)
+    return math.gcd(cfg.num_kv_heads, devices)
+
+
+def parallel_links(cfg: ModelConfig, prefill_devices: int = 1, decode_devices: int = 1
+                   ) -> dict[str, int]:
+    """Links a handoff between sharded sides uses at once, counting one link per receiving decode
+    device: the prefix crosses as lcm of both sides' KV shards pieces (cut along K, each piece to
+    a decode device holding it), `h_c` as lcm(N, M) pieces cut along D."""
+    pieces = {"prefix": math.lcm(kv_shards(cfg, prefill_devices), kv_shards(cfg, decode_devices)),
+              "boundary": math.lcm(prefill_devices, decode_devices)}
+    return {name: min(n, decode_devices) for name, n in pieces.items()}
+
+
+def link_bytes(nbytes: int, links: int) -> int:
+    """Bytes on the busiest of `links` parallel links carrying `nbytes` in equal pieces."""
+    _check_positive(links=links)
+    return -(-nbytes // links)

@@ -21,8 +21,8 @@ from rekv_jax.costmodel import PROMPT_PHASES
 # The schedule of a record: overlapped or sequential for a joint action; "n/a" for transfer-only
 # and full recomputation, which have nothing to overlap.
 RECORD_SCHEDULES = ("overlapped", "sequential", "n/a")
-# (hardware, transport, link_gbps, batch, interval, prefill mode)
-Setup = tuple[str, str, float | None, int, str, str]
+# (hardware, transport, link_gbps, batch, interval, prefill mode, prefill devices, decode devices)
+Setup = tuple[str, str, float | None, int, str, str, int, int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +49,8 @@ class Summary:
     weights: str = ""  # where the weights came from (loader.LoadedModel.weights)
     interval: str = "ready"  # costmodel.INTERVALS: timed from the prefill state, or the prompt
     prefill: str = "full"  # costmodel.PREFILL_MODES: the prefill side ran all L layers or 0..c-1
+    prefill_devices: int = 1  # tensor-parallel devices of each side (rekv_jax.sharding)
+    decode_devices: int = 1
 
     def __post_init__(self) -> None:
         if self.schedule not in RECORD_SCHEDULES:
@@ -70,7 +72,7 @@ class Summary:
     def setup(self) -> Setup:
         """Where it was measured; every table and figure is made per setup."""
         return (self.hardware, self.transport, self.link_gbps, self.batch, self.interval,
-                self.prefill)
+                self.prefill, self.prefill_devices, self.decode_devices)
 
     @property
     def family(self) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
@@ -74,9 +75,24 @@ def _checksums_device(arrays: list[jax.Array]) -> jax.Array:
     return jnp.stack([_checksum(x) for x in arrays])  # [n] uint32
 
 
+def _checksums_dispatch(arrays: Sequence[jax.Array]) -> list[tuple[list[int], jax.Array]]:
+    """Start one jitted checksum call per device holding some of the buffers (one call when they
+    share a device, as on a single-device side): (buffer indices, their checksums)."""
+    groups: dict[frozenset, list[int]] = {}
+    for i, a in enumerate(arrays):
+        groups.setdefault(frozenset(a.devices()), []).append(i)
+    return [(idx, _checksums_device([arrays[i] for i in idx])) for idx in groups.values()]
+
+
+def _checksums_collect(pending: list[tuple[list[int], jax.Array]]) -> list[int]:
+    sums = {i: s for idx, device_sums in pending
+            for i, s in zip(idx, np.asarray(device_sums).tolist(), strict=True)}
+    return [sums[i] for i in range(len(sums))]
+
+
 def checksums(arrays: Sequence[jax.Array]) -> list[int]:
-    """One uint32 checksum per buffer, computed on the buffers' device in one jitted call."""
-    return np.asarray(_checksums_device(list(arrays))).tolist() if arrays else []
+    """One uint32 checksum per buffer, computed on the buffers' devices."""
+    return _checksums_collect(_checksums_dispatch(list(arrays)))
 
 
 class LinkPacer:
@@ -151,10 +167,10 @@ class Transport:
         for i, a in enumerate(arrays):
             if a.ndim < 1:
                 raise ValueError(f"{tag}: buffer {i} must have at least one dimension")
-        sums = _checksums_device(arrays)  # dispatched asynchronously
+        sums = _checksums_dispatch(arrays)  # dispatched asynchronously
         self._channel.put(f"{tag}/header", json.dumps([spec_of(a) for a in arrays]))
         self._push(tag, arrays, time.monotonic() + timeout)
-        self._channel.put(f"{tag}/checksums", json.dumps(np.asarray(sums).tolist()))
+        self._channel.put(f"{tag}/checksums", json.dumps(_checksums_collect(sums)))
 
     def recv(self, tag: str, specs: Sequence[jax.ShapeDtypeStruct], timeout: float = 60.0
              ) -> list[jax.Array]:
@@ -172,7 +188,7 @@ class Transport:
             self._channel.put(f"{tag}/ready", "mismatch: " + msg)
             self._channel.put(f"{tag}/ack", "mismatch: " + msg)
             raise ValueError(msg)
-        self._channel.put(f"{tag}/ready", "ok")
+        self._channel.put(f"{tag}/ready", self._ready(specs))
         try:
             arrays = self._pull(tag, list(specs), deadline)
             got = checksums(arrays)
@@ -186,8 +202,11 @@ class Transport:
             self._channel.put(f"{tag}/ack", f"error: {e}")
             raise
         self._channel.put(f"{tag}/ack", "ok")
-        if self._pacer is not None:
-            self._pacer.wait(sum(a.nbytes for a in arrays), start)
+        if self._pacer is not None:  # one link per receiving device (sharded sides)
+            per_device: Counter[frozenset] = Counter()
+            for a in arrays:
+                per_device[frozenset(a.devices())] += a.nbytes
+            self._pacer.wait(max(per_device.values()), start)
         return arrays
 
     def wait_ack(self, tag: str, timeout: float = 60.0) -> None:
@@ -245,6 +264,10 @@ class Transport:
               ) -> list[jax.Array]:
         """Decode side: the buffers of `tag` on the local device, materialized."""
         raise NotImplementedError
+
+    def _ready(self, specs: Sequence[jax.ShapeDtypeStruct]) -> str:
+        """Decode side: the go-ahead for the sender once the header matched."""
+        return "ok"
 
     def _acked(self, tag: str) -> None:
         """Hook: the decode side is done with `tag` (the sender may drop its buffers)."""

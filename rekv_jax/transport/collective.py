@@ -1,9 +1,17 @@
 """Transport (a): one cross-process `ppermute` program per phase over a 2-device mesh (one device
-per process; gloo on CPU, NCCL on GPU). Both sides run the same program with the same shapes."""
+per process; gloo on CPU, NCCL on GPU). Both sides run the same program with the same shapes.
+
+Between sharded sides (`rekv_jax.sharding.MeshTransport`) the decode side's specs name the device
+each buffer (a piece of a shard) must reach; its go-ahead carries those devices and the prefill
+side answers with where each piece lives. One program over just the devices involved then runs
+one `ppermute` per piece from its prefill device to its decode device, so the device pairs move
+their pieces at once and neither side gathers. Processes may hold different device counts."""
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -14,6 +22,14 @@ from jax.sharding import PartitionSpec as P
 
 from rekv_jax.transport import distributed
 from rekv_jax.transport.base import Role, Transport, TransportError, poll_until
+
+
+def _devices_by_id() -> dict[int, jax.Device]:
+    return {d.id: d for d in jax.devices()}
+
+
+def _device_of(spec: jax.ShapeDtypeStruct) -> jax.Device:
+    return next(iter(spec.sharding.device_set))
 
 
 class CollectiveTransport(Transport):
@@ -42,23 +58,78 @@ class CollectiveTransport(Transport):
         # so that every wait stays bounded. One worker keeps the programs in call order.
         self._runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rekv-collective")
         self._blanks: dict[tuple, jax.Array] = {}
+        self._placed: dict[tuple, tuple] = {}  # (devices, pairs) -> (sharding, program)
         self._broken: str | None = None
 
     def _push(self, tag: str, arrays: list[jax.Array], deadline: float) -> None:
         ready = self._channel.get(f"{tag}/ready", max(0.0, deadline - time.monotonic()))
-        if ready != "ok":
+        if ready.startswith("mismatch: "):
             raise ValueError(ready.removeprefix("mismatch: "))
-        self._exchange(tag, [jax.device_put(a, self._device) for a in arrays], deadline)
+        if ready == "ok":
+            self._exchange(tag, [jax.device_put(a, self._device) for a in arrays], deadline)
+            return
+        src = [next(iter(a.devices())) for a in arrays]
+        self._channel.put(f"{tag}/src", json.dumps([d.id for d in src]))
+        dst = [_devices_by_id()[i] for i in json.loads(ready.removeprefix("ok placed "))]
+        self._exchange_placed(tag, arrays, src, dst, deadline)
 
     def _pull(self, tag: str, specs: list[jax.ShapeDtypeStruct], deadline: float
               ) -> list[jax.Array]:
-        return self._exchange(tag, [self._blank(s) for s in specs], deadline)
+        if self._ready(specs) == "ok":
+            return self._exchange(tag, [self._blank(s) for s in specs], deadline)
+        src = json.loads(self._channel.get(f"{tag}/src", max(0.0, deadline - time.monotonic())))
+        return self._exchange_placed(tag, specs, [_devices_by_id()[i] for i in src],
+                                     [_device_of(s) for s in specs], deadline)
 
-    def _blank(self, spec: jax.ShapeDtypeStruct) -> jax.Array:
-        key = (tuple(spec.shape), jnp.dtype(spec.dtype))
+    def _ready(self, specs: list[jax.ShapeDtypeStruct]) -> str:
+        """Specs that name their devices (sharded sides) tell the sender where each buffer goes."""
+        if all(s.sharding is None for s in specs):
+            return "ok"
+        return "ok placed " + json.dumps([_device_of(s).id for s in specs])
+
+    def _blank(self, spec: jax.ShapeDtypeStruct, device: jax.Device | None = None) -> jax.Array:
+        device = device or self._device
+        key = (tuple(spec.shape), jnp.dtype(spec.dtype), device)
         if key not in self._blanks:
-            self._blanks[key] = jnp.zeros(spec.shape, spec.dtype, device=self._device)
+            self._blanks[key] = jnp.zeros(spec.shape, spec.dtype, device=device)
         return self._blanks[key]
+
+    def _exchange_placed(self, tag: str, local: list, src: list[jax.Device],
+                         dst: list[jax.Device], deadline: float) -> list[jax.Array]:
+        """Buffer j from device src[j] (prefill) to dst[j] (decode), all in one program over the
+        devices involved: one ppermute per buffer, so the links between device pairs run in
+        parallel and neither side gathers. `local` holds the buffers (prefill side) or their
+        specs (decode side); the result is what landed on this process's devices."""
+        devices = sorted(set(src) | set(dst), key=lambda d: d.id)
+        perms = tuple((devices.index(s), devices.index(t)) for s, t in zip(src, dst, strict=True))
+        key = (tuple(d.id for d in devices), perms)
+        if key not in self._placed:
+            mesh = Mesh(np.array(devices), ("d",))
+            self._placed[key] = (NamedSharding(mesh, P("d")), jax.jit(jax.shard_map(
+                lambda *xs: [jax.lax.ppermute(x, "d", [p]) for x, p in zip(xs, perms, strict=True)],
+                mesh=mesh, in_specs=P("d"), out_specs=P("d"))))
+        sharding, program = self._placed[key]
+        mine = [d for d in devices if d.process_index == jax.process_index()]
+        sending = self.role == "prefill"
+
+        def run() -> list[jax.Array]:
+            inputs = []
+            for j, x in enumerate(local):
+                block = jax.ShapeDtypeStruct((1, *x.shape), x.dtype)
+                blocks = [x[None] if sending and d == src[j] else self._blank(block, d)
+                          for d in mine]
+                inputs.append(jax.make_array_from_single_device_arrays(
+                    (len(devices), *x.shape), sharding, blocks))
+            out = self._program_outputs(program(*inputs), dst)
+            return jax.block_until_ready(out)
+
+        return self._bounded(tag, run, deadline)
+
+    @staticmethod
+    def _program_outputs(outputs: list[jax.Array], dst: list[jax.Device]) -> list[jax.Array]:
+        """Each buffer's block on its destination device (on the sending side: nothing)."""
+        return [s.data[0] for o, d in zip(outputs, dst, strict=True)
+                for s in o.addressable_shards if s.device == d]
 
     def _exchange(self, tag: str, local: list[jax.Array], deadline: float) -> list[jax.Array]:
         """Run the program on this side's blocks; the result is this side's received blocks."""
@@ -71,6 +142,11 @@ class CollectiveTransport(Transport):
             out = [o.addressable_shards[0].data for o in self._program(*inputs)]
             return jax.block_until_ready(out)
 
+        return self._bounded(tag, run, deadline)
+
+    def _bounded(self, tag: str, run: Callable[[], list[jax.Array]], deadline: float
+                 ) -> list[jax.Array]:
+        """Run a program on the worker thread, waiting at most until `deadline`."""
         future = self._runner.submit(run)
         try:
             poll_until(future.done, deadline, self._channel.peer_alive, tag)

@@ -43,8 +43,9 @@ class TransferServerTransport(Transport):
 
     def _pull(self, tag: str, specs: list[jax.ShapeDtypeStruct], deadline: float
               ) -> list[jax.Array]:
-        sharding = SingleDeviceSharding(self._device)
-        avals = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in specs]
+        default = SingleDeviceSharding(self._device)  # unless a spec names its device
+        avals = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=s.sharding or default)
+                 for s in specs]
         try:
             arrays = self._connection.pull(_uuid(tag), avals)  # returns at once, fills in later
         except jax.errors.JaxRuntimeError as e:
