@@ -122,9 +122,10 @@ def test_payload_crosses_meshes_in_pieces(sides, bits):
 @pytest.mark.parametrize("sides", [(4, 2)])  # 2 -> 4 and both real transports: test_sharding
 def test_local_handoff_between_meshes(sides):
     records = []
-    exp = Experiment(seq_len=32, actions="q8:r=2", schedules=("overlapped",), transport="local",
-                     warmup=0, reps=1, prefill_devices=sides[0], decode_devices=sides[1])
-    run_local(exp, records.append)
+    exp = Experiment(seq_len=32, actions=(Action.parse("q8:r=2", 6),), schedules=("overlapped",),
+                     transport="local", warmup=0, reps=1, prefill_devices=sides[0],
+                     decode_devices=sides[1])
+    run_local(exp, lambda r: records.append(r.to_json()))
     (summary,) = [r for r in records if r["kind"] == "summary"]
     assert summary["first_token_match"] is True
     assert summary["cache_check"] == ("suffix bitwise, prefix = q8 round trip to a prefix on "

@@ -34,7 +34,7 @@ def test_handoff_between_meshes(transport, sides):
         [sys.executable, "-m", "rekv_jax.cli", "handoff", "--seq-len", "32", "--actions", actions,
          "--transport", transport, "--schedule", "overlapped", "--warmup", "0", "--reps", "1",
          "--prefill-devices", str(sides[0]), "--decode-devices", str(sides[1]), "--json",
-         "--timeout", "300"], capture_output=True, text=True, timeout=600)
+         "--timeout", "300", "--link-gbps", "unpaced"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     summaries = [r for r in map(json.loads, out.stdout.splitlines()) if r["kind"] == "summary"]
     n, m = sides
