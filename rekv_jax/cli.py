@@ -73,14 +73,14 @@ def _flags() -> dict[str, Callable[[argparse.ArgumentParser], None]]:
         p.add_argument("--reps", type=int, default=30, help="timed handoffs per action")
 
     def schedule(p: argparse.ArgumentParser) -> None:
-        from rekv_jax.schedule import SCHEDULES
+        from rekv_jax.handoff import SCHEDULES
 
         p.add_argument("--schedule", choices=(*SCHEDULES, "both"), default="both",
                        help="both: every joint action under each schedule")
 
     def handoff(p: argparse.ArgumentParser) -> None:
+        from rekv_jax.handoff import FALLBACKS
         from rekv_jax.quantize import BACKENDS
-        from rekv_jax.schedule import FALLBACKS
 
         p.add_argument("--fallback", choices=FALLBACKS, default=FALLBACKS[0],
                        help="a failed prefix transfer: fail, or rebuild the cache from tokens")
@@ -204,9 +204,9 @@ def cmd_plan(args: argparse.Namespace) -> None:
 def _handoff_experiment(args: argparse.Namespace):
     """The experiment of `rekv handoff` and a line saying which link it runs on."""
     from rekv_jax.action import parse_actions
-    from rekv_jax.handoff import DEFAULT_ACTIONS, Experiment, calibrate_link_in_child
+    from rekv_jax.experiment import DEFAULT_ACTIONS, Experiment, calibrate_link_in_child
+    from rekv_jax.handoff import SCHEDULES
     from rekv_jax.loader import load_config
-    from rekv_jax.schedule import SCHEDULES
 
     if args.experiment:  # the prefill child of launch_pair: everything already decided
         return Experiment.from_json(args.experiment), ""
@@ -239,13 +239,13 @@ def _handoff_experiment(args: argparse.Namespace):
 def cmd_handoff(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from rekv_jax import handoff, report
+    from rekv_jax import experiment, report
     from rekv_jax.summary import Summary
 
     exp, note = _handoff_experiment(args)
     from rekv_jax.sharding import force_host_devices  # before JAX starts (CPU host devices)
 
-    # the decode side also builds the prefill mesh, for its reference (handoff.summarize)
+    # the decode side also builds the prefill mesh, for its reference (experiment.summarize)
     force_host_devices(exp.prefill_devices if args.role == "prefill"
                        else max(exp.prefill_devices, exp.decode_devices))
     summaries = []
@@ -263,17 +263,17 @@ def cmd_handoff(args: argparse.Namespace) -> None:
             summaries.append(record)
 
     if args.role is not None:  # one process of a pair started by a scheduler (or by us)
-        handoff.run_process(args.role, exp, args.coordinator, emit)
+        experiment.run_process(args.role, exp, args.coordinator, emit)
         return
     if not args.json:
         print(f"{exp.model}, {exp.seq_len} tokens, batch {exp.batch}, {exp.transport}; link: "
               f"{note}", file=out, flush=True)
-    bar = tqdm(total=handoff.total_handoffs(exp), desc="handoffs", unit="", file=sys.stderr,
+    bar = tqdm(total=experiment.total_handoffs(exp), desc="handoffs", unit="", file=sys.stderr,
                disable=args.json)
     if exp.transport == "local":
-        handoff.run_local(exp, emit, bar.update)
+        experiment.run_local(exp, emit, bar.update)
     else:  # both processes on this machine: we are the decode side, a child is the prefill side
-        handoff.launch_pair(exp, emit, bar.update)
+        experiment.launch_pair(exp, emit, bar.update)
     bar.close()
     if not args.json:
         print("\n".join(report.conclusion(summaries)), file=out, flush=True)
@@ -376,7 +376,7 @@ def cmd_sweep(args: argparse.Namespace) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from rekv_jax import generate
-    from rekv_jax.handoff import calibrate_link_in_child
+    from rekv_jax.experiment import calibrate_link_in_child
 
     if args.request:  # the prefill process started by generate.generate
         generate.run_process(args.role, generate.Request(**json.loads(args.request)),
@@ -519,7 +519,7 @@ def _select_flags(p: argparse.ArgumentParser) -> None:
          ("transport", "link", "attention", "json"))
 def _generate_flags(p: argparse.ArgumentParser) -> None:
     from rekv_jax.costmodel import PREFILL_MODES
-    from rekv_jax.schedule import FALLBACKS, SCHEDULES
+    from rekv_jax.handoff import FALLBACKS, SCHEDULES
 
     p.add_argument("--model", default=None,
                    help="trained-model folder (default: the shipped wt2-tiny) or hf:PATH")

@@ -15,7 +15,7 @@ plus a fixed per-message latency `m`, so a profile measured at one link can be r
 another (`Profile.at_link`). With the fixed terms at zero this is the paper's linear model, whose
 balanced cut is Eq. 11.
 
-As `rekv_jax.schedule` does, the int32 token IDs (`B_tok` bytes) always cross first, in one
+As `rekv_jax.handoff` does, the int32 token IDs (`B_tok` bytes) always cross first, in one
 message with `h_c`, and count in the `boundary` phase, whose fixed part `h0` also holds the start
 of the handoff. Transfer-only
 (`c = L`) then sends the full KV and no `h_c`; full recomputation (`c = 0`) sends nothing more and
@@ -28,7 +28,7 @@ same kind of device, so a prompt layer costs `γ` too and a call `r0`; `E` is th
 
 * Full prefill (paper Fig. 3): all L layers, then the handoff as above:
       T_full = E + r0 + L γ + T_ov (or T_seq).
-* Split, streamed prefill (`schedule.send_prompt(..., "split")`): only layers 0..c-1 run, one
+* Split, streamed prefill (`handoff.send_prompt(..., "split")`): only layers 0..c-1 run, one
   call each (`g = r0 + γ`; the first also embeds), each followed by its quantize call
   (`a = q0 + α_b`, 0 for BF16) and sent as its own message (`β' = m + x0_b + β_b`). The token ids
   leave at once (`τ = h0 + B_tok / W`); `h_c` leaves when layer c-1 is computed (`H' = m + B_H / W`)

@@ -27,7 +27,7 @@ from pallas_kernels import quant as kernels
 from rekv_jax import bench, sizes
 from rekv_jax.action import Action
 from rekv_jax.config import Llama3RopeScaling, ModelConfig
-from rekv_jax.handoff import Experiment
+from rekv_jax.experiment import Experiment
 from rekv_jax.loader import synthetic_model
 from rekv_jax.model import attention_backend, prefill, run_prefix, run_suffix
 
@@ -157,7 +157,7 @@ def check_bench_model(cfg: ModelConfig, seq_len: int) -> tuple[bool, str, dict]:
 def check_handoff(seq_len: int) -> tuple[bool, str, dict]:
     """A short two-process handoff (tiny model): first tokens and caches must check out.
 
-    It runs as `rekv handoff` (i.e. `handoff.launch_pair`) in a child process: the decode side
+    It runs as `rekv handoff` (i.e. `experiment.launch_pair`) in a child process: the decode side
     initializes `jax.distributed`, which must come before any computation of this process."""
     action = Action.parse("q8:r=2", ModelConfig.preset("tiny").num_layers)
     exp = Experiment(model="tiny", seq_len=seq_len, actions=(action,), schedules=("overlapped",),

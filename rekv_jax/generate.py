@@ -27,11 +27,11 @@ from tokenizers import Tokenizer
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
 from rekv_jax.data import load_tokenizer
+from rekv_jax.handoff import receive_handoff, send_prompt
 from rekv_jax.kv import KVCache
 from rekv_jax.loader import SHIPPED_MODEL
 from rekv_jax.model import Params, decode_step, prefill
 from rekv_jax.params import load_hf
-from rekv_jax.schedule import receive_handoff, send_prompt
 from rekv_jax.sizes import action_bytes
 from rekv_jax.transport import LocalTransport, Transport, connect
 from rekv_jax.transport.base import Role

@@ -1,24 +1,32 @@
-"""`rekv handoff`: timed ReKV handoffs between a prefill and a decode process (paper §3).
+"""One ReKV handoff: the prefill side's sends and the decode side's two schedules (paper §2.2-2.3).
 
-Each process runs `run_role`. On one machine `launch_pair` starts both over loopback; on a
-multi-host allocation the scheduler starts one process per role (see the README). Both sides
-build the same weights (same seed, or the same checkpoint), agree on the experiment, then run
-`warmup + reps` handoffs per action and schedule. The decode side checks every first token and
-the last rep's complete cache against its own single-process prefill, and emits one JSON object
-per rep (`kind: "rep"`) and per action and schedule (`kind: "summary"`).
+Prefill side (`send_handoff`), timed from when its prefill state is ready:
+  quantize the prefix (Q) -> send the token ids with `h_c` first -> send the prefix payload.
+Decode side (`receive_handoff`), timed from the same start:
+  sequential:  receive `h_c` (H), receive + dequantize the prefix (X), run the suffix (R), join (J)
+  overlapped:  receive `h_c`, then the suffix runs on this thread while a background thread
+               receives and dequantizes the prefix; join when both are done.
+So `T_seq = Q + H + X + R + J` and `T_ov = Q + H + max(X, R) + J` (Eqs. 8-9). Transfer-only
+(`c = L`) has no boundary and no suffix: the prefill side's first token travels with the token
+ids. Full recomputation (`c = 0`) sends token ids only and runs the whole prompt.
+
+Token ids always cross the link (they are tiny): the decode side needs them to check its cache
+and, under `fallback="recompute"`, to rebuild the cache if the prefix transfer fails.
+
+Timed from the prompt's arrival instead (`send_prompt`), the prefill side computes inside the
+interval. `full`: it runs all L layers, then hands off as above (the paper's Fig. 3). `split`: it
+runs layers 0..c-1 only, one step per layer (`model.run_layers`, the same per-layer program as
+`prefill`), and streams: the token ids at once, each layer's quantized KV as its own message
+(`TAG/layerN`) while the next layer computes, and `h_c` the moment layer c-1 is computed. The
+decode side's receive worker restores each layer as it arrives. Either way a `prefill` phase
+(the prefill side's own compute) joins `Q, H, X, R, J`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import os
-import platform
-import subprocess
-import sys
-import threading
-from collections.abc import Callable
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -26,247 +34,309 @@ import numpy as np
 
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
-from rekv_jax.costmodel import PROMPT_PHASES
-from rekv_jax.loader import load_model
-from rekv_jax.model import Params, attention_backend, prefill
-from rekv_jax.schedule import (
-    FALLBACKS,
-    SCHEDULES,
-    Handoff,
-    check_cache,
-    check_modes,
-    prepare,
-    receive_handoff,
-    send_handoff,
-    send_prompt,
-)
-from rekv_jax.sharding import MeshTransport, shard_params, split_reference
-from rekv_jax.sizes import action_bytes
-from rekv_jax.summary import Rep, Summary
-from rekv_jax.transport import LocalTransport, Transport, checksums, connect
-from rekv_jax.transport.base import Role
-from rekv_jax.transport.launch import SUPERVISED, die_with_parent, supervise, with_prefill_child
+from rekv_jax.costmodel import INTERVALS, PREFILL_MODES
+from rekv_jax.kv import KVCache
+from rekv_jax.model import Params, prefill, run_layers, run_prefix, run_suffix
+from rekv_jax.quantize import QuantizedTensor, dequantize, quantize, quantize_unchecked
+from rekv_jax.sizes import GROUP_SIZE
+from rekv_jax.transport import Transport, TransportError
 
-Emit = Callable[[Rep | Summary], None]
-DEFAULT_ACTIONS = "bf16:full,q8:full,bf16:r=2,q8:r=2,bf16:recompute"
+SCHEDULES = ("overlapped", "sequential")
+FALLBACKS = ("error", "recompute")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefillState:
+    """What the prefill worker holds when its prefill is done (before the timed interval)."""
+
+    tokens: jax.Array  # [B, S] int32
+    h_c: jax.Array | None  # [B, S, D] boundary (joint actions)
+    prefix: KVCache | None  # [c, B, S, K, H] (joint and transfer-only)
+    first_token: jax.Array  # [B] from the prefill's own logits (sent with transfer-only)
 
 
 @dataclasses.dataclass(frozen=True)
-class Experiment:
-    """Everything both processes must agree on (JSON-serializable: `dataclasses.asdict`)."""
+class Handoff:
+    """The decode side's outcome: the complete cache, the first token, and the phase times."""
 
-    model: str = "tiny"  # a loader spec: preset name, hf:PATH or trained-model folder
-    seq_len: int = 256
-    batch: int = 1
-    actions: tuple[Action, ...] = ()  # for the model's layer count
-    schedules: tuple[str, ...] = SCHEDULES
-    transport: str = "transfer-server"
-    link_gbps: float | None = None  # pace every receive to this link (None: unpaced)
-    warmup: int = 3
-    reps: int = 30
-    fallback: str = "error"
-    backend: str | None = None  # quantization backend (None: Pallas on GPU, XLA elsewhere)
-    seed: int = 0
-    timeout: float = 120.0
-    interval: str = "ready"  # costmodel.INTERVALS: timed from the prefill state, or the prompt
-    prefill: str = "full"  # costmodel.PREFILL_MODES: prefill all L layers, or 0..c-1, streamed
-    prefill_devices: int = 1  # tensor-parallel devices per side (rekv_jax.sharding)
-    decode_devices: int = 1
-
-    def __post_init__(self) -> None:
-        # from JSON: lists, and actions as {bits, cut, num_layers} dicts
-        object.__setattr__(self, "schedules", tuple(self.schedules))
-        object.__setattr__(self, "actions", tuple(
-            a if isinstance(a, Action) else Action(**a) for a in self.actions))
-        for name in ("seq_len", "batch", "reps", "timeout", "prefill_devices",
-                     "decode_devices") + ("link_gbps",) * (self.link_gbps is not None):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
-        if not self.actions:
-            raise ValueError("an experiment needs at least one action")
-        bad = [s for s in self.schedules if s not in SCHEDULES]
-        if bad or not self.schedules:
-            raise ValueError(f"schedules must be a non-empty subset of {SCHEDULES}, got {bad}")
-        if self.fallback not in FALLBACKS:
-            raise ValueError(f"fallback must be one of {FALLBACKS}, got {self.fallback!r}")
-        check_modes(self.interval, self.prefill)
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> Experiment:
-        return cls(**json.loads(text))
-
-    def schedules_of(self, action: Action) -> tuple[str, ...]:
-        """The schedules an action runs under: only a joint action has anything to overlap."""
-        return self.schedules if action.kind == "joint" else self.schedules[:1]
+    kv: KVCache  # [L, B, S, K, H]
+    first_token: jax.Array  # [B]
+    total_ms: float
+    phases_ms: dict[str, float]  # keyed by costmodel.PROMPT_PHASES
+    fallback: bool = False  # True if the prefix transfer failed and the cache was recomputed
 
 
-def hardware() -> str:
-    """A label for the device the decode side computes on."""
-    device = jax.local_devices()[0]
-    kind = getattr(device, "device_kind", device.platform)
-    return f"{device.platform}:{kind} ({platform.machine()}, {jax.local_device_count()} dev)"
+def prepare(cfg: ModelConfig, params: Params, tokens: jax.Array, action: Action) -> PrefillState:
+    """Run the prefill worker's prompt processing for `action` (untimed, as in the paper)."""
+    if action.kind == "recompute":
+        _, logits = prefill(cfg, params, tokens)
+        return PrefillState(tokens, None, None, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+    h_c, prefix = run_prefix(cfg, params, tokens, action.cut)
+    _, logits = run_suffix(cfg, params, h_c, action.cut)  # the rest of the prompt's layers
+    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return PrefillState(tokens, h_c if action.kind == "joint" else None, prefix, first)
 
 
-def fingerprint(cfg: ModelConfig, params: Params) -> str:
-    """Config plus an on-device checksum of every byte of every weight (the transports'
-    position-weighted sum): two sides whose fingerprints agree hold the same model, barring a
-    checksum collision."""
-    sums = checksums(jax.tree.leaves(params))
-    text = json.dumps([cfg.to_dict(), sums], sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+# ---------------------------------------------------------------------------- prefix payload
 
 
-def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
-             progress: Callable[[int], None] = lambda n: None) -> None:
-    """One side of the whole experiment; the decode side emits the records."""
-    model = load_model(exp.model, exp.seed)
-    cfg, params = model.cfg, model.params
-    wrong = [str(a) for a in exp.actions if a.num_layers != cfg.num_layers]
-    if wrong:
-        raise ValueError(f"actions {wrong} are not for {cfg.name} ({cfg.num_layers} layers)")
-    # different attention backends give different bits, so the backend is agreed on too
-    transport.agree("experiment", {**dataclasses.asdict(exp), "model": fingerprint(cfg, params),
-                                   "attention": attention_backend(cfg, params["embed"].dtype)},
-                    exp.timeout)
-    tokens = jax.random.randint(jax.random.key(exp.seed + 1), (exp.batch, exp.seq_len), 0,
-                                cfg.vocab_size, jnp.int32)
-    if exp.prefill_devices * exp.decode_devices > 1:  # a mesh per side
-        transport = MeshTransport(transport, cfg, exp.prefill_devices, exp.decode_devices)
-        params = shard_params(cfg, params, transport.mesh)
-    for action in exp.actions:
-        ready = role == "prefill" and exp.interval == "ready"
-        state = prepare(cfg, params, tokens, action) if ready else None
-        for schedule in exp.schedules_of(action):
-            results = []
-            for rep in range(exp.warmup + exp.reps):
-                tag = f"{action}/{schedule}/{rep}"
-                if ready:
-                    send_handoff(transport, state, action, tag, exp.backend, exp.timeout)
-                    continue
-                if role == "prefill":
-                    send_prompt(transport, cfg, params, tokens, action, tag, exp.prefill,
-                                exp.backend, exp.timeout)
-                    continue
-                result = receive_handoff(transport, cfg, params, action, exp.batch, exp.seq_len,
-                                         tag, schedule, exp.fallback, exp.backend, exp.timeout,
-                                         exp.prefill)
-                progress(1)
-                if rep >= exp.warmup:
-                    results.append(result)
-                    emit(Rep(action, schedule, rep - exp.warmup, result.total_ms,
-                             result.phases_ms, result.fallback))
-            if role == "decode":
-                emit(summarize(cfg, params, tokens, exp, action, schedule, results,
-                               model.weights))
+def pack_prefix(prefix: KVCache, bits: int, backend: str | None = None) -> list[jax.Array]:
+    """The prefix as a few contiguous buffers: [K, V] in BF16, or [K codes, K scales, V codes,
+    V scales] for Q8/Q4 (codes [c, B, S, K, H*b/8], scales [c, B, S, K, H/64] float16)."""
+    if bits == 16:
+        return [prefix.k, prefix.v]
+    qk, qv = quantize(prefix.k, bits, backend=backend), quantize(prefix.v, bits, backend=backend)
+    return [qk.values, qk.scales, qv.values, qv.scales]
 
 
-def summarize(cfg: ModelConfig, params: Params, tokens: jax.Array, exp: Experiment,
-              action: Action, schedule: str, results: list[Handoff], weights: str = ""
-              ) -> Summary:
-    """One summary: median and bootstrap CI, phase medians, payload, and the checks."""
-    devices = (exp.prefill_devices, exp.decode_devices)
-    sharded = devices != (1, 1)
-    cut = 0 if results[-1].fallback else action.cut  # the cache was rebuilt from the tokens
-    if sharded:  # bits differ across meshes: the reference is the same split, in this process
-        reference, logits = split_reference(cfg, params, tokens, cut, *devices)
-    else:
-        reference, logits = prefill(cfg, params, tokens)
-    first = np.asarray(jnp.argmax(logits, axis=-1))
-    cache_check = check_cache(reference, action, results[-1], exp.backend)
-    return Summary(
-        model=cfg.name, seq_len=exp.seq_len, batch=exp.batch, action=action,
-        transport=exp.transport, schedule=schedule if action.kind == "joint" else "n/a",
-        link_gbps=exp.link_gbps, hardware=hardware(),
-        reps_ms=tuple(r.total_ms for r in results),
-        phases_ms={p: float(np.median([r.phases_ms[p] for r in results])) for p in PROMPT_PHASES},
-        payload_bytes=action_bytes(cfg, action, exp.seq_len, exp.batch)["total_bytes"],
-        first_token_match=all(np.array_equal(r.first_token, first) for r in results),
-        cache_check=cache_check + (_reference_text(cfg, cut, *devices) if sharded else ""),
-        fallbacks=sum(r.fallback for r in results), weights=weights,
-        interval=exp.interval, prefill=exp.prefill, prefill_devices=devices[0],
-        decode_devices=devices[1])
+def unpack_prefix(buffers: list[jax.Array], bits: int, dtype: jnp.dtype,
+                  backend: str | None = None) -> KVCache:
+    """Inverse of `pack_prefix`: the restored prefix KV [c, B, S, K, H] in `dtype`."""
+    if bits == 16:
+        return KVCache(*buffers)
+    kc, ks, vc, vs = buffers
+    return KVCache(dequantize(QuantizedTensor(kc, ks, bits, GROUP_SIZE, dtype), backend=backend),
+                   dequantize(QuantizedTensor(vc, vs, bits, GROUP_SIZE, dtype), backend=backend))
 
 
-def _reference_text(cfg: ModelConfig, cut: int, prefill_devices: int, decode_devices: int
-                    ) -> str:
-    """What the sharded sides' cache was compared with (see `split_reference`)."""
-    if cut == 0:
-        return f" to a prefill on {decode_devices} devices"
-    if cut == cfg.num_layers:
-        return f" to a prefill on {prefill_devices} devices"
-    return f" to a prefix on {prefill_devices} devices and a suffix on {decode_devices}"
+def prefix_specs(cfg: ModelConfig, action: Action, batch: int, seq_len: int, dtype: jnp.dtype,
+                 layers: int | None = None) -> list[jax.ShapeDtypeStruct]:
+    """Shapes and dtypes of the prefix buffers the decode side must receive (of `layers`
+    layers: default the whole prefix, 1 for one streamed layer)."""
+    c = action.cut if layers is None else layers
+    kv = jax.ShapeDtypeStruct((c, batch, seq_len, cfg.num_kv_heads, cfg.head_dim),
+                              jnp.dtype(dtype))
+    if action.bits == 16:
+        return [kv, kv]
+    q = jax.eval_shape(lambda x: quantize_unchecked(x, action.bits, backend="xla"), kv)
+    return [q.values, q.scales] * 2
 
 
-def run_local(exp: Experiment, emit: Emit, progress: Callable[[int], None] = lambda n: None
-              ) -> None:
-    """Both sides in this process (the `local` transport): prefill on a thread."""
-    prefill_end, decode_end = LocalTransport.pair(exp.link_gbps)
-    errors: list[BaseException] = []
-
-    def prefill_side() -> None:
-        try:
-            run_role("prefill", exp, prefill_end, emit)
-        except BaseException as e:  # surfaced below, after the decode side stops
-            errors.append(e)
-
-    thread = threading.Thread(target=prefill_side, name="rekv-prefill", daemon=True)
-    thread.start()
-    try:
-        run_role("decode", exp, decode_end, emit, progress)
-    finally:
-        thread.join(exp.timeout)
-        prefill_end.close(), decode_end.close()
-    if errors:
-        raise errors[0]
+# ---------------------------------------------------------------------------- the two sides
 
 
-def run_process(role: Role, exp: Experiment, coordinator: str | None, emit: Emit,
-                progress: Callable[[int], None] = lambda n: None) -> None:
-    """This process's side over a real transport (jax.distributed is initialized here).
+def _ms(start: float, stop: float) -> float:
+    return 1e3 * (stop - start)
 
-    The prefill side runs in a supervised worker: JAX aborts it when the decode side (which hosts
-    the coordination service) goes away, and the supervisor turns that into one line."""
-    if role == "prefill" and not os.environ.get(SUPERVISED):
-        supervise([sys.executable, "-m", "rekv_jax.cli", "handoff", "--experiment",
-                   exp.to_json(), "--role", role]
-                  + ["--coordinator", coordinator] * (coordinator is not None),
-                  "the prefill worker")
+
+def check_modes(interval: str, prefill_mode: str) -> None:
+    """ValueError unless (interval, prefill mode) is a valid pair (split needs the prompt)."""
+    if interval not in INTERVALS or prefill_mode not in PREFILL_MODES:
+        raise ValueError(f"interval must be one of {INTERVALS} and prefill one of "
+                         f"{PREFILL_MODES}, got {interval!r}, {prefill_mode!r}")
+    if prefill_mode == "split" and interval != "prompt":
+        raise ValueError("a split prefill streams while it computes, so its interval starts at "
+                         "the prompt: use interval 'prompt'")
+
+
+def send_handoff(transport: Transport, state: PrefillState, action: Action, tag: str,
+                 backend: str | None = None, timeout: float = 60.0) -> None:
+    """Prefill side of one handoff from a ready prefill state (the paper's interval)."""
+    transport.agree(f"{tag}/go", {}, timeout)  # both sides start their clocks here
+    _send_state(transport, state, action, tag, backend, timeout, time.perf_counter(), 0.0)
+
+
+def send_prompt(transport: Transport, cfg: ModelConfig, params: Params, tokens: jax.Array,
+                action: Action, tag: str, prefill_mode: str = "full", backend: str | None = None,
+                timeout: float = 60.0) -> None:
+    """Prefill side of one handoff timed from the prompt's arrival: `full` runs all L layers
+    (`prepare`), then hands off as `send_handoff`; `split` streams layers 0..c-1 as computed."""
+    check_modes("prompt", prefill_mode)
+    transport.agree(f"{tag}/go", {}, timeout)
+    t0 = time.perf_counter()
+    if prefill_mode == "split":
+        _send_streamed(transport, cfg, params, tokens, action, tag, backend, timeout, t0)
         return
-    if os.environ.get(SUPERVISED):
-        die_with_parent()
-    with connect(exp.transport, role, coordinator, link_gbps=exp.link_gbps,
-                 timeout=exp.timeout) as transport:
-        run_role(role, exp, transport, emit, progress)
+    state = jax.block_until_ready(prepare(cfg, params, tokens, action))
+    _send_state(transport, state, action, tag, backend, timeout, t0, _ms(t0, time.perf_counter()))
 
 
-def launch_pair(exp: Experiment, emit: Emit, progress: Callable[[int], None] = lambda n: None
-                ) -> None:
-    """Run both sides on this machine over loopback: this process decodes, a child prefills
-    (`transport.launch.with_prefill_child`: bounded, and a dead child is named by its exit)."""
-    cmd = [sys.executable, "-m", "rekv_jax.cli", "handoff", "--experiment", exp.to_json(),
-           "--role", "prefill"]
-    with_prefill_child(cmd, lambda coordinator: run_process("decode", exp, coordinator, emit,
-                                                            progress), exp.timeout)
+def _send_state(transport: Transport, state: PrefillState, action: Action, tag: str,
+                backend: str | None, timeout: float, t0: float, prefill_ms: float) -> None:
+    """Quantize the prefix (Q), send the token ids with `h_c` first, then the prefix payload."""
+    start = time.perf_counter()
+    payload = []
+    if state.prefix is not None:
+        payload = jax.block_until_ready(pack_prefix(state.prefix, action.bits, backend))
+    quantize_ms = _ms(start, time.perf_counter()) if action.bits != 16 else 0.0
+    boundary = [state.tokens, state.first_token] + ([state.h_c] if state.h_c is not None else [])
+    boundary_at_ms = _ms(t0, time.perf_counter())
+    transport.send(f"{tag}/boundary", boundary, timeout)  # one message: ids (+ h_c) first
+    if payload:
+        transport.send(f"{tag}/prefix", payload, timeout)
+    _finish_send(transport, tag, ["boundary"] + ["prefix"] * bool(payload), timeout,
+                 prefill_ms=prefill_ms, quantize_ms=quantize_ms, boundary_at_ms=boundary_at_ms)
 
 
-def total_handoffs(exp: Experiment) -> int:
-    """Handoffs the decode side will run (for the progress bar)."""
-    return sum((exp.warmup + exp.reps) * len(exp.schedules_of(a)) for a in exp.actions)
+def _send_streamed(transport: Transport, cfg: ModelConfig, params: Params, tokens: jax.Array,
+                   action: Action, tag: str, backend: str | None, timeout: float, t0: float
+                   ) -> None:
+    """Split prefill: the token ids at once, then per layer 0..c-1: compute it, quantize it and
+    hand it to the link, which moves it while the next layer computes. `h_c` (or, transfer-only,
+    the first token) leaves as soon as layer c-1 is computed, before that layer's payload."""
+    c, L = action.cut, cfg.num_layers
+    transport.send(f"{tag}/tokens", [tokens], timeout)
+    phases, prefill_ms, quantize_ms, boundary_at_ms = ["tokens"], 0.0, 0.0, 0.0
+    x = tokens
+    for layer in range(c):
+        start = time.perf_counter()
+        x, kv = jax.block_until_ready(  # x: the residual entering layer + 1 [B, S, D]
+            run_prefix(cfg, params, tokens, 1) if layer == 0
+            else run_layers(cfg, params, x, layer, layer + 1))
+        if layer == c - 1:
+            boundary = [x]
+            if c == L:  # transfer-only: the prefill side picks the first token
+                _, logits = run_suffix(cfg, params, x, L)
+                boundary = [jnp.argmax(logits, axis=-1).astype(jnp.int32)]
+            boundary = jax.block_until_ready(boundary)
+            prefill_ms += _ms(start, time.perf_counter())
+            boundary_at_ms = _ms(t0, time.perf_counter())
+            transport.send(f"{tag}/boundary", boundary, timeout)
+            phases.append("boundary")
+        else:
+            prefill_ms += _ms(start, time.perf_counter())
+        start = time.perf_counter()
+        payload = jax.block_until_ready(pack_prefix(kv, action.bits, backend))
+        quantize_ms += _ms(start, time.perf_counter()) if action.bits != 16 else 0.0
+        transport.send(f"{tag}/layer{layer}", payload, timeout)
+        phases.append(f"layer{layer}")
+    _finish_send(transport, tag, phases, timeout, prefill_ms=prefill_ms,
+                 quantize_ms=quantize_ms, boundary_at_ms=boundary_at_ms)
 
 
-def calibrate_link_in_child(model: str, seq_len: int, timeout: float = 600.0):
-    """`sweep.calibrate_link` in a fresh process (a process that runs a real transport must
-    initialize jax.distributed before any JAX work, so it cannot time the suffix itself)."""
-    from rekv_jax.sweep import LinkCalibration
+def _finish_send(transport: Transport, tag: str, phases: list[str], timeout: float,
+                 **times_ms: float) -> None:
+    """Post the prefill side's times, then wait for every phase's ack (the decode side's errors
+    surface here)."""
+    transport.send_meta(f"{tag}/prefill", times_ms)
+    for phase in phases:
+        transport.wait_ack(f"{tag}/{phase}", timeout)
 
-    cmd = [sys.executable, "-m", "rekv_jax.cli", "calibrate", "--json", "--model", model,
-           "--seq-len", str(seq_len)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if out.returncode:
-        raise RuntimeError(f"link calibration failed:\n{out.stderr[-3000:]}")
-    return LinkCalibration(**{k: v for k, v in json.loads(out.stdout).items() if k != "kind"})
+
+def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, action: Action,
+                    batch: int, seq_len: int, tag: str, schedule: str = "overlapped",
+                    fallback: str = "error", backend: str | None = None,
+                    timeout: float = 60.0, prefill_mode: str = "full") -> Handoff:
+    """Decode side of one handoff: receive, recompute, restore, join; time every phase.
+
+    `prefill_mode="split"` receives the streamed form (`_send_streamed`): the token ids first,
+    then a receive worker restores each prefix layer as it arrives while this thread waits for
+    `h_c` and runs the suffix (overlapped) or first waits for the whole prefix (sequential).
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if fallback not in FALLBACKS:
+        raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+    check_modes("prompt" if prefill_mode == "split" else "ready", prefill_mode)
+    split, c = prefill_mode == "split", action.cut
+    dtype = params["embed"].dtype
+    token_spec = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
+    first_spec = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    h_c_spec = jax.ShapeDtypeStruct((batch, seq_len, cfg.hidden_size), dtype)
+    if split:  # the ids came alone; the boundary is h_c, or the first token (transfer-only)
+        specs = {"joint": [h_c_spec], "transfer": [first_spec], "recompute": []}[action.kind]
+    else:
+        specs = [token_spec, first_spec] + [h_c_spec] * (action.kind == "joint")
+    transport.agree(f"{tag}/go", {}, timeout)
+    t0 = time.perf_counter()
+
+    def restore_prefix() -> tuple[KVCache, float]:
+        if not split:
+            buffers = transport.recv(f"{tag}/prefix", prefix_specs(cfg, action, batch, seq_len,
+                                                                   dtype), timeout)
+            prefix = unpack_prefix(buffers, action.bits, dtype, backend)
+        else:  # restore each layer as it arrives
+            layers = []
+            for layer in range(c):
+                try:
+                    buffers = transport.recv(f"{tag}/layer{layer}", prefix_specs(
+                        cfg, action, batch, seq_len, dtype, layers=1), timeout)
+                except TransportError as e:
+                    raise TransportError(f"prefix layer {layer} lost after {layer} of {c} "
+                                         f"arrived: {e}") from e
+                layers.append(unpack_prefix(buffers, action.bits, dtype, backend))
+            prefix = KVCache.concat(*layers)
+        return jax.block_until_ready(prefix), time.perf_counter()
+
+    def run_suffix_now(kind: str) -> tuple[KVCache, jax.Array, float, float]:
+        start = time.perf_counter()
+        if kind == "recompute":
+            kv, logits = prefill(cfg, params, tokens)
+        else:
+            kv, logits = run_suffix(cfg, params, h_c, c)
+        return *jax.block_until_ready((kv, logits)), start, time.perf_counter()
+
+    tokens = transport.recv(f"{tag}/tokens", [token_spec], timeout)[0] if split else None
+    prefix = suffix = logits = sent_first = h_c = None
+    t_boundary = t_prefix = time.perf_counter()
+    fell_back = False
+    pool = ThreadPoolExecutor(1, thread_name_prefix="rekv-prefix")
+    try:
+        pending = pool.submit(restore_prefix) if split and c > 0 else None
+        if specs:
+            boundary = transport.recv(f"{tag}/boundary", specs, timeout)
+            if not split:
+                tokens, sent_first, *boundary = boundary
+            h_c = boundary[0] if action.kind == "joint" else None
+            sent_first = boundary[0] if split and action.kind == "transfer" else sent_first
+        t_boundary = t_prefix = time.perf_counter()
+        if action.kind == "recompute":
+            suffix, logits, t_start, t_suffix = run_suffix_now("recompute")
+        else:
+            pending = pending or pool.submit(restore_prefix)  # transfer + restore ...
+            if action.kind == "joint" and schedule == "overlapped":
+                suffix, logits, t_start, t_suffix = run_suffix_now("suffix")  # ... meanwhile
+            prefix, t_prefix = pending.result()
+            if action.kind == "joint" and schedule == "sequential":
+                suffix, logits, t_start, t_suffix = run_suffix_now("suffix")
+            elif action.kind == "transfer":
+                t_start = t_suffix = t_prefix
+    except TransportError:
+        if fallback != "recompute" or action.kind == "recompute" or tokens is None:
+            raise
+        fell_back, prefix, t_prefix = True, None, t_boundary
+        suffix, logits, t_start, t_suffix = run_suffix_now("recompute")
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+    kv = suffix if prefix is None else prefix if suffix is None else KVCache.concat(prefix, suffix)
+    first = sent_first if logits is None else jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    kv, first = jax.block_until_ready((kv, first))
+    t_end = time.perf_counter()
+
+    sent = transport.recv_meta(f"{tag}/prefill", timeout)
+    phases = {
+        "prefill": sent["prefill_ms"],
+        "quantize": sent["quantize_ms"],
+        # the link time of the boundary: from when the prefill side sent it to its arrival
+        "boundary": max(_ms(t0, t_boundary) - sent["boundary_at_ms"], 0.0),
+        # what the prefix adds after the boundary (a streamed prefix is mostly there before)
+        "prefix": max(_ms(t_boundary, t_prefix), 0.0),
+        "suffix": _ms(t_start, t_suffix),
+        "join": _ms(max(t_prefix, t_suffix), t_end),
+    }
+    return Handoff(kv, first, _ms(t0, t_end), phases, fell_back)
+
+
+def check_cache(reference: KVCache, action: Action, result: Handoff,
+                backend: str | None = None) -> str:
+    """What held of the handoff's cache against a single-process `prefill` cache.
+
+    BF16 prefixes and every recomputed suffix must be bitwise equal to the prefill's; a Q8/Q4
+    prefix must equal the prefill's prefix after one quantize/dequantize round trip, bitwise.
+    """
+    c, L = (0 if result.fallback else action.cut), reference.num_layers
+    want_prefix = reference.layers(0, c)
+    if c and action.bits != 16:
+        want_prefix = unpack_prefix(pack_prefix(want_prefix, action.bits, backend),
+                                    action.bits, reference.k.dtype, backend)
+    parts = [("prefix", result.kv.layers(0, c), want_prefix),
+             ("suffix", result.kv.layers(c, L), reference.layers(c, L))]
+    failed = [name for name, got, want in parts
+              if not (np.array_equal(got.k, want.k) and np.array_equal(got.v, want.v))]
+    if failed:
+        return f"MISMATCH in {' and '.join(failed)}"
+    if c == 0 or action.bits == 16:
+        return "bitwise"
+    return f"suffix bitwise, prefix = {action.precision} round trip"

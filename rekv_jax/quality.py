@@ -28,9 +28,9 @@ from rekv_jax import niah
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
 from rekv_jax.data import windows
+from rekv_jax.handoff import pack_prefix, unpack_prefix
 from rekv_jax.kv import KVCache
 from rekv_jax.model import Params, extend, greedy_decode, prefill, run_prefix, run_suffix
-from rekv_jax.schedule import decode_prefix, encode_prefix
 from rekv_jax.summary import Summary
 
 EPSILON = 0.01  # largest allowed relative perplexity increase (paper §2.4)
@@ -52,7 +52,7 @@ def reconstruct_cache(cfg: ModelConfig, params: Params, tokens: jax.Array, actio
                          f"{cfg.num_layers}")
     h_c, prefix = run_prefix(cfg, params, tokens, action.cut)  # [B, S, D], [c, B, S, K, H]
     # the same payload round trip as the handoff (identity for BF16)
-    prefix = decode_prefix(encode_prefix(prefix, action.bits), action.bits, prefix.k.dtype)
+    prefix = unpack_prefix(pack_prefix(prefix, action.bits), action.bits, prefix.k.dtype)
     suffix, logits = run_suffix(cfg, params, h_c, action.cut)  # [L - c, B, S, K, H], [B, V]
     return KVCache.concat(prefix, suffix), logits
 

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from rekv_jax import costmodel, report, sizes
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
-from rekv_jax.handoff import Experiment
+from rekv_jax.experiment import Experiment
 from rekv_jax.loader import load_config, load_model
 from rekv_jax.model import run_suffix
 from rekv_jax.planner import PAPER_LINK_GBPS

@@ -13,7 +13,7 @@ import json
 import sys
 
 from rekv_jax.action import parse_actions
-from rekv_jax.handoff import Experiment
+from rekv_jax.experiment import Experiment
 from rekv_jax.loader import SHIPPED_MODEL, load_config
 from rekv_jax.sweep import calibrate_link, run_experiment
 

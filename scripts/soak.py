@@ -79,9 +79,9 @@ def run_side(role: str, coordinator: str, args: argparse.Namespace) -> None:
     import jax
 
     from rekv_jax.action import Action
+    from rekv_jax.handoff import SCHEDULES, check_cache, prepare, receive_handoff, send_handoff
     from rekv_jax.loader import load_model
     from rekv_jax.model import prefill
-    from rekv_jax.schedule import SCHEDULES, check_cache, prepare, receive_handoff, send_handoff
     from rekv_jax.transport import TransportError, TransportTimeout, connect
 
     transport = connect("transfer-server", role, coordinator, timeout=HANDOFF_TIMEOUT)

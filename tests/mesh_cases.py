@@ -19,10 +19,10 @@ from test_model import (
 )
 
 from rekv_jax import Action, KVCache, ModelConfig, init_params, prefill, sharding, sizes
-from rekv_jax.handoff import Experiment, run_local
+from rekv_jax.experiment import Experiment, run_local
+from rekv_jax.handoff import pack_prefix
 from rekv_jax.model import decode_step, extend
 from rekv_jax.quantize import quantize
-from rekv_jax.schedule import encode_prefix
 
 # Measured here (tiny, bf16 weights, 64 tokens, seed 0): the largest |difference| between meshes
 # of 1, 2 and 4 devices is 0.0137 in the KV (bf16 values up to ~4), 0.0092 in the f32 logits and
@@ -101,8 +101,8 @@ def test_payload_crosses_meshes_in_pieces(sides, bits):
                    for i in range(2)))
     src = sharding.make_mesh(cfg, n)
     placed = KVCache(*(jax.device_put(x, sharding.kv_sharding(src, shape)) for x in (kv.k, kv.v)))
-    sent = encode_prefix(placed, bits)
-    assert all(np.array_equal(a, b) for a, b in zip(sent, encode_prefix(kv, bits), strict=True))
+    sent = pack_prefix(placed, bits)
+    assert all(np.array_equal(a, b) for a, b in zip(sent, pack_prefix(kv, bits), strict=True))
     if bits != 16:
         assert quantize(placed.k, bits).values.addressable_shards[0].data.shape[3] == 4 // n
     dst = sharding.make_mesh(cfg, m)

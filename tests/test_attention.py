@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 from jax._src.cudnn import fused_attention_stablehlo
 
-from rekv_jax import ModelConfig, handoff
+from rekv_jax import ModelConfig, experiment
 from rekv_jax.action import Action
 from rekv_jax.model import _run, attention_backend, choose_attention, init_params, prefill
 
@@ -85,9 +85,9 @@ def test_cudnn_path_lowers_for_cuda(monkeypatch):
 
 def test_handoff_sides_must_agree_on_the_attention_backend(monkeypatch):
     """Different backends give different bits: a handoff between them fails on the agreement."""
-    monkeypatch.setattr(handoff, "attention_backend", lambda cfg, dtype: (
+    monkeypatch.setattr(experiment, "attention_backend", lambda cfg, dtype: (
         "cudnn" if threading.current_thread().name == "rekv-prefill" else "xla"))
-    exp = handoff.Experiment(seq_len=16, actions=(Action.parse("bf16:full", 6),),
+    exp = experiment.Experiment(seq_len=16, actions=(Action.parse("bf16:full", 6),),
                              transport="local", warmup=0, reps=1, timeout=30.0)
     with pytest.raises(ValueError, match="disagree on attention .decode 'xla', prefill 'cudnn'"):
-        handoff.run_local(exp, lambda record: None)
+        experiment.run_local(exp, lambda record: None)

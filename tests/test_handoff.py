@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from rekv_jax import Action, ModelConfig, greedy_decode, init_params, parse_actions, prefill
-from rekv_jax.handoff import Experiment, run_local
-from rekv_jax.schedule import (
+from rekv_jax.experiment import Experiment, run_local
+from rekv_jax.handoff import (
     check_cache,
     prepare,
     receive_handoff,

@@ -1,0 +1,272 @@
+"""`rekv handoff`: timed ReKV handoffs between a prefill and a decode process (paper §3).
+
+Each process runs `run_role`. On one machine `launch_pair` starts both over loopback; on a
+multi-host allocation the scheduler starts one process per role (see the README). Both sides
+build the same weights (same seed, or the same checkpoint), agree on the experiment, then run
+`warmup + reps` handoffs per action and schedule. The decode side checks every first token and
+the last rep's complete cache against its own single-process prefill, and emits one JSON object
+per rep (`kind: "rep"`) and per action and schedule (`kind: "summary"`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rekv_jax.action import Action
+from rekv_jax.config import ModelConfig
+from rekv_jax.costmodel import PROMPT_PHASES
+from rekv_jax.handoff import (
+    FALLBACKS,
+    SCHEDULES,
+    Handoff,
+    check_cache,
+    check_modes,
+    prepare,
+    receive_handoff,
+    send_handoff,
+    send_prompt,
+)
+from rekv_jax.loader import load_model
+from rekv_jax.model import Params, attention_backend, prefill
+from rekv_jax.sharding import MeshTransport, shard_params, split_reference
+from rekv_jax.sizes import action_bytes
+from rekv_jax.summary import Rep, Summary
+from rekv_jax.transport import LocalTransport, Transport, checksums, connect
+from rekv_jax.transport.base import Role
+from rekv_jax.transport.launch import SUPERVISED, die_with_parent, supervise, with_prefill_child
+
+Emit = Callable[[Rep | Summary], None]
+DEFAULT_ACTIONS = "bf16:full,q8:full,bf16:r=2,q8:r=2,bf16:recompute"
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    """Everything both processes must agree on (JSON-serializable: `dataclasses.asdict`)."""
+
+    model: str = "tiny"  # a loader spec: preset name, hf:PATH or trained-model folder
+    seq_len: int = 256
+    batch: int = 1
+    actions: tuple[Action, ...] = ()  # for the model's layer count
+    schedules: tuple[str, ...] = SCHEDULES
+    transport: str = "transfer-server"
+    link_gbps: float | None = None  # pace every receive to this link (None: unpaced)
+    warmup: int = 3
+    reps: int = 30
+    fallback: str = "error"
+    backend: str | None = None  # quantization backend (None: Pallas on GPU, XLA elsewhere)
+    seed: int = 0
+    timeout: float = 120.0
+    interval: str = "ready"  # costmodel.INTERVALS: timed from the prefill state, or the prompt
+    prefill: str = "full"  # costmodel.PREFILL_MODES: prefill all L layers, or 0..c-1, streamed
+    prefill_devices: int = 1  # tensor-parallel devices per side (rekv_jax.sharding)
+    decode_devices: int = 1
+
+    def __post_init__(self) -> None:
+        # from JSON: lists, and actions as {bits, cut, num_layers} dicts
+        object.__setattr__(self, "schedules", tuple(self.schedules))
+        object.__setattr__(self, "actions", tuple(
+            a if isinstance(a, Action) else Action(**a) for a in self.actions))
+        for name in ("seq_len", "batch", "reps", "timeout", "prefill_devices",
+                     "decode_devices") + ("link_gbps",) * (self.link_gbps is not None):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if not self.actions:
+            raise ValueError("an experiment needs at least one action")
+        bad = [s for s in self.schedules if s not in SCHEDULES]
+        if bad or not self.schedules:
+            raise ValueError(f"schedules must be a non-empty subset of {SCHEDULES}, got {bad}")
+        if self.fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be one of {FALLBACKS}, got {self.fallback!r}")
+        check_modes(self.interval, self.prefill)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Experiment:
+        return cls(**json.loads(text))
+
+    def schedules_of(self, action: Action) -> tuple[str, ...]:
+        """The schedules an action runs under: only a joint action has anything to overlap."""
+        return self.schedules if action.kind == "joint" else self.schedules[:1]
+
+
+def hardware() -> str:
+    """A label for the device the decode side computes on."""
+    device = jax.local_devices()[0]
+    kind = getattr(device, "device_kind", device.platform)
+    return f"{device.platform}:{kind} ({platform.machine()}, {jax.local_device_count()} dev)"
+
+
+def fingerprint(cfg: ModelConfig, params: Params) -> str:
+    """Config plus an on-device checksum of every byte of every weight (the transports'
+    position-weighted sum): two sides whose fingerprints agree hold the same model, barring a
+    checksum collision."""
+    sums = checksums(jax.tree.leaves(params))
+    text = json.dumps([cfg.to_dict(), sums], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
+             progress: Callable[[int], None] = lambda n: None) -> None:
+    """One side of the whole experiment; the decode side emits the records."""
+    model = load_model(exp.model, exp.seed)
+    cfg, params = model.cfg, model.params
+    wrong = [str(a) for a in exp.actions if a.num_layers != cfg.num_layers]
+    if wrong:
+        raise ValueError(f"actions {wrong} are not for {cfg.name} ({cfg.num_layers} layers)")
+    # different attention backends give different bits, so the backend is agreed on too
+    transport.agree("experiment", {**dataclasses.asdict(exp), "model": fingerprint(cfg, params),
+                                   "attention": attention_backend(cfg, params["embed"].dtype)},
+                    exp.timeout)
+    tokens = jax.random.randint(jax.random.key(exp.seed + 1), (exp.batch, exp.seq_len), 0,
+                                cfg.vocab_size, jnp.int32)
+    if exp.prefill_devices * exp.decode_devices > 1:  # a mesh per side
+        transport = MeshTransport(transport, cfg, exp.prefill_devices, exp.decode_devices)
+        params = shard_params(cfg, params, transport.mesh)
+    for action in exp.actions:
+        ready = role == "prefill" and exp.interval == "ready"
+        state = prepare(cfg, params, tokens, action) if ready else None
+        for schedule in exp.schedules_of(action):
+            results = []
+            for rep in range(exp.warmup + exp.reps):
+                tag = f"{action}/{schedule}/{rep}"
+                if ready:
+                    send_handoff(transport, state, action, tag, exp.backend, exp.timeout)
+                    continue
+                if role == "prefill":
+                    send_prompt(transport, cfg, params, tokens, action, tag, exp.prefill,
+                                exp.backend, exp.timeout)
+                    continue
+                result = receive_handoff(transport, cfg, params, action, exp.batch, exp.seq_len,
+                                         tag, schedule, exp.fallback, exp.backend, exp.timeout,
+                                         exp.prefill)
+                progress(1)
+                if rep >= exp.warmup:
+                    results.append(result)
+                    emit(Rep(action, schedule, rep - exp.warmup, result.total_ms,
+                             result.phases_ms, result.fallback))
+            if role == "decode":
+                emit(summarize(cfg, params, tokens, exp, action, schedule, results,
+                               model.weights))
+
+
+def summarize(cfg: ModelConfig, params: Params, tokens: jax.Array, exp: Experiment,
+              action: Action, schedule: str, results: list[Handoff], weights: str = ""
+              ) -> Summary:
+    """One summary: median and bootstrap CI, phase medians, payload, and the checks."""
+    devices = (exp.prefill_devices, exp.decode_devices)
+    sharded = devices != (1, 1)
+    cut = 0 if results[-1].fallback else action.cut  # the cache was rebuilt from the tokens
+    if sharded:  # bits differ across meshes: the reference is the same split, in this process
+        reference, logits = split_reference(cfg, params, tokens, cut, *devices)
+    else:
+        reference, logits = prefill(cfg, params, tokens)
+    first = np.asarray(jnp.argmax(logits, axis=-1))
+    cache_check = check_cache(reference, action, results[-1], exp.backend)
+    return Summary(
+        model=cfg.name, seq_len=exp.seq_len, batch=exp.batch, action=action,
+        transport=exp.transport, schedule=schedule if action.kind == "joint" else "n/a",
+        link_gbps=exp.link_gbps, hardware=hardware(),
+        reps_ms=tuple(r.total_ms for r in results),
+        phases_ms={p: float(np.median([r.phases_ms[p] for r in results])) for p in PROMPT_PHASES},
+        payload_bytes=action_bytes(cfg, action, exp.seq_len, exp.batch)["total_bytes"],
+        first_token_match=all(np.array_equal(r.first_token, first) for r in results),
+        cache_check=cache_check + (_reference_text(cfg, cut, *devices) if sharded else ""),
+        fallbacks=sum(r.fallback for r in results), weights=weights,
+        interval=exp.interval, prefill=exp.prefill, prefill_devices=devices[0],
+        decode_devices=devices[1])
+
+
+def _reference_text(cfg: ModelConfig, cut: int, prefill_devices: int, decode_devices: int
+                    ) -> str:
+    """What the sharded sides' cache was compared with (see `split_reference`)."""
+    if cut == 0:
+        return f" to a prefill on {decode_devices} devices"
+    if cut == cfg.num_layers:
+        return f" to a prefill on {prefill_devices} devices"
+    return f" to a prefix on {prefill_devices} devices and a suffix on {decode_devices}"
+
+
+def run_local(exp: Experiment, emit: Emit, progress: Callable[[int], None] = lambda n: None
+              ) -> None:
+    """Both sides in this process (the `local` transport): prefill on a thread."""
+    prefill_end, decode_end = LocalTransport.pair(exp.link_gbps)
+    errors: list[BaseException] = []
+
+    def prefill_side() -> None:
+        try:
+            run_role("prefill", exp, prefill_end, emit)
+        except BaseException as e:  # surfaced below, after the decode side stops
+            errors.append(e)
+
+    thread = threading.Thread(target=prefill_side, name="rekv-prefill", daemon=True)
+    thread.start()
+    try:
+        run_role("decode", exp, decode_end, emit, progress)
+    finally:
+        thread.join(exp.timeout)
+        prefill_end.close(), decode_end.close()
+    if errors:
+        raise errors[0]
+
+
+def run_process(role: Role, exp: Experiment, coordinator: str | None, emit: Emit,
+                progress: Callable[[int], None] = lambda n: None) -> None:
+    """This process's side over a real transport (jax.distributed is initialized here).
+
+    The prefill side runs in a supervised worker: JAX aborts it when the decode side (which hosts
+    the coordination service) goes away, and the supervisor turns that into one line."""
+    if role == "prefill" and not os.environ.get(SUPERVISED):
+        supervise([sys.executable, "-m", "rekv_jax.cli", "handoff", "--experiment",
+                   exp.to_json(), "--role", role]
+                  + ["--coordinator", coordinator] * (coordinator is not None),
+                  "the prefill worker")
+        return
+    if os.environ.get(SUPERVISED):
+        die_with_parent()
+    with connect(exp.transport, role, coordinator, link_gbps=exp.link_gbps,
+                 timeout=exp.timeout) as transport:
+        run_role(role, exp, transport, emit, progress)
+
+
+def launch_pair(exp: Experiment, emit: Emit, progress: Callable[[int], None] = lambda n: None
+                ) -> None:
+    """Run both sides on this machine over loopback: this process decodes, a child prefills
+    (`transport.launch.with_prefill_child`: bounded, and a dead child is named by its exit)."""
+    cmd = [sys.executable, "-m", "rekv_jax.cli", "handoff", "--experiment", exp.to_json(),
+           "--role", "prefill"]
+    with_prefill_child(cmd, lambda coordinator: run_process("decode", exp, coordinator, emit,
+                                                            progress), exp.timeout)
+
+
+def total_handoffs(exp: Experiment) -> int:
+    """Handoffs the decode side will run (for the progress bar)."""
+    return sum((exp.warmup + exp.reps) * len(exp.schedules_of(a)) for a in exp.actions)
+
+
+def calibrate_link_in_child(model: str, seq_len: int, timeout: float = 600.0):
+    """`sweep.calibrate_link` in a fresh process (a process that runs a real transport must
+    initialize jax.distributed before any JAX work, so it cannot time the suffix itself)."""
+    from rekv_jax.sweep import LinkCalibration
+
+    cmd = [sys.executable, "-m", "rekv_jax.cli", "calibrate", "--json", "--model", model,
+           "--seq-len", str(seq_len)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if out.returncode:
+        raise RuntimeError(f"link calibration failed:\n{out.stderr[-3000:]}")
+    return LinkCalibration(**{k: v for k, v in json.loads(out.stdout).items() if k != "kind"})
