@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from rekv_jax import sizes, stats
-from rekv_jax.costmodel import PHASES, Profile, predicted_ms, t_ov
+from rekv_jax.costmodel import PHASES, PROMPT_PHASES, Profile, predicted_ms, t_ov
 from rekv_jax.planner import crossovers, preferred_by_link
 from rekv_jax.summary import Setup, Summary, read_summaries
 
@@ -453,13 +453,16 @@ def write_report(records: Sequence[Summary], out_dir: str | Path,
 
 
 def handoff_table(records: Sequence[Summary], header: bool = True) -> str:
-    """One line per summary, for a person: median, CI, phase medians, payload and checks."""
+    """One line per summary, for a person: median, CI, phase medians, payload and checks (the
+    prefill side's own compute too when timed from the prompt)."""
+    prompt = any(r.interval == "prompt" for r in records)
+    phases = PROMPT_PHASES if prompt else PHASES
     lines = [f"{'action':<16}{'schedule':<12}{'median ms':>10}{'95% CI':>18}"
-             + "".join(f"{p[:8]:>10}" for p in PHASES) + f"{'MiB':>9}  first  cache"] * header
+             + "".join(f"{p[:8]:>10}" for p in phases) + f"{'MiB':>9}  first  cache"] * header
     for r in records:
         ci = f"[{r.ci95_ms[0]:.2f}, {r.ci95_ms[1]:.2f}]"
-        phases = "".join(f"{r.phases_ms[p]:>10.2f}" for p in PHASES)
-        lines.append(f"{str(r.action):<16}{r.schedule:<12}{r.median_ms:>10.2f}{ci:>18}{phases}"
+        times = "".join(f"{r.phases_ms[p]:>10.2f}" for p in phases)
+        lines.append(f"{str(r.action):<16}{r.schedule:<12}{r.median_ms:>10.2f}{ci:>18}{times}"
                      f"{r.payload_bytes / sizes.MIB:>9.2f}  {str(r.first_token_match):<6} "
                      f"{r.cache_check}")
     return "\n".join(lines)
