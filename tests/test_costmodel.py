@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from rekv_jax import costmodel as cm
 from rekv_jax import sizes
-from rekv_jax.action import Action, action_space
+from rekv_jax.action import ACTION_KINDS, Action, action_space
 from rekv_jax.config import ModelConfig
 
 TINY = ModelConfig.preset("tiny")
@@ -211,7 +211,7 @@ def _stream_profile(L, alpha, restore, gamma, gbps, embed, join, fixed) -> cm.Pr
     p = cm.Profile.for_config(
         TINY, 256, 1, hardware="test", link="test", link_gbps=gbps, source="measured",
         quantize_ms={16: 0, 8: alpha}, restore_ms={16: 0, 8: restore}, suffix_layer_ms=gamma,
-        join_ms=dict.fromkeys(cm.KINDS, join), embed_ms=embed, quantize_fixed_ms=q0,
+        join_ms=dict.fromkeys(ACTION_KINDS, join), embed_ms=embed, quantize_fixed_ms=q0,
         boundary_fixed_ms=h0, message_ms=m, suffix_fixed_ms=r0, restore_fixed_ms={16: 0, 8: x0})
     return dataclasses.replace(p, num_layers=L)
 
