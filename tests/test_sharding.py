@@ -26,8 +26,9 @@ def test_mesh_cases_on_four_host_devices():
     assert " passed" in out.stdout and "skipped" not in out.stdout, out.stdout[-2000:]
 
 
-@pytest.mark.parametrize("transport,sides", [("transfer-server", (4, 2)), ("collective", (2, 4)),
-                                             ("collective", (4, 2)), ("transfer-server", (2, 4))])
+# each transport in one direction (a CLI pair costs minutes on 2 cores); all four combinations
+# ran by hand (README "Sharded sides"), and the local transport covers 4 -> 2 in mesh_cases
+@pytest.mark.parametrize("transport,sides", [("transfer-server", (4, 2)), ("collective", (2, 4))])
 def test_handoff_between_meshes(transport, sides):
     actions = "q8:r=2"  # h_c and a quantized prefix cross, the suffix runs on the decode mesh
     out = subprocess.run(
