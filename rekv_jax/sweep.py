@@ -62,6 +62,12 @@ class SweepPreset:
     def __post_init__(self) -> None:
         if self.cut_spread is None and len(set(self.suffix_lens)) < 2:
             raise ValueError("a sweep needs at least two suffix lengths to fit its cost model")
+        if (self.prompt_length is not None or self.batch_model is not None) and (
+                self.cut_spread is None or self.prompt_length not in (None, *self.lengths)
+                or self.batch_model not in (None, *self.models)):
+            raise ValueError("Fig. 3 and batch runs take their cut from a start profile: they "
+                             "need cut_spread, a prompt length among the lengths and a batch "
+                             "model among the models")
 
 
 _GPU = SweepPreset(

@@ -92,6 +92,35 @@ def test_mini_sweep_writes_every_output(tmp_path):
     assert "tiny" in (tmp_path / "table1.md").read_text()
 
 
+def test_balanced_mini_sweep_with_fig3_and_batch(tmp_path):
+    """The gpu preset's plumbing on tiny shapes: start profile, balanced grid, paired Fig. 3 and
+    batch 2, every report file."""
+    preset = SweepPreset(models=("tiny",), lengths=(32,), suffix_lens=(), transport="local",
+                         link_gbps=0.002, crossover_factors=(1.0,),
+                         cut_spread=0, prompt_length=32, batch_model="tiny", batches=(2,))
+    records, _ = sweep(preset, tmp_path, reps=2, warmup=1)
+    (start,) = [json.loads(line) for line in
+                (tmp_path / "start_profiles.jsonl").read_text().splitlines()]
+    prof = Profile.from_json(start)
+    grid = {str(a) for a in balanced_grid(prof, (8, 4), 0)}
+    ready = [r for r in records if r.interval == "ready" and r.batch == 1]
+    assert {str(r.action) for r in ready} == grid
+    prompt = [r for r in records if r.interval == "prompt"]
+    assert [(str(r.action), r.schedule, r.paired) for r in prompt] == [
+        (f"bf16:r={6 - best_cut(prof, 16)}", s, True) for s in ("sequential", "overlapped")]
+    batch = [r for r in records if r.batch == 2]
+    assert {str(r.action) for r in batch} == {f"q8:r={6 - best_cut(prof, 8)}", "q8:full"}
+    assert all(r.first_token_match for r in records)
+    assert "paired bootstrap" in (tmp_path / "fig3.md").read_text()
+    assert "Batch 2" in (tmp_path / "batch.md").read_text()
+
+
+def test_fig3_and_batch_need_a_start_profile():
+    with pytest.raises(ValueError, match="start profile"):
+        SweepPreset(models=("tiny",), lengths=(32,), suffix_lens=(1, 2), transport="local",
+                    link_gbps=None, crossover_factors=(1.0,), prompt_length=32)
+
+
 def test_profile_measures_every_cost():
     # a slow link, so that transfer time dominates the noise of these few reps
     prof = profile("tiny", 32, "local", link_gbps=0.002, reps=2, warmup=1)
