@@ -127,3 +127,23 @@ def test_profile_measures_every_cost():
     assert prof.source == "fitted" and prof.suffix_layer_ms > 0
     assert set(prof.quantize_ms) >= {8, 4}
     assert prof.at_link(1.0).link_gbps == 1.0
+
+
+@pytest.mark.parametrize("argv, preset, reps", [
+    ([], SWEEP_PRESETS["gpu"], (30, 3)),
+    (["--quick"], QUICK_PRESETS["gpu"], (10, 2)),
+    (["--quick", "--reps", "5"], QUICK_PRESETS["gpu"], (5, 3)),
+])
+def test_sweep_cli_quick(monkeypatch, tmp_path, argv, preset, reps):
+    from rekv_jax import cli, sweep as sweep_module
+
+    seen = []
+
+    def fake_sweep(p, out, n, warmup):
+        seen.append((p, n, warmup))
+        raise KeyboardInterrupt  # stop before the report: only the arguments matter here
+
+    monkeypatch.setattr(sweep_module, "sweep", fake_sweep)
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["sweep", "--preset", "gpu", "--out", str(tmp_path), *argv])
+    assert seen == [(preset, *reps)]
