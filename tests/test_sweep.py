@@ -135,7 +135,8 @@ def test_profile_measures_every_cost():
     (["--quick", "--reps", "5"], QUICK_PRESETS["gpu"], (5, 3)),
 ])
 def test_sweep_cli_quick(monkeypatch, tmp_path, argv, preset, reps):
-    from rekv_jax import cli, sweep as sweep_module
+    from rekv_jax import cli
+    from rekv_jax import sweep as sweep_module
 
     seen = []
 
