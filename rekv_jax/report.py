@@ -186,17 +186,19 @@ def fig2(records: Sequence[Summary], path: str | Path) -> Path:
 
 
 def _profile_for(profiles: Sequence[Profile], r: Summary) -> Profile | None:
-    """The profile that can predict record `r`, re-targeted to its paced link."""
-    for p in profiles:
-        if ((p.model, p.num_layers, p.seq_len, p.batch)
-                == (r.model, r.action.num_layers, r.seq_len, r.batch)
-                and (r.action.cut == 0 or r.action.bits in p.quantize_ms)):
-            return p if r.link_gbps is None else p.at_link(r.link_gbps)
-    return None
+    """The profile that can predict record `r`, re-targeted to its paced link; an unpaced
+    record takes a profile fitted over an unpaced link when there is one."""
+    fits = [p for p in profiles
+            if (p.model, p.num_layers, p.seq_len, p.batch)
+            == (r.model, r.action.num_layers, r.seq_len, r.batch)
+            and (r.action.cut == 0 or r.action.bits in p.quantize_ms)]
+    if r.link_gbps is not None:
+        return fits[0].at_link(r.link_gbps) if fits else None
+    return next((p for p in fits if p.link.endswith("unpaced")), fits[0] if fits else None)
 
 
 def _predict(profile: Profile, r: Summary, schedule: str = "overlapped") -> float:
-    return predicted_ms(profile, r.action, schedule)
+    return predicted_ms(profile, r.action, schedule, r.interval, r.prefill)
 
 
 def prediction_rows(records: Sequence[Summary], profiles: Sequence[Profile] = ()) -> list[Row]:

@@ -99,6 +99,17 @@ def test_predictions_from_records_and_from_a_profile():
     assert "| q8:r=2 | 25.0 |" in md and "over 2 records" in md
 
 
+def test_unpaced_and_prompt_records_take_their_own_profile_and_interval():
+    paced = dataclasses.replace(analytic_profile(TINY, 256, link_gbps=1.0), link="ts paced 1")
+    unpaced = dataclasses.replace(paced, link_gbps=40.0, link="ts unpaced")
+    recs = [_rec("bf16:full", 40.0, link=None),
+            _rec("bf16:r=3", 60.0, "sequential", interval="prompt")]
+    rows = report.prediction_rows(recs, [paced, unpaced])
+    assert rows[0]["predicted_ms"] == predicted_ms(unpaced, Action(16, L, L))
+    assert rows[1]["predicted_ms"] == predicted_ms(paced.at_link(5.0), Action(16, L - 3, L),
+                                                   "sequential", "prompt", "full")
+
+
 def test_table3_payloads_schedule_gain_and_efficiency():
     recs = _sweep() + [_rec("bf16:r=2", 30.0, "sequential"), _rec("bf16:r=2", 20.0)]
     (row,) = report.table3_rows(recs)
