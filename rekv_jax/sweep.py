@@ -334,9 +334,9 @@ def _key(r: Summary | dict) -> tuple:
 def write_csv(records: list[Summary], path: Path) -> None:
     """One row per summary: setup, action, median, CI and phase medians."""
     fields = ["model", "seq_len", "batch", "hardware", "transport", "link_gbps", "action",
-              "bits", "cut", "schedule", "median_ms", "ci95_lo", "ci95_hi", "predicted_ms",
-              *(f"{p}_ms" for p in costmodel.PHASES), "payload_bytes", "first_token_match",
-              "cache_check"]
+              "bits", "cut", "schedule", "interval", "paired", "median_ms", "ci95_lo", "ci95_hi",
+              "predicted_ms", *(f"{p}_ms" for p in costmodel.PHASES), "payload_bytes",
+              "first_token_match", "cache_check"]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fields, extrasaction="ignore")
         w.writeheader()
