@@ -363,7 +363,9 @@ def cmd_sweep(args: argparse.Namespace) -> None:
 
     from rekv_jax import report, sweep
 
-    preset = sweep.SWEEP_PRESETS[args.preset]
+    preset = (sweep.QUICK_PRESETS if args.quick else sweep.SWEEP_PRESETS)[args.preset]
+    if args.quick and args.reps == 30:  # the default: fewer reps for a short lease
+        args.reps, args.warmup = 10, 2
     if args.link_gbps not in (None, PAPER_LINK):
         preset = dataclasses.replace(preset, link_gbps=args.link_gbps)
     records, profiles = sweep.sweep(preset, Path(args.out), args.reps, args.warmup)
@@ -496,6 +498,8 @@ def _profile_flags(p: argparse.ArgumentParser) -> None:
 def _sweep_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=("cpu", "gpu"), default="cpu")
     p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer models, lengths and reps (10, unless --reps is given)")
 
 
 @command("quality", cmd_quality, "output-quality gate of handoff actions (paper §2.4)",

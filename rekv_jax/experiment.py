@@ -72,6 +72,7 @@ class Experiment:
     prefill: str = "full"  # costmodel.PREFILL_MODES: prefill all L layers, or 0..c-1, streamed
     prefill_devices: int = 1  # tensor-parallel devices per side (rekv_jax.sharding)
     decode_devices: int = 1
+    paired: bool = False  # alternate the schedules rep by rep: rep i of each is a pair
 
     def __post_init__(self) -> None:
         # from JSON: lists, and actions as {bits, cut, num_layers} dicts
@@ -141,28 +142,38 @@ def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
     for action in exp.actions:
         ready = role == "prefill" and exp.interval == "ready"
         state = prepare(cfg, params, tokens, action) if ready else None
-        for schedule in exp.schedules_of(action):
-            results = []
-            for rep in range(exp.warmup + exp.reps):
-                tag = f"{action}/{schedule}/{rep}"
-                if ready:
-                    send_handoff(transport, state, action, tag, exp.backend, exp.timeout)
-                    continue
-                if role == "prefill":
-                    send_prompt(transport, cfg, params, tokens, action, tag, exp.prefill,
-                                exp.backend, exp.timeout)
-                    continue
-                result = receive_handoff(transport, cfg, params, action, exp.batch, exp.seq_len,
-                                         tag, schedule, exp.fallback, exp.backend, exp.timeout,
-                                         exp.prefill)
-                progress(1)
-                if rep >= exp.warmup:
-                    results.append(result)
-                    emit(Rep(action, schedule, rep - exp.warmup, result.total_ms,
-                             result.phases_ms, result.fallback))
-            if role == "decode":
-                emit(summarize(cfg, params, tokens, exp, action, schedule, results,
+        schedules = exp.schedules_of(action)
+        results: dict[str, list[Handoff]] = {s: [] for s in schedules}
+        for schedule, rep in handoff_order(exp, schedules):
+            tag = f"{action}/{schedule}/{rep}"
+            if ready:
+                send_handoff(transport, state, action, tag, exp.backend, exp.timeout)
+                continue
+            if role == "prefill":
+                send_prompt(transport, cfg, params, tokens, action, tag, exp.prefill,
+                            exp.backend, exp.timeout)
+                continue
+            result = receive_handoff(transport, cfg, params, action, exp.batch, exp.seq_len,
+                                     tag, schedule, exp.fallback, exp.backend, exp.timeout,
+                                     exp.prefill)
+            progress(1)
+            if rep >= exp.warmup:
+                results[schedule].append(result)
+                emit(Rep(action, schedule, rep - exp.warmup, result.total_ms,
+                         result.phases_ms, result.fallback))
+        if role == "decode":
+            for schedule in schedules:
+                emit(summarize(cfg, params, tokens, exp, action, schedule, results[schedule],
                                model.weights))
+
+
+def handoff_order(exp: Experiment, schedules: tuple[str, ...]) -> list[tuple[str, int]]:
+    """(schedule, rep) of one action's handoffs in run order (warmups first): every rep of one
+    schedule, then the next; or, `paired`, the schedules alternating within each rep."""
+    reps = range(exp.warmup + exp.reps)
+    if exp.paired:
+        return [(s, rep) for rep in reps for s in schedules]
+    return [(s, rep) for s in schedules for rep in reps]
 
 
 def summarize(cfg: ModelConfig, params: Params, tokens: jax.Array, exp: Experiment,
@@ -189,7 +200,7 @@ def summarize(cfg: ModelConfig, params: Params, tokens: jax.Array, exp: Experime
         cache_check=cache_check + (_reference_text(cfg, cut, *devices) if sharded else ""),
         fallbacks=sum(r.fallback for r in results), weights=weights,
         interval=exp.interval, prefill=exp.prefill, prefill_devices=devices[0],
-        decode_devices=devices[1])
+        decode_devices=devices[1], paired=exp.paired and len(exp.schedules_of(action)) > 1)
 
 
 def _reference_text(cfg: ModelConfig, cut: int, prefill_devices: int, decode_devices: int

@@ -3,7 +3,7 @@
 Input: `Summary` records, one per action, schedule and setup (`rekv handoff --json` lines, the
 sweep's `sweep.jsonl`). A *setup* is (hardware, transport, link, batch); every table and figure is
 made per setup and says which. Speedup CIs resample the two actions' reps independently (they are
-executed separately).
+executed separately), except Fig. 3's, whose schedules ran as paired reps.
 """
 
 from __future__ import annotations
@@ -186,17 +186,19 @@ def fig2(records: Sequence[Summary], path: str | Path) -> Path:
 
 
 def _profile_for(profiles: Sequence[Profile], r: Summary) -> Profile | None:
-    """The profile that can predict record `r`, re-targeted to its paced link."""
-    for p in profiles:
-        if ((p.model, p.num_layers, p.seq_len, p.batch)
-                == (r.model, r.action.num_layers, r.seq_len, r.batch)
-                and (r.action.cut == 0 or r.action.bits in p.quantize_ms)):
-            return p if r.link_gbps is None else p.at_link(r.link_gbps)
-    return None
+    """The profile that can predict record `r`, re-targeted to its paced link; an unpaced
+    record takes a profile fitted over an unpaced link when there is one."""
+    fits = [p for p in profiles
+            if (p.model, p.num_layers, p.seq_len, p.batch)
+            == (r.model, r.action.num_layers, r.seq_len, r.batch)
+            and (r.action.cut == 0 or r.action.bits in p.quantize_ms)]
+    if r.link_gbps is not None:
+        return fits[0].at_link(r.link_gbps) if fits else None
+    return next((p for p in fits if p.link.endswith("unpaced")), fits[0] if fits else None)
 
 
 def _predict(profile: Profile, r: Summary, schedule: str = "overlapped") -> float:
-    return predicted_ms(profile, r.action, schedule)
+    return predicted_ms(profile, r.action, schedule, r.interval, r.prefill)
 
 
 def prediction_rows(records: Sequence[Summary], profiles: Sequence[Profile] = ()) -> list[Row]:
@@ -303,14 +305,95 @@ def table3_markdown(records: Sequence[Summary], joint_bits: int = 8, seed: int =
     return "\n".join(out)
 
 
+def fig3_rows(records: Sequence[Summary], seed: int = 0) -> list[Row]:
+    """Prompt to first token (Fig. 3): per setup, model, length and joint action timed from the
+    prompt under both schedules, the medians and the overlap's speedup; its CI resamples rep
+    indices jointly when the reps were paired (the paper's method), else independently."""
+    both: dict[tuple, dict[str, Summary]] = {}
+    for r in records:
+        if r.interval == "prompt" and r.action.kind == "joint":
+            both.setdefault((r.setup, r.model, r.seq_len, str(r.action)), {})[r.schedule] = r
+    rows = []
+    for (setup, model, seq_len, action), by in sorted(both.items(),
+                                                      key=lambda i: (_order(i[0][0]), i[0][1:])):
+        if len(by) < 2:
+            continue
+        seq, ov = by["sequential"], by["overlapped"]
+        paired = seq.paired and ov.paired and len(seq.reps_ms) == len(ov.reps_ms)
+        x, ci = stats.ratio_ci(seq.reps_ms, ov.reps_ms, paired=paired, seed=seed)
+        rows.append({"setup": setup, "model": model, "seq_len": seq_len, "action": action,
+                     "reps": len(ov.reps_ms), "sequential_ms": seq.median_ms,
+                     "overlapped_ms": ov.median_ms, "speedup": x, "ci95": list(ci),
+                     "paired": paired})
+    return rows
+
+
+def fig3_markdown(records: Sequence[Summary], seed: int = 0) -> str:
+    """Fig.-3-style markdown, one table per setup."""
+    out = []
+    rows = fig3_rows(records, seed)
+    for setup in dict.fromkeys(r["setup"] for r in rows):
+        out += [f"### Prompt to first token, median ms ({setup_label(setup)})", "",
+                "| model | tokens | action | reps | sequential | overlapped | speedup [95% CI] |"
+                " CI |", "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- |"]
+        out += [f"| {r['model']} | {r['seq_len']} | {r['action']} | {r['reps']} | "
+                f"{r['sequential_ms']:.2f} | {r['overlapped_ms']:.2f} | {r['speedup']:.2f}× "
+                f"[{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}] | "
+                f"{'paired' if r['paired'] else 'independent'} bootstrap |"
+                for r in rows if r["setup"] == setup]
+        out.append("")
+    return "\n".join(out)
+
+
+def batch_rows(records: Sequence[Summary], joint_bits: int = 8, seed: int = 0) -> list[Row]:
+    """Simultaneously ready requests (batch > 1): per setup, model and length, the best joint
+    action at `joint_bits` vs its transfer-only action; completion time and requests/s."""
+    rows = []
+    for setup, cells in _cells(records).items():
+        batch = setup[3]
+        if batch < 2:
+            continue
+        for (model, seq_len), acts in cells.items():
+            fam = _best(acts.values())
+            joint = fam.get(_joint_family(joint_bits))
+            transfer = fam.get(f"Q{joint_bits} transfer")
+            rows.append({
+                "setup": setup, "model": model, "seq_len": seq_len, "batch": batch,
+                "joint": joint, "transfer": transfer,
+                "requests_per_s": {k: None if r is None else batch * 1e3 / r.median_ms
+                                   for k, r in (("joint", joint), ("transfer", transfer))},
+                "joint_vs_transfer": _speedup(transfer, joint, seed)})
+    return rows
+
+
+def batch_markdown(records: Sequence[Summary], joint_bits: int = 8, seed: int = 0) -> str:
+    """Batch completion time and requests/s, one table per setup."""
+    out = []
+    for r in batch_rows(records, joint_bits, seed):
+        rps = r["requests_per_s"]
+        out += [f"### Batch {r['batch']}: {r['model']}, {r['seq_len']} tokens "
+                f"({setup_label(r['setup'])})", "",
+                "| action | batch completion ms [95% CI] | requests/s |", "| --- | ---: | ---: |"]
+        for key, label in (("joint", f"joint Q{joint_bits}"),
+                           ("transfer", f"Q{joint_bits} transfer-only")):
+            rec = r[key]
+            if rec is not None:
+                out.append(f"| {label} ({rec.action}) | {rec.median_ms:.2f} "
+                           f"[{rec.ci95_ms[0]:.2f}, {rec.ci95_ms[1]:.2f}] | {rps[key]:.2f} |")
+        out += ["", f"Joint vs transfer-only: {_x(r['joint_vs_transfer'])} (independent "
+                "bootstrap).", ""]
+    return "\n".join(out)
+
+
 def _crossover_groups(records: Sequence[Summary]
                       ) -> dict[tuple, dict[float, dict[str, Summary]]]:
     """(hardware, transport, batch, model, length) -> paced link -> action -> record, for the
-    groups measured at two or more paced links."""
+    groups measured at two or more paced links (timed from the prefill state, one device per
+    side: the crossover compares links, nothing else)."""
     groups: dict[tuple, dict[float, dict[str, Summary]]] = {}
-    for (hardware, transport, link, batch), cells in _cells(records).items():
+    for (hardware, transport, link, batch, *rest), cells in _cells(records).items():
         for (model, seq_len), acts in cells.items():
-            if link is not None:
+            if link is not None and rest == ["ready", "full", 1, 1]:
                 groups.setdefault((hardware, transport, batch, model, seq_len), {})[link] = acts
     return {k: dict(sorted(v.items())) for k, v in sorted(groups.items()) if len(v) >= 2}
 
@@ -428,7 +511,8 @@ def _slug(*parts: Any) -> str:
 def write_report(records: Sequence[Summary], out_dir: str | Path,
                  profiles: Sequence[Profile] = (), joint_bits: int = 8, seed: int = 0
                  ) -> list[Path]:
-    """Write table1.md, predictions.md, table3.md, crossover.md and the PNGs into `out_dir`."""
+    """Write table1.md, predictions.md, table3.md, crossover.md and the PNGs into `out_dir`, and
+    fig3.md / batch.md when the records hold prompt-interval pairs / batches."""
     if not records:
         raise ValueError("no summary records to report")
     out = Path(out_dir)
@@ -440,6 +524,11 @@ def write_report(records: Sequence[Summary], out_dir: str | Path,
                        ("crossover.md", crossover_markdown(records, profiles))):
         (out / name).write_text(text)
         written.append(out / name)
+    for name, text in (("fig3.md", fig3_markdown(records, seed)),
+                       ("batch.md", batch_markdown(records, joint_bits, seed))):
+        if text:
+            (out / name).write_text(text)
+            written.append(out / name)
     for setup in dict.fromkeys(r.setup for r in records):
         sel = [r for r in records if r.setup == setup]
         written.append(fig2(sel, out / f"fig2_{_slug(*setup)}.png"))

@@ -51,6 +51,7 @@ class Summary:
     prefill: str = "full"  # costmodel.PREFILL_MODES: the prefill side ran all L layers or 0..c-1
     prefill_devices: int = 1  # tensor-parallel devices of each side (rekv_jax.sharding)
     decode_devices: int = 1
+    paired: bool = False  # its reps alternated with the other schedule's: rep i is a pair
 
     def __post_init__(self) -> None:
         if self.schedule not in RECORD_SCHEDULES:

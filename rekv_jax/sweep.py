@@ -45,28 +45,58 @@ class SweepPreset:
 
     models: tuple[str, ...]
     lengths: tuple[int, ...]
-    suffix_lens: tuple[int, ...]  # r grid of recompute-only and joint actions
+    suffix_lens: tuple[int, ...]  # fixed r grid of recompute-only and joint actions
     transport: str
     link_gbps: float | None  # None: calibrate to PAPER_LINK_TO_SUFFIX on this machine
     crossover_factors: tuple[float, ...]  # crossover links, as multiples of the sweep's link
     joint_bits: tuple[int, ...] = (8, 4)
+    # None: the fixed `suffix_lens` grid; k: per precision, the balanced cut (Prop. 2) of a
+    # profile measured at the start of the run, and k cuts either side (replaces suffix_lens)
+    cut_spread: int | None = None
+    unpaced_block: bool = False  # also run the grid over the unpaced link, as its own block
+    device_share: float | None = None  # device memory fraction of each process of the pair
+    prompt_length: int | None = None  # Fig. 3: prompt to first token at this length, per model
+    batch_model: str | None = None  # batch 2 and 4 at the longest length: joint vs Q8 transfer
+    batches: tuple[int, ...] = (2, 4)
 
     def __post_init__(self) -> None:
-        if len(set(self.suffix_lens)) < 2:
+        if self.cut_spread is None and len(set(self.suffix_lens)) < 2:
             raise ValueError("a sweep needs at least two suffix lengths to fit its cost model")
+        if (self.prompt_length is not None or self.batch_model is not None) and (
+                self.cut_spread is None or self.prompt_length not in (None, *self.lengths)
+                or self.batch_model not in (None, *self.models)):
+            raise ValueError("Fig. 3 and batch runs take their cut from a start profile: they "
+                             "need cut_spread, a prompt length among the lengths and a batch "
+                             "model among the models")
 
+
+_GPU = SweepPreset(
+    models=("qwen2.5-3b", "qwen2.5-7b", "qwen3-8b", "llama-3.1-8b"), lengths=(512, 2048, 8192),
+    suffix_lens=(), transport="transfer-server", link_gbps=PAPER_LINK_GBPS,
+    crossover_factors=(0.5, 1.0, 4.0, 16.0), cut_spread=1, unpaced_block=True,
+    device_share=0.45, prompt_length=8192, batch_model="qwen2.5-7b")
 
 SWEEP_PRESETS = {
-    # Scaled: 6-layer models at 128-512 tokens; runs in minutes on 2 CPU cores.
+    # Scaled: 6-layer models at 128-512 tokens; runs in minutes on 2 CPU cores. The fixed r grid
+    # already spans most interior cuts of 6 layers.
     "cpu": SweepPreset(models=("tiny", "tiny-qwen3"), lengths=(128, 256, 512),
                        suffix_lens=(1, 2, 4), transport="transfer-server", link_gbps=None,
                        crossover_factors=(0.25, 1.0, 4.0, 16.0)),
-    # The paper's shapes (synthetic weights, one layer's weights repeated) on one GPU: both
-    # sides share the device in one process, the link paced to the paper's measured 2.32 GB/s.
-    "gpu": SweepPreset(models=("qwen2.5-3b", "qwen2.5-7b", "qwen3-8b"), lengths=(512, 2048, 8192),
-                       suffix_lens=(13, 21), transport="local",
-                       link_gbps=PAPER_LINK_GBPS,
-                       crossover_factors=(0.5, 1.0, 4.0, 16.0)),
+    # The paper's shapes (synthetic weights, one layer's weights repeated) on one GPU shared by
+    # the two processes of each handoff (each with its share of device memory) over the
+    # transfer-server transport, paced to the paper's 2.32 GB/s, then unpaced; Fig. 3 at 8K per
+    # model, batch 2 and 4 at 8K for Qwen2.5-7B. An estimate, not a measurement: ~8 minutes on
+    # one H200 with the shared compile cache (30 reps of a 7B handoff at 8K take ~10 s; the
+    # compiles dominate), `--quick` ~4.
+    "gpu": _GPU,
+}
+
+# `--quick`: the same study on fewer models and lengths (use with fewer reps), for short leases
+QUICK_PRESETS = {
+    "cpu": dataclasses.replace(SWEEP_PRESETS["cpu"], models=("tiny",), lengths=(128,),
+                               crossover_factors=(1.0, 4.0)),
+    "gpu": dataclasses.replace(_GPU, models=("qwen2.5-3b", "qwen2.5-7b"), lengths=(8192,),
+                               crossover_factors=(1.0, 4.0), batches=(4,)),
 }
 
 
@@ -81,18 +111,43 @@ def action_grid(cfg: ModelConfig, suffix_lens: tuple[int, ...], joint_bits: tupl
     return actions + [Action(16, 0, L)]
 
 
-def run_experiment(exp: Experiment, cache_dir: Path | None = None, timeout: float = 1800.0
-                   ) -> list[Summary]:
+def balanced_grid(prof: costmodel.Profile, joint_bits: tuple[int, ...], spread: int = 1
+                  ) -> list[Action]:
+    """BF16 / Q8 / Q4 transfer-only; per precision (BF16: recompute-only) the profile's balanced
+    cuts (Prop. 2) and `spread` interior cuts either side; and full recomputation."""
+    L = prof.num_layers
+    actions = [Action(b, L, L) for b in (16, 8, 4)]
+    for bits in (16, *joint_bits):
+        cuts = prof.balanced_cut(bits)[1]
+        actions += [Action(bits, c, L) for c in range(min(cuts) - spread, max(cuts) + spread + 1)
+                    if 0 < c < L]
+    return actions + [Action(16, 0, L)]
+
+
+def best_cut(prof: costmodel.Profile, bits: int) -> int:
+    """The interior cut of `bits` the profile predicts fastest overlapped (Prop. 2's candidates)."""
+    L = prof.num_layers
+    return min(prof.balanced_cut(bits)[1],
+               key=lambda c: costmodel.predicted_ms(prof, Action(bits, c, L)))
+
+
+def run_experiment(exp: Experiment, cache_dir: Path | None = None, timeout: float = 1800.0,
+                   device_share: float | None = None) -> list[Summary]:
     """One `rekv handoff --json` run (both processes); its summary records.
 
     With `cache_dir`, compiled programs persist there, so the two sides and later runs of the
-    same shapes compile each program once (compilation is not part of any timed interval)."""
+    same shapes compile each program once (compilation is not part of any timed interval).
+    With `device_share`, each process of the pair may take that fraction of device memory (two
+    processes sharing one GPU; JAX would otherwise preallocate 75% in the first)."""
     cmd = [sys.executable, "-m", "rekv_jax.cli", "handoff", "--json", "--experiment",
            exp.to_json()]
-    env = None if cache_dir is None else {
-        **os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    env = dict(os.environ)
+    if cache_dir is not None:
+        env |= {"JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    if device_share is not None:
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{device_share:g}"
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if out.returncode:
         raise RuntimeError(f"handoff run failed ({exp.model}, {exp.seq_len}):\n"
@@ -154,7 +209,8 @@ def fit(cfg: ModelConfig, records: list[Summary]) -> costmodel.Profile:
 
 
 def profile(model: str, seq_len: int, transport: str, link_gbps: float | None,
-            reps: int = 5, warmup: int = 2) -> costmodel.Profile:
+            reps: int = 5, warmup: int = 2, cache_dir: Path | None = None,
+            device_share: float | None = None) -> costmodel.Profile:
     """`rekv profile`: short sequential handoffs at two cuts per precision, then a fit."""
     cfg = load_config(model)
     L = cfg.num_layers
@@ -164,48 +220,108 @@ def profile(model: str, seq_len: int, transport: str, link_gbps: float | None,
     exp = Experiment(model=model, seq_len=seq_len, actions=tuple(actions),
                      schedules=("sequential",), transport=transport, link_gbps=link_gbps,
                      warmup=warmup, reps=reps)
-    return fit(cfg, run_experiment(exp))
+    return fit(cfg, run_experiment(exp, cache_dir, device_share=device_share))
 
 
 def sweep(preset: SweepPreset, out: Path, reps: int = 30, warmup: int = 3
           ) -> tuple[list[Summary], list[costmodel.Profile]]:
-    """Run the whole sweep, write DIR/sweep.jsonl, DIR/sweep.csv and the report files."""
+    """Run the whole sweep, write DIR/sweep.jsonl, DIR/sweep.csv and the report files.
+
+    With `preset.cut_spread`, each model and length is first profiled (short sequential
+    handoffs; DIR/start_profiles.jsonl) and its cut grid is the balanced one (`balanced_grid`)."""
     out.mkdir(parents=True, exist_ok=True)
     mid = preset.lengths[len(preset.lengths) // 2]
     link = preset.link_gbps or calibrate_link(preset.models[0], mid).link_gbps
-    grid = [Experiment(model=m, seq_len=s, actions=tuple(action_grid(
-                load_config(m), preset.suffix_lens, preset.joint_bits)),
-                       transport=preset.transport, link_gbps=link, warmup=warmup, reps=reps)
-            for m in preset.models for s in preset.lengths]
-    # crossover: the first model at the middle length, over paced links
-    base_cfg = load_config(preset.models[0])
-    r_mid = preset.suffix_lens[len(preset.suffix_lens) // 2]
-    crossover_actions = [Action(16, base_cfg.num_layers, base_cfg.num_layers),
-                         Action(8, base_cfg.num_layers, base_cfg.num_layers),
-                         Action(8, base_cfg.num_layers - r_mid, base_cfg.num_layers),
-                         Action(16, 0, base_cfg.num_layers)]
-    crossover = [Experiment(model=preset.models[0], seq_len=mid,
-                        actions=tuple(crossover_actions), schedules=("overlapped",),
-                        transport=preset.transport, link_gbps=round(link * f, 6),
-                        warmup=warmup, reps=reps)
-             for f in preset.crossover_factors if f != 1.0]
     records, profiles = [], []
-    with open(out / "sweep.jsonl", "w") as log, tempfile.TemporaryDirectory() as cache:
-        for exp in tqdm(grid + crossover, desc="sweep", unit="run", file=sys.stderr):
-            got = run_experiment(exp, Path(cache))
-            if exp in grid:  # every action at both schedules: fit its profile
-                profiles.append(fit(load_config(exp.model), got))
-                log.write(json.dumps(profiles[-1].to_json()) + "\n")
+    with open(out / "sweep.jsonl", "w") as log, tempfile.TemporaryDirectory() as tmp:
+        cache = Path(tmp)
+
+        def run(exp: Experiment) -> list[Summary]:
+            got = run_experiment(exp, cache, device_share=preset.device_share)
             for r in got:
                 log.write(json.dumps(r.to_json()) + "\n")
             log.flush()
-            records += got
+            records.extend(got)
+            return got
+
+        start = _start_profiles(preset, link, out, cache)
+        grid = [Experiment(model=m, seq_len=s, actions=tuple(_actions(preset, m, s, start)),
+                           transport=preset.transport, link_gbps=lk, warmup=warmup, reps=reps)
+                for lk in (link, None)[:1 + preset.unpaced_block]
+                for m in preset.models for s in preset.lengths]
+        for exp in tqdm(grid, desc="sweep", unit="run", file=sys.stderr):
+            profiles.append(fit(load_config(exp.model), run(exp)))  # every action, both schedules
+            log.write(json.dumps(profiles[-1].to_json()) + "\n")
+        base, base_cfg = preset.models[0], load_config(preset.models[0])
+        L = base_cfg.num_layers
+        q8_cut = (best_cut(start[base, mid], 8) if start
+                  else L - preset.suffix_lens[len(preset.suffix_lens) // 2])
+        crossover = (Action(16, L, L), Action(8, L, L), Action(8, q8_cut, L), Action(16, 0, L))
+        for f in preset.crossover_factors:  # the first model at the middle length, paced links
+            if f != 1.0:
+                run(Experiment(model=base, seq_len=mid, actions=crossover,
+                               schedules=("overlapped",), transport=preset.transport,
+                               link_gbps=round(link * f, 6), warmup=warmup, reps=reps))
+        if preset.prompt_length is not None:
+            for m in preset.models:
+                run(prompt_experiment(m, preset.prompt_length, start[m, preset.prompt_length],
+                                      preset.transport, link, reps, warmup))
+        if preset.batch_model is not None:
+            s = max(preset.lengths)
+            for b in preset.batches:
+                run(batch_experiment(preset.batch_model, s, b, start[preset.batch_model, s],
+                                     preset.transport, link, reps, warmup))
     rows = report.prediction_rows(records, profiles)
     predicted = {_key(row): row["predicted_ms"] for row in rows}
     records = [dataclasses.replace(r, predicted_ms=predicted.get(_key(r))) for r in records]
     write_csv(records, out / "sweep.csv")
     report.write_report(records, out, profiles)
     return records, profiles
+
+
+def _start_profiles(preset: SweepPreset, link: float, out: Path, cache: Path
+                    ) -> dict[tuple[str, int], costmodel.Profile]:
+    """(model, length) -> its profile measured at the start of the run (none for a fixed grid);
+    also written to DIR/start_profiles.jsonl."""
+    if preset.cut_spread is None:
+        return {}
+    start = {(m, s): profile(m, s, preset.transport, link, cache_dir=cache,
+                             device_share=preset.device_share)
+             for m in tqdm(preset.models, desc="profile", unit="model", file=sys.stderr)
+             for s in preset.lengths}
+    (out / "start_profiles.jsonl").write_text(
+        "".join(json.dumps(p.to_json()) + "\n" for p in start.values()))
+    return start
+
+
+def _actions(preset: SweepPreset, model: str, seq_len: int,
+             start: dict[tuple[str, int], costmodel.Profile]) -> list[Action]:
+    if preset.cut_spread is None:
+        return action_grid(load_config(model), preset.suffix_lens, preset.joint_bits)
+    return balanced_grid(start[model, seq_len], preset.joint_bits, preset.cut_spread)
+
+
+def prompt_experiment(model: str, seq_len: int, prof: costmodel.Profile, transport: str,
+                      link_gbps: float | None, reps: int = 30, warmup: int = 3) -> Experiment:
+    """Fig. 3: prompt to first token of the BF16 joint action (the profile's best BF16 cut),
+    sequential and overlapped as paired reps; the prefill worker runs the full prompt."""
+    L = prof.num_layers
+    return Experiment(model=model, seq_len=seq_len, actions=(Action(16, best_cut(prof, 16), L),),
+                      schedules=("sequential", "overlapped"), transport=transport,
+                      link_gbps=link_gbps, warmup=warmup, reps=reps, interval="prompt",
+                      prefill="full", paired=True)
+
+
+def batch_experiment(model: str, seq_len: int, batch: int, prof: costmodel.Profile,
+                     transport: str, link_gbps: float | None, reps: int = 30, warmup: int = 3
+                     ) -> Experiment:
+    """`batch` simultaneously ready requests of equal length: joint Q8 at the profile's best Q8
+    cut (overlapped) vs Q8 transfer-only."""
+    L = prof.num_layers
+    return Experiment(model=model, seq_len=seq_len, batch=batch,
+                      actions=(Action(8, best_cut(prof, 8), L), Action(8, L, L)),
+                      schedules=("overlapped",), transport=transport, link_gbps=link_gbps,
+                      warmup=warmup, reps=reps)
 
 
 def _key(r: Summary | dict) -> tuple:
@@ -218,9 +334,9 @@ def _key(r: Summary | dict) -> tuple:
 def write_csv(records: list[Summary], path: Path) -> None:
     """One row per summary: setup, action, median, CI and phase medians."""
     fields = ["model", "seq_len", "batch", "hardware", "transport", "link_gbps", "action",
-              "bits", "cut", "schedule", "median_ms", "ci95_lo", "ci95_hi", "predicted_ms",
-              *(f"{p}_ms" for p in costmodel.PHASES), "payload_bytes", "first_token_match",
-              "cache_check"]
+              "bits", "cut", "schedule", "interval", "paired", "median_ms", "ci95_lo", "ci95_hi",
+              "predicted_ms", *(f"{p}_ms" for p in costmodel.PHASES), "payload_bytes",
+              "first_token_match", "cache_check"]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fields, extrasaction="ignore")
         w.writeheader()

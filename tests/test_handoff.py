@@ -1,5 +1,6 @@
 """The handoff end to end: both schedules, every action kind, through the real links, faults."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from rekv_jax import Action, ModelConfig, greedy_decode, init_params, parse_actions, prefill
-from rekv_jax.experiment import Experiment, run_local
+from rekv_jax.experiment import Experiment, handoff_order, run_local
 from rekv_jax.handoff import (
     check_cache,
     prepare,
@@ -19,7 +20,11 @@ from rekv_jax.handoff import (
     send_handoff,
     send_prompt,
 )
+from rekv_jax.planner import analytic_profile
+from rekv_jax.report import fig3_rows
 from rekv_jax.sizes import action_bytes
+from rekv_jax.summary import Rep, Summary
+from rekv_jax.sweep import prompt_experiment
 from rekv_jax.transport import LocalTransport, TransportError
 from rekv_jax.transport.launch import run_pair
 
@@ -200,3 +205,36 @@ def test_peer_dies_mid_stream(fallback):
     assert np.array_equal(greedy_decode(cfg, params, result.kv, logits, 4),
                           greedy_decode(cfg, params, reference, logits, 4))
     assert errors and "gone" in str(errors[0])  # the prefill side hears of it too
+
+
+def test_paired_reps_alternate_the_schedules():
+    exp = Experiment(actions=(Action(16, 4, 6),), schedules=("sequential", "overlapped"),
+                     warmup=1, reps=2, paired=True)
+    assert handoff_order(exp, exp.schedules) == [
+        ("sequential", 0), ("overlapped", 0), ("sequential", 1), ("overlapped", 1),
+        ("sequential", 2), ("overlapped", 2)]
+    blocks = dataclasses.replace(exp, paired=False)
+    assert handoff_order(blocks, exp.schedules) == [
+        ("sequential", 0), ("sequential", 1), ("sequential", 2),
+        ("overlapped", 0), ("overlapped", 1), ("overlapped", 2)]
+
+
+def test_fig3_twin_prompt_interval_paired_reps():
+    """The sweep's Fig. 3 experiment on tiny shapes: prompt to first token, BF16 joint action,
+    both schedules as paired reps; the paired speedup CI comes out of the report."""
+    prof = analytic_profile(ModelConfig.preset("tiny"), 32, link_gbps=0.01)
+    exp = dataclasses.replace(prompt_experiment("tiny", 32, prof, "local", None, reps=3,
+                                                warmup=1), timeout=300)
+    assert exp.paired and exp.interval == "prompt" and exp.prefill == "full"
+    assert [a.kind for a in exp.actions] == ["joint"] and exp.actions[0].bits == 16
+    out = []
+    run_local(exp, out.append)
+    reps = [(r.schedule, r.rep) for r in out if isinstance(r, Rep)]
+    assert reps == [(s, i) for i in range(3) for s in ("sequential", "overlapped")]
+    summaries = [r for r in out if isinstance(r, Summary)]
+    assert [s.schedule for s in summaries] == ["sequential", "overlapped"]
+    assert all(s.paired and s.interval == "prompt" and s.first_token_match
+               and s.phases_ms["prefill"] > 0 for s in summaries)
+    (row,) = fig3_rows(summaries)
+    assert row["paired"] and row["reps"] == 3 and row["ci95"][0] <= row["speedup"]
+

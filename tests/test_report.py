@@ -99,6 +99,17 @@ def test_predictions_from_records_and_from_a_profile():
     assert "| q8:r=2 | 25.0 |" in md and "over 2 records" in md
 
 
+def test_unpaced_and_prompt_records_take_their_own_profile_and_interval():
+    paced = dataclasses.replace(analytic_profile(TINY, 256, link_gbps=1.0), link="ts paced 1")
+    unpaced = dataclasses.replace(paced, link_gbps=40.0, link="ts unpaced")
+    recs = [_rec("bf16:full", 40.0, link=None),
+            _rec("bf16:r=3", 60.0, "sequential", interval="prompt")]
+    rows = report.prediction_rows(recs, [paced, unpaced])
+    assert rows[0]["predicted_ms"] == predicted_ms(unpaced, Action(16, L, L))
+    assert rows[1]["predicted_ms"] == predicted_ms(paced.at_link(5.0), Action(16, L - 3, L),
+                                                   "sequential", "prompt", "full")
+
+
 def test_table3_payloads_schedule_gain_and_efficiency():
     recs = _sweep() + [_rec("bf16:r=2", 30.0, "sequential"), _rec("bf16:r=2", 20.0)]
     (row,) = report.table3_rows(recs)
@@ -147,7 +158,8 @@ def test_write_report_writes_every_file(tmp_path):
     paths = report.write_report(loaded, tmp_path / "out", [analytic_profile(TINY, 256)])
     names = sorted(p.name for p in paths)
     assert names == sorted(["table1.md", "predictions.md", "table3.md", "crossover.md",
-                            "fig2_test-cpu_local_5.0_1.png", "fig2_test-cpu_local_50.0_1.png",
+                            "fig2_test-cpu_local_5.0_1_ready_full_1_1.png",
+                            "fig2_test-cpu_local_50.0_1_ready_full_1_1.png",
                             "crossover_test-cpu_local_1_tiny_256.png"])
     for p in paths:
         data = p.read_bytes()
@@ -181,3 +193,30 @@ def test_conclusion_names_the_fastest_speedups_and_schedule_gain():
     assert "Why so little" not in text  # paced, and BF16 transfer is beaten
     unpaced = "\n".join(report.conclusion(_sweep(link=None)))
     assert "Why so little: over unpaced loopback" in unpaced
+
+
+def test_fig3_speedup_uses_the_paired_bootstrap():
+    seq = np.array([100.0, 140.0, 90.0, 160.0, 120.0, 110.0])  # reps drift together in pairs
+    ov = seq * 0.8
+    recs = [dataclasses.replace(_rec("bf16:r=2", 1.0, s, interval="prompt", paired=True),
+                                reps_ms=tuple(t), median_ms=float(np.median(t)))
+            for s, t in (("sequential", seq), ("overlapped", ov))]
+    (row,) = report.fig3_rows(recs + _sweep())  # ready-interval records are not Fig. 3's
+    assert row["paired"] and row["speedup"] == pytest.approx(1.25)
+    assert row["ci95"] == pytest.approx([1.25, 1.25])  # every paired ratio is exactly 1.25
+    unpaired = report.fig3_rows([dataclasses.replace(r, paired=False) for r in recs])[0]
+    assert not unpaired["paired"] and unpaired["ci95"][0] < 1.2 < 1.3 < unpaired["ci95"][1]
+    text = report.fig3_markdown(recs)
+    assert "Prompt to first token" in text and "paired bootstrap" in text and "1.25×" in text
+
+
+def test_batch_table_completion_time_and_requests_per_second(tmp_path):
+    recs = [dataclasses.replace(_rec(a, m, s), batch=4)
+            for a, m, s in (("q8:r=2", 40.0, "overlapped"), ("q8:full", 50.0, "n/a"))]
+    (row,) = report.batch_rows(recs + _sweep())  # batch-1 records have no batch row
+    assert row["batch"] == 4 and str(row["joint"].action) == "q8:r=2"
+    assert row["requests_per_s"] == pytest.approx({"joint": 100.0, "transfer": 80.0})
+    assert row["joint_vs_transfer"]["x"] == pytest.approx(1.25)
+    names = {p.name for p in report.write_report(recs, tmp_path)}
+    assert "batch.md" in names and "fig3.md" not in names
+    assert "| 100.00 |" in (tmp_path / "batch.md").read_text()
