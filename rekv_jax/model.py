@@ -79,22 +79,41 @@ class Attention(nnx.Module):
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        # `attention` is concrete here (the public functions resolve `auto`); None means XLA
-        implementation = "cudnn" if self.cfg.attention == "cudnn" else None
-        if past is None:  # causal prompt: cuDNN's CAUSAL mask type, never a materialized mask
-            out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                               implementation=implementation)  # [B, T, N, H]
-        else:  # write at `start` into a capacity-C cache; query t sees keys 0..start + t
+        start = 0
+        if past is not None:  # write at `start` into a capacity-C cache
             past_k, past_v, start = past
             k = jax.lax.dynamic_update_slice_in_dim(past_k, k, start, axis=1)  # [B, C, K, H]
             v = jax.lax.dynamic_update_slice_in_dim(past_v, v, start, axis=1)  # [B, C, K, H]
-            T, C = q.shape[1], k.shape[1]
-            # A [T, C] mask (cuDNN adds it as a bias, flash-capable): cuDNN's causal mask is
-            # top-left aligned, so it cannot express the offset `start` (see the README).
-            mask = jnp.arange(C)[None, :] <= start + jnp.arange(T)[:, None]  # [T, C]
+        T, C = q.shape[1], k.shape[1]
+        mask = jnp.arange(C)[None, :] <= start + jnp.arange(T)[:, None]  # [T, C]: t sees 0..start+t
+        # `attention` is concrete here (the public functions resolve `auto`)
+        if self.cfg.attention != "cudnn":
+            out = xla_attention(q, k, v, mask)  # [B, T, N, H]
+        elif past is None:  # causal prompt: cuDNN's CAUSAL mask type, never a materialized mask
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        else:  # cuDNN adds the [T, C] mask as a bias (flash-capable): its causal mask is top-left
+            # aligned, so it cannot express the offset `start` (see the README)
             out = jax.nn.dot_product_attention(q, k, v, mask=mask[None, None],
-                                               implementation=implementation)
+                                               implementation="cudnn")
         return jnp.einsum("btnh,nhd->btd", out, self.o_proj[...]), k, v  # [B, T, D]
+
+
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention in plain XLA: q [B, T, N, H], k/v [B, S, K, H], mask [T, S] ->
+    [B, T, N, H]; scores and softmax in float32.
+
+    Bitwise what `jax.nn.dot_product_attention(implementation="xla")` computes on CPU, without
+    its explicit BF16_BF16_F32 dot algorithm, which XLA:CPU cannot compile once the score dot
+    degenerates to a vector product (one query, one key, one head per device: a 1-token prompt).
+    """
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    q = q.reshape(B, T, K, N // K, H)  # [B, T, K, G, H]: the G query heads of each KV head
+    # [B, K, G, T, S]
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask, scores * np.float32(H ** -0.5), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B, K, G, T, S]
+    return jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(B, T, N, H)  # [B, T, N, H]
 
 
 class MLP(nnx.Module):

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_model import (
     FAMILIES,
@@ -40,14 +40,11 @@ def four_devices():
 @settings(max_examples=5, deadline=None)
 @given(family=st.sampled_from(list(FAMILIES)), devices=st.sampled_from([2, 4]),
        kv_heads=st.sampled_from([1, 2, 4]), batch=st.integers(1, 2), seq=st.integers(1, 24),
-       dtype=st.just(jnp.float32), cut=st.integers(0, 3))
+       dtype=st.sampled_from([jnp.float32, jnp.bfloat16]), cut=st.integers(0, 3))
+# Found by this search: jax.nn's attention did not compile on XLA:CPU (model.xla_attention does).
+@example(family="qwen2", devices=4, kv_heads=2, batch=1, seq=1, dtype=jnp.bfloat16, cut=1)
 def test_split_equals_prefill_on_a_mesh(family, devices, kv_heads, batch, seq, dtype, cut):
-    """On a fixed mesh, prefix in one call + suffix in another == a full prefill, bitwise.
-
-    float32 only: in bf16 on a 4-device CPU mesh, XLA:CPU (jax 0.10.2) fails to compile some
-    shapes' LM-head dot ("Algorithm not supported by the ElementalIrEmitter:
-    ALG_DOT_BF16_BF16_F32"; found by this test at B=1, S=1) — a compile error, not a wrong bit.
-    bf16 on a mesh is checked bitwise by the handoff and drift cases below (tiny, S=32, 64)."""
+    """On a fixed mesh, prefix in one call + suffix in another == a full prefill, bitwise."""
     cfg = small_config(family, layers=3, kv_heads=kv_heads)
     mesh = sharding.make_mesh(cfg, devices)
     params = sharding.shard_params(cfg, random_params(cfg, dtype), mesh)

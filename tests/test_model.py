@@ -25,6 +25,7 @@ from rekv_jax.model import (
     run_layers,
     run_prefix,
     run_suffix,
+    xla_attention,
 )
 
 # One small config per family; every Qwen3 one has head_dim != hidden / heads.
@@ -142,6 +143,18 @@ def test_tiny_preset_bf16_exact_and_decodes_from_split_cache(attention):
     got = greedy_decode(cfg, params, joined, suffix_logits, 8)
     assert want.shape == (2, 8)
     assert np.array_equal(got, want)
+
+
+def test_xla_attention_is_jax_nns_and_compiles_a_one_token_prompt():
+    """`xla_attention` is bitwise jax.nn's XLA attention, and it compiles where jax.nn's does not
+    on XLA:CPU: a 1-token bf16 prompt with one head per device (a degenerate score dot)."""
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 9, n, 16)), jnp.bfloat16) for n in (4, 2, 2))
+    ours = jax.jit(xla_attention)(q, k, v, jnp.tril(jnp.ones((9, 9), bool)))
+    theirs = jax.jit(lambda *x: jax.nn.dot_product_attention(*x, is_causal=True))(q, k, v)
+    assert np.array_equal(ours, theirs)
+    cfg = dataclasses.replace(small_config("qwen2", layers=3, kv_heads=1), num_heads=1)
+    assert_split_equals_prefill(cfg, random_params(cfg, jnp.bfloat16), tokens_for(cfg, 1, 1), 1)
 
 
 def test_extend_matches_prefill_of_longer_prompt():
