@@ -93,6 +93,16 @@ def check_args(shape: tuple[int, ...], dtype: jnp.dtype, bits: int, group_size: 
         raise ValueError(f"last dim {shape[-1]} is not divisible by the group size {group_size}")
 
 
+def quantized_specs(shape: tuple[int, ...], bits: int, group_size: int
+                    ) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+    """Shapes and dtypes of (values, scales) for an input `[..., H]`: every backend's output, so a
+    receiver can size its buffers without tracing one."""
+    *lead, h = shape
+    codes = jnp.int8 if bits == 8 else jnp.uint8
+    return (jax.ShapeDtypeStruct((*lead, h * bits // 8), codes),
+            jax.ShapeDtypeStruct((*lead, h // group_size), jnp.float16))
+
+
 # ---- block functions: jnp on `[..., H]`, valid under XLA and inside a Pallas Triton kernel.
 
 _UNDER = 1.0 - 2.0**-19  # biases the reciprocal low (see `group_code_bits`)

@@ -37,7 +37,7 @@ from rekv_jax.config import ModelConfig
 from rekv_jax.costmodel import INTERVALS, PREFILL_MODES
 from rekv_jax.kv import KVCache
 from rekv_jax.model import Params, prefill, run_layers, run_prefix, run_suffix
-from rekv_jax.quantize import QuantizedTensor, dequantize, quantize, quantize_unchecked
+from rekv_jax.quantize import QuantizedTensor, dequantize, quantize, quantized_specs
 from rekv_jax.sizes import GROUP_SIZE
 from rekv_jax.transport import Transport, TransportError
 
@@ -109,8 +109,7 @@ def prefix_specs(cfg: ModelConfig, action: Action, batch: int, seq_len: int, dty
                               jnp.dtype(dtype))
     if action.bits == 16:
         return [kv, kv]
-    q = jax.eval_shape(lambda x: quantize_unchecked(x, action.bits, backend="xla"), kv)
-    return [q.values, q.scales] * 2
+    return [*quantized_specs(kv.shape, action.bits, GROUP_SIZE)] * 2
 
 
 # ---------------------------------------------------------------------------- the two sides

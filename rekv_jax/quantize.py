@@ -20,11 +20,11 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import quant as kernels
-from pallas_kernels.quant import F16_TO_INF, QMAX, QuantizedTensor
+from pallas_kernels.quant import F16_TO_INF, QMAX, QuantizedTensor, quantized_specs
 from rekv_jax.sizes import GROUP_SIZE
 
 __all__ = ["BACKENDS", "BACKEND_ENV", "QMAX", "QuantizedTensor", "check_finite", "dequantize",
-           "quantize", "quantize_unchecked", "resolve_backend"]
+           "quantize", "quantize_unchecked", "quantized_specs", "resolve_backend"]
 BACKENDS = ("xla", "pallas", "pallas-interpret")
 BACKEND_ENV = "REKV_QUANT_BACKEND"
 
