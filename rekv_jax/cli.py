@@ -325,6 +325,7 @@ def _read_jsonl(path: str) -> list[dict]:
 
 
 def cmd_select(args: argparse.Namespace) -> None:
+    from rekv_jax import report
     from rekv_jax.quality import select
     from rekv_jax.summary import read_summaries
 
@@ -338,7 +339,8 @@ def cmd_select(args: argparse.Namespace) -> None:
                   else "none timed")
         untimed = (f"; eligible but untimed: {', '.join(c['untimed_eligible'])}"
                    if c["untimed_eligible"] else "")
-        print(f"{c['model']}, {c['seq_len']} tokens: {chosen}; eligible: "
+        setup = f" ({report.setup_label(c['setup'])})" if c["setup"] else ""
+        print(f"{c['model']}, {c['seq_len']} tokens{setup}: {chosen}; eligible: "
               f"{', '.join(c['eligible']) or 'none'}{untimed}")
 
 

@@ -201,15 +201,20 @@ def _predict(profile: Profile, r: Summary, schedule: str = "overlapped") -> floa
     return predicted_ms(profile, r.action, schedule, r.interval, r.prefill)
 
 
+def record_prediction(r: Summary, profiles: Sequence[Profile] = ()) -> float | None:
+    """`r`'s own `predicted_ms`, else the matching profile's prediction for its action, schedule,
+    interval and prefill mode (re-targeted to its paced link); None when no profile matches."""
+    if r.predicted_ms is not None or (p := _profile_for(profiles, r)) is None:
+        return r.predicted_ms
+    return _predict(p, r, "sequential" if r.schedule == "sequential" else "overlapped")
+
+
 def prediction_rows(records: Sequence[Summary], profiles: Sequence[Profile] = ()) -> list[Row]:
-    """Every record with a prediction (its own `predicted_ms`, else from the matching profile,
-    re-targeted to the record's paced link) and the error in % of the measurement."""
+    """Every record with a prediction (`record_prediction`) and the error in % of the
+    measurement."""
     rows = []
     for r in records:
-        pred = r.predicted_ms
-        if pred is None and (p := _profile_for(profiles, r)) is not None:
-            pred = _predict(p, r, "sequential" if r.schedule == "sequential" else "overlapped")
-        if pred is not None:
+        if (pred := record_prediction(r, profiles)) is not None:
             rows.append({**{k: getattr(r, k) for k in ("model", "seq_len", "schedule",
                                                        "link_gbps", "hardware", "transport",
                                                        "batch")},

@@ -271,9 +271,8 @@ def sweep(preset: SweepPreset, out: Path, reps: int = 30, warmup: int = 3
             for b in preset.batches:
                 run(batch_experiment(preset.batch_model, s, b, start[preset.batch_model, s],
                                      preset.transport, link, reps, warmup))
-    rows = report.prediction_rows(records, profiles)
-    predicted = {_key(row): row["predicted_ms"] for row in rows}
-    records = [dataclasses.replace(r, predicted_ms=predicted.get(_key(r))) for r in records]
+    records = [dataclasses.replace(r, predicted_ms=report.record_prediction(r, profiles))
+               for r in records]
     write_csv(records, out / "sweep.csv")
     report.write_report(records, out, profiles)
     return records, profiles
@@ -322,13 +321,6 @@ def batch_experiment(model: str, seq_len: int, batch: int, prof: costmodel.Profi
                       actions=(Action(8, best_cut(prof, 8), L), Action(8, L, L)),
                       schedules=("overlapped",), transport=transport, link_gbps=link_gbps,
                       warmup=warmup, reps=reps)
-
-
-def _key(r: Summary | dict) -> tuple:
-    """Identifies a summary among a sweep's records (a prediction row carries the same keys)."""
-    if isinstance(r, Summary):
-        r = r.to_json()
-    return tuple(r[k] for k in ("model", "seq_len", "action", "schedule", "link_gbps"))
 
 
 def write_csv(records: list[Summary], path: Path) -> None:

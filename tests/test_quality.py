@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -72,6 +73,11 @@ def test_select_picks_fastest_eligible_action():
     [choice] = quality.select(rows, timings)
     assert (choice["chosen"], choice["median_ms"]) == ("q8:r=2", 2.0)
     assert choice["eligible"] == ["q8:full", "q8:r=2"] and choice["untimed_eligible"] == []
+    # a second setup (another link) is chosen on its own, not mixed with the first
+    fast = [dataclasses.replace(timing("q8:full", 0.1), link_gbps=9.0)]
+    first, second = quality.select(rows, timings + fast)
+    assert first == choice and (second["chosen"], second["median_ms"]) == ("q8:full", 0.1)
+    assert second["untimed_eligible"] == ["q8:r=2"] and second["setup"][2] == 9.0
     [untimed] = quality.select(rows, [])
     assert untimed["chosen"] is None and untimed["untimed_eligible"] == ["q8:full", "q8:r=2"]
 

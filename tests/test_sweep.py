@@ -111,6 +111,11 @@ def test_balanced_mini_sweep_with_fig3_and_batch(tmp_path):
     batch = [r for r in records if r.batch == 2]
     assert {str(r.action) for r in batch} == {f"q8:r={6 - best_cut(prof, 8)}", "q8:full"}
     assert all(r.first_token_match for r in records)
+    # each record's prediction is its own setup's: the prompt interval adds the prefill compute
+    # to the ready one; no profile was fitted at batch 2, so the batch records predict nothing
+    ready_pred = {(str(r.action), r.schedule): r.predicted_ms for r in ready}
+    assert all(r.predicted_ms > ready_pred[str(r.action), r.schedule] for r in prompt)
+    assert all(r.predicted_ms is None for r in batch)
     assert "paired bootstrap" in (tmp_path / "fig3.md").read_text()
     assert "Batch 2" in (tmp_path / "batch.md").read_text()
 
