@@ -51,6 +51,8 @@ CASES = [
     (["handoff", "--batch", "0"], ["batch", "positive"]),
     (["handoff", "--timeout", "0"], ["timeout", "positive"]),
     (["profile", "--reps", "0"], ["reps", "positive"]),
+    (["sweep", "--out", "{tmp}/s", "--link-gbps", "unpaced"], ["paced", "unpaced block"]),
+    (["plan", "--schedule", "both"], ["schedule", "both"]),
 ]
 
 
