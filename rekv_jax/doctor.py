@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +28,8 @@ from rekv_jax.config import Llama3RopeScaling, ModelConfig
 from rekv_jax.experiment import Experiment
 from rekv_jax.loader import synthetic_model
 from rekv_jax.model import attention_backend, prefill, run_prefix, run_suffix
+from rekv_jax.transport import TransportError
+from rekv_jax.transport.launch import run_cli
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,11 +162,12 @@ def check_handoff(seq_len: int) -> tuple[bool, str, dict]:
     action = Action.parse("q8:r=2", ModelConfig.preset("tiny").num_layers)
     exp = Experiment(model="tiny", seq_len=seq_len, actions=(action,), schedules=("overlapped",),
                      warmup=1, reps=3, timeout=120.0)
-    cmd = [sys.executable, "-m", "rekv_jax.cli", "handoff", "--json", "--experiment", exp.to_json()]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=4 * exp.timeout)
-    if run.returncode:
-        return False, (run.stderr.strip().splitlines() or ["no output"])[-1], {}
-    records = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    try:
+        out = run_cli(["handoff", "--json", "--experiment", exp.to_json()], "handoff",
+                      4 * exp.timeout)
+    except (ValueError, TransportError, TimeoutError) as e:
+        return False, str(e), {}
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     summaries = [r for r in records if r["kind"] == "summary"]
     ok = len(summaries) == 1 and all(
         s["first_token_match"] and s["cache_check"].startswith("suffix bitwise")

@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import platform
-import subprocess
 import sys
 import threading
 from collections.abc import Callable
@@ -45,7 +44,13 @@ from rekv_jax.sizes import action_bytes
 from rekv_jax.summary import Rep, Summary
 from rekv_jax.transport import LocalTransport, Transport, checksums, connect
 from rekv_jax.transport.base import Role
-from rekv_jax.transport.launch import SUPERVISED, die_with_parent, supervise, with_prefill_child
+from rekv_jax.transport.launch import (
+    SUPERVISED,
+    die_with_parent,
+    run_cli,
+    supervise,
+    with_prefill_child,
+)
 
 Emit = Callable[[Rep | Summary], None]
 DEFAULT_ACTIONS = "bf16:full,q8:full,bf16:r=2,q8:r=2,bf16:recompute"
@@ -275,9 +280,6 @@ def calibrate_link_in_child(model: str, seq_len: int, timeout: float = 600.0):
     initialize jax.distributed before any JAX work, so it cannot time the suffix itself)."""
     from rekv_jax.sweep import LinkCalibration
 
-    cmd = [sys.executable, "-m", "rekv_jax.cli", "calibrate", "--json", "--model", model,
-           "--seq-len", str(seq_len)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if out.returncode:
-        raise RuntimeError(f"link calibration failed:\n{out.stderr[-3000:]}")
-    return LinkCalibration(**{k: v for k, v in json.loads(out.stdout).items() if k != "kind"})
+    out = run_cli(["calibrate", "--json", "--model", model, "--seq-len", str(seq_len)],
+                  "link calibration", timeout)
+    return LinkCalibration(**{k: v for k, v in json.loads(out).items() if k != "kind"})

@@ -13,7 +13,6 @@ import csv
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ from rekv_jax.loader import load_config, load_model
 from rekv_jax.model import run_suffix
 from rekv_jax.planner import PAPER_LINK_GBPS
 from rekv_jax.summary import Summary
+from rekv_jax.transport.launch import run_cli
 
 # The paper's H100 path (§4, Table 3; Qwen2.5-7B, 8K): one BF16 KV layer (16 MiB) takes 7.23 ms
 # on the 2.32 GB/s link, and one suffix layer about 6.3 ms (216.31 ms sequential = 25.3 ms
@@ -139,8 +139,6 @@ def run_experiment(exp: Experiment, cache_dir: Path | None = None, timeout: floa
     same shapes compile each program once (compilation is not part of any timed interval).
     With `device_share`, each process of the pair may take that fraction of device memory (two
     processes sharing one GPU; JAX would otherwise preallocate 75% in the first)."""
-    cmd = [sys.executable, "-m", "rekv_jax.cli", "handoff", "--json", "--experiment",
-           exp.to_json()]
     env = dict(os.environ)
     if cache_dir is not None:
         env |= {"JAX_COMPILATION_CACHE_DIR": str(cache_dir),
@@ -148,11 +146,9 @@ def run_experiment(exp: Experiment, cache_dir: Path | None = None, timeout: floa
                 "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
     if device_share is not None:
         env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{device_share:g}"
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if out.returncode:
-        raise RuntimeError(f"handoff run failed ({exp.model}, {exp.seq_len}):\n"
-                           f"{out.stderr[-3000:]}")
-    records = [json.loads(line) for line in out.stdout.splitlines()]
+    out = run_cli(["handoff", "--json", "--experiment", exp.to_json()],
+                  f"handoff run ({exp.model}, {exp.seq_len})", timeout, env)
+    records = [json.loads(line) for line in out.splitlines()]
     return [Summary.from_json(r) for r in records if r["kind"] == "summary"]
 
 

@@ -76,3 +76,15 @@ def test_bad_input_is_one_line_exit_2(argv, words, tmp_path, capsys, monkeypatch
 def test_debug_shows_the_traceback():
     with pytest.raises(ValueError, match="no such HF checkpoint folder"):
         cli.main(["--debug", "info", "--model", "hf:/missing"])
+
+
+def test_a_child_commands_failure_is_one_line():
+    """What a sweep or a calibration runs in a child process fails in one line naming it: bad
+    input stays bad input, a run past its time is killed and said so."""
+    from rekv_jax.transport.launch import run_cli
+
+    with pytest.raises(ValueError, match=r"^probe: .*q8:r=99") as bad:
+        run_cli(["plan", "--actions", "q8:r=99"], "probe", timeout=120)
+    assert "\n" not in str(bad.value)
+    with pytest.raises(TimeoutError, match=r"^probe: still running after 0.5 s \(killed\)$"):
+        run_cli(["plan"], "probe", timeout=0.5)

@@ -49,16 +49,41 @@ def supervise(argv: list[str], name: str) -> None:
             return
         log.seek(0)
         output = log.read()
-    said = [line.split("error: ", 1)[1] for line in output.splitlines()
-            if line.startswith("rekv ") and "error: " in line]
-    if said:  # the worker's own line, with its kind: bad input (exit 2) or a failed run
-        raise (ValueError if code == 2 else TransportError)(f"{name}: {said[-1]}")
+    if said := _error_line(output):  # the worker's own line: bad input (2) or a failed run
+        raise (ValueError if code == 2 else TransportError)(f"{name}: {said}")
     if any(sign in output for sign in _SERVICE_GONE):
         raise TransportError(f"{name} stopped: the decode side went away (its coordination "
                              "service stopped answering)")
     from rekv_jax.failures import exit_text
 
     raise TransportError(f"{name} {exit_text(code)}")
+
+
+def _error_line(stderr: str) -> str | None:
+    """The last `rekv ... error: WHY` line a command of ours wrote, as WHY."""
+    said = [line.split("error: ", 1)[1] for line in stderr.splitlines()
+            if line.startswith("rekv ") and "error: " in line]
+    return said[-1] if said else None
+
+
+def run_cli(argv: list[str], what: str, timeout: float, env: Mapping[str, str] | None = None
+            ) -> str:
+    """`python -m rekv_jax.cli *argv` in a child process; its stdout.
+
+    A failure is one line naming `what`: ValueError for bad input (exit 2), TransportError for a
+    failed run, TimeoutError past `timeout` s (the child is killed)."""
+    from rekv_jax.failures import exit_text
+
+    cmd = [sys.executable, "-m", "rekv_jax.cli", *argv]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        raise TimeoutError(f"{what}: still running after {timeout:g} s (killed)") from None
+    if out.returncode == 0:
+        return out.stdout
+    last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+    why = _error_line(out.stderr) or f"{exit_text(out.returncode)} ({last})"
+    raise (ValueError if out.returncode == 2 else TransportError)(f"{what}: {why}")
 
 
 def free_port() -> int:
