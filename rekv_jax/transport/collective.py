@@ -133,8 +133,6 @@ class CollectiveTransport(Transport):
 
     def _exchange(self, tag: str, local: list[jax.Array], deadline: float) -> list[jax.Array]:
         """Run the program on this side's blocks; the result is this side's received blocks."""
-        if self._broken:
-            raise TransportError(f"{tag}: collective link unusable after {self._broken}")
 
         def run() -> list[jax.Array]:
             inputs = [jax.make_array_from_single_device_arrays(
@@ -146,7 +144,10 @@ class CollectiveTransport(Transport):
 
     def _bounded(self, tag: str, run: Callable[[], list[jax.Array]], deadline: float
                  ) -> list[jax.Array]:
-        """Run a program on the worker thread, waiting at most until `deadline`."""
+        """Run a program on the worker thread, waiting at most until `deadline`; refused at once
+        once a program got stuck (the next would queue behind it on the one worker)."""
+        if self._broken:
+            raise TransportError(f"{tag}: collective link unusable after {self._broken}")
         future = self._runner.submit(run)
         try:
             poll_until(future.done, deadline, self._channel.peer_alive, tag)
