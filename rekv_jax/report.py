@@ -604,7 +604,8 @@ def _why_little(row: Row, records: Sequence[Summary]) -> str:
     """Why an unpaced or fast link shows little: the transfer ReKV shrinks or hides is small
     next to the suffix it would overlap."""
     bf16 = row["bf16"]
-    suffix = [r for r in records if r.setup == row["setup"] and r.action.kind == "joint"]
+    suffix = [r for r in records if (r.setup, r.model, r.seq_len) ==
+              (row["setup"], row["model"], row["seq_len"]) and r.action.kind == "joint"]
     if bf16 is None or not suffix:
         return "(Too few actions measured to say why BF16 transfer is not beaten.)"
     r = min(suffix, key=lambda r: r.action.cut)
