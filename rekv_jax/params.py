@@ -109,6 +109,9 @@ def load_hf(path: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> tuple[ModelCon
                 target = target.format(x=m.groupdict().get("x"))
                 w = to_ours(f.get_tensor(name), cfg).astype(dtype)
                 if "i" in m.groupdict():
+                    if int(m["i"]) >= cfg.num_layers:
+                        raise ValueError(f"{file.name}: tensor {name!r} is past the "
+                                         f"{cfg.num_layers} layers of config.json")
                     slots = layers.setdefault(target, [None] * cfg.num_layers)
                     slots[int(m["i"])] = w
                 else:
