@@ -98,7 +98,7 @@ def test_unknown_tensor_is_rejected(tmp_path):
 def test_a_layer_past_the_config_is_rejected(tmp_path):
     model = hf_model("qwen2")
     extra = model.state_dict()["model.layers.0.mlp.up_proj.weight"]
-    state = {**model.state_dict(), "model.layers.99.mlp.up_proj.weight": extra}
+    state = {**model.state_dict(), "model.layers.99.mlp.up_proj.weight": extra.clone()}
     model.save_pretrained(tmp_path, state_dict=state)
     with pytest.raises(ValueError, match="layers.99.* past the"):
         load_hf(tmp_path)
