@@ -50,8 +50,10 @@ def _flags() -> dict[str, Callable[[argparse.ArgumentParser], None]]:
         p.add_argument("--model", default="tiny",
                        help="preset name, hf:PATH, or a trained-model folder (holding orbax/)")
 
-    def shape(p: argparse.ArgumentParser) -> None:
+    def seq_len(p: argparse.ArgumentParser) -> None:
         p.add_argument("--seq-len", type=int, default=8192, help="prompt length S")
+
+    def batch(p: argparse.ArgumentParser) -> None:
         p.add_argument("--batch", type=int, default=1, help="prompts per handoff B")
 
     def actions(p: argparse.ArgumentParser) -> None:
@@ -121,9 +123,10 @@ def _flags() -> dict[str, Callable[[argparse.ArgumentParser], None]]:
 
         p.add_argument("--bits", type=int, choices=BITS, default=16, help="prefix precision")
 
-    return {"json": json_, "model": model, "shape": shape, "actions": actions, "link": link,
-            "transport": transport, "reps": reps, "schedule": schedule, "handoff": handoff,
-            "attention": attention, "modes": modes, "bits": bits}
+    return {"json": json_, "model": model, "seq_len": seq_len, "batch": batch,
+            "actions": actions, "link": link, "transport": transport, "reps": reps,
+            "schedule": schedule, "handoff": handoff, "attention": attention, "modes": modes,
+            "bits": bits}
 
 
 # ---------------------------------------------------------------------------------- output
@@ -456,20 +459,21 @@ def command(name: str, handler: Callable, help: str, groups: tuple[str, ...]) ->
     return register
 
 
-@command("info", cmd_info, "a config and its per-layer sizes", ("model", "shape", "json"))
+@command("info", cmd_info, "a config and its per-layer sizes",
+         ("model", "seq_len", "batch", "json"))
 def _info_flags(p: argparse.ArgumentParser) -> None:
     pass
 
 
 @command("bytes", cmd_bytes, "bytes sent by a handoff action (paper Eqs. 5, 7)",
-         ("model", "shape", "bits", "json"))
+         ("model", "seq_len", "batch", "bits", "json"))
 def _bytes_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cut", type=int, default=None,
                    help="first recomputed layer c: L = transfer-only (default), 0 = recompute")
 
 
 @command("plan", cmd_plan, "predicted latency of every action and the best one",
-         ("model", "shape", "actions", "link", "schedule", "modes", "json"))
+         ("model", "seq_len", "batch", "actions", "link", "schedule", "modes", "json"))
 def _plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None,
                    help="profile JSON/JSONL (e.g. from `rekv profile` on a GPU); default: analytic")
@@ -479,20 +483,20 @@ def _plan_flags(p: argparse.ArgumentParser) -> None:
 
 
 @command("handoff", cmd_handoff, "timed handoffs between a prefill and a decode process",
-         ("model", "shape", "actions", "link", "transport", "reps", "schedule", "handoff",
-          "modes", "attention", "json"))
+         ("model", "seq_len", "batch", "actions", "link", "transport", "reps", "schedule",
+          "handoff", "modes", "attention", "json"))
 def _handoff_flags(p: argparse.ArgumentParser) -> None:
     p.set_defaults(seq_len=256, link_gbps=PAPER_LINK)
 
 
 @command("calibrate", cmd_calibrate, "the paced link of the paper's regime on this machine",
-         ("model", "shape", "json"))
+         ("model", "seq_len", "json"))
 def _calibrate_flags(p: argparse.ArgumentParser) -> None:
     p.set_defaults(seq_len=256)
 
 
 @command("profile", cmd_profile, "measure per-layer alpha, beta, gamma, H, J",
-         ("model", "shape", "link", "transport", "attention", "json"))
+         ("model", "seq_len", "link", "transport", "attention", "json"))
 def _profile_flags(p: argparse.ArgumentParser) -> None:
     p.set_defaults(seq_len=256)
     p.add_argument("--reps", type=int, default=5)
@@ -509,7 +513,7 @@ def _sweep_flags(p: argparse.ArgumentParser) -> None:
 
 
 @command("quality", cmd_quality, "output-quality gate of handoff actions (paper §2.4)",
-         ("model", "shape", "actions", "attention", "json"))
+         ("model", "seq_len", "actions", "attention", "json"))
 def _quality_flags(p: argparse.ArgumentParser) -> None:
     p.set_defaults(model=None, seq_len=512, actions="q8:full,q8:r=2,q4:full,q4:r=2")
     p.add_argument("--cont-len", type=int, default=64, help="continuation tokens T scored")

@@ -88,3 +88,11 @@ def test_a_child_commands_failure_is_one_line():
     assert "\n" not in str(bad.value)
     with pytest.raises(TimeoutError, match=r"^probe: still running after 0.5 s \(killed\)$"):
         run_cli(["plan"], "probe", timeout=0.5)
+
+
+@pytest.mark.parametrize("command", ["calibrate", "profile", "quality"])
+def test_commands_that_measure_one_prompt_take_no_batch(command, capsys):
+    """They would ignore it: argparse refuses the flag instead (exit 2)."""
+    with pytest.raises(SystemExit) as stop:
+        cli.main([command, "--batch", "4"])
+    assert stop.value.code == 2 and "--batch" in capsys.readouterr().err
