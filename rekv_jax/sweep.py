@@ -321,9 +321,10 @@ def batch_experiment(model: str, seq_len: int, batch: int, prof: costmodel.Profi
 
 def write_csv(records: list[Summary], path: Path) -> None:
     """One row per summary: setup, action, median, CI and phase medians."""
-    fields = ["model", "seq_len", "batch", "hardware", "transport", "link_gbps", "action",
-              "bits", "cut", "schedule", "interval", "paired", "median_ms", "ci95_lo", "ci95_hi",
-              "predicted_ms", *(f"{p}_ms" for p in costmodel.PHASES), "payload_bytes",
+    fields = ["model", "seq_len", "batch", "hardware", "transport", "link_gbps",
+              "prefill_devices", "decode_devices", "action", "bits", "cut", "schedule",
+              "interval", "prefill", "paired", "median_ms", "ci95_lo", "ci95_hi",
+              "predicted_ms", *(f"{p}_ms" for p in costmodel.PROMPT_PHASES), "payload_bytes",
               "first_token_match", "cache_check"]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fields, extrasaction="ignore")

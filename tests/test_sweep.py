@@ -1,5 +1,6 @@
 """The measured sweep end to end on a miniature preset, and `rekv profile`."""
 
+import csv
 import dataclasses
 import json
 
@@ -116,6 +117,9 @@ def test_balanced_mini_sweep_with_fig3_and_batch(tmp_path):
     ready_pred = {(str(r.action), r.schedule): r.predicted_ms for r in ready}
     assert all(r.predicted_ms > ready_pred[str(r.action), r.schedule] for r in prompt)
     assert all(r.predicted_ms is None for r in batch)
+    rows = list(csv.DictReader(open(tmp_path / "sweep.csv")))
+    assert len(rows) == len(records)  # the prompt interval's prefill compute is a column
+    assert all(float(r["prefill_ms"]) > 0 for r in rows if r["interval"] == "prompt")
     assert "paired bootstrap" in (tmp_path / "fig3.md").read_text()
     assert "Batch 2" in (tmp_path / "batch.md").read_text()
 
