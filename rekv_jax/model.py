@@ -464,7 +464,7 @@ def greedy_decode(cfg: ModelConfig, params: Params, kv: KVCache, logits: jax.Arr
     kv = kv.pad(S + steps)
     tokens = []
     for i in range(steps):
-        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        tokens.append(token)
-        logits, kv = decode_step(cfg, params, kv, token, S + i)
+        tokens.append(jnp.argmax(logits, axis=-1).astype(jnp.int32))
+        if i + 1 < steps:  # the last token needs no step of its own
+            logits, kv = decode_step(cfg, params, kv, tokens[-1], S + i)
     return jnp.stack(tokens, axis=1)
