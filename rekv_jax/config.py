@@ -70,11 +70,6 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
 
-    @property
-    def q_per_kv(self) -> int:
-        """Query heads sharing one KV head (GQA group size)."""
-        return self.num_heads // self.num_kv_heads
-
     def check_cut(self, cut: int) -> int:
         """Validate a layer cut `c` in `0..L` and return it as an int."""
         if isinstance(cut, bool) or not isinstance(cut, int) or not 0 <= cut <= self.num_layers:

@@ -19,16 +19,11 @@ import numpy as np
 from rekv_jax import sizes, stats
 from rekv_jax.costmodel import PHASES, PROMPT_PHASES, Profile, predicted_ms, t_ov
 from rekv_jax.planner import crossovers, preferred_by_link
-from rekv_jax.summary import Setup, Summary, read_summaries
+from rekv_jax.summary import Setup, Summary
 
 FAMILIES = ("BF16 transfer", "Q8 transfer", "Q4 transfer", "BF16 recompute", "joint Q8", "joint Q4")
 
 Row = dict[str, Any]  # one row of a table: its cells, some of them Summary records
-
-
-def load_records(paths: str | Path | Iterable[str | Path]) -> list[Summary]:
-    """The summary records of one or more JSONL files (other lines are skipped)."""
-    return read_summaries(paths)
 
 
 def suffix_label(rec: Summary) -> str:

@@ -84,7 +84,6 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "layers/mlp/down_proj": ("layers", "mlp", "embed"),
 }
 KV_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")  # [L, B, S, K, H]
-ACTIVATION_AXES = ("batch", "seq", "embed")  # x, h_c [B, S, D]
 KV_AXIS = 3  # K in [L, B, S, K, H]: the axis the KV is sharded over
 
 

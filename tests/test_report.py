@@ -11,7 +11,7 @@ from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
 from rekv_jax.costmodel import PHASES, predicted_ms, t_ov
 from rekv_jax.planner import analytic_profile
-from rekv_jax.summary import Summary
+from rekv_jax.summary import Summary, read_summaries
 
 TINY = ModelConfig.preset("tiny")  # L = 6
 L = TINY.num_layers
@@ -153,7 +153,7 @@ def test_write_report_writes_every_file(tmp_path):
     jsonl = tmp_path / "sweep.jsonl"
     lines = [{"kind": "rep"}] + [r.to_json() for r in recs]
     jsonl.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
-    loaded = report.load_records(jsonl)
+    loaded = read_summaries(jsonl)
     assert loaded == recs
     paths = report.write_report(loaded, tmp_path / "out", [analytic_profile(TINY, 256)])
     names = sorted(p.name for p in paths)

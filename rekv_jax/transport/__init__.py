@@ -59,7 +59,8 @@ from rekv_jax.transport.collective import CollectiveTransport
 from rekv_jax.transport.local import LocalTransport
 from rekv_jax.transport.transfer_server import TransferServerTransport
 
-TRANSPORTS = ("transfer-server", "collective", "local")  # what `kind` may name
+# what `kind` may name; the first is the default
+TRANSPORTS = tuple(t.kind for t in (TransferServerTransport, CollectiveTransport, LocalTransport))
 
 
 def connect(kind: str, role: Role, coordinator: str | None = None,

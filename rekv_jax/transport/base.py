@@ -142,7 +142,7 @@ class Transport:
     order they were sent.
     """
 
-    kind: str = ""
+    kind: str = ""  # its name in TRANSPORTS and on the command line
 
     def __init__(self, role: Role, channel: Channel, link_gbps: float | None = None) -> None:
         self.role = role
