@@ -188,7 +188,8 @@ def bench_model(cfg: ModelConfig, seq_len: int, suffix_len: int | None = None,
                 capacity: int | None = None, batch: int = 1, reps: int = 10,
                 matmul_n: int | None = None, copy_mib: int | None = None) -> dict[str, Any]:
     """Times `prefill`, `run_prefix(L - r)`, `run_suffix(r)` and one `decode_step` at `capacity`
-    (default `seq_len + 1`) with synthetic BF16 weights (one shared layer except for `tiny`),
+    (default `seq_len + 1`) with synthetic BF16 weights (`loader.synthetic_model`: one shared
+    layer when the full stack would exceed 2 GiB),
     as achieved TFLOP/s beside a BF16 matmul and the decode step beside its byte bound."""
     on_cpu = jax.default_backend() == "cpu"
     L = cfg.num_layers

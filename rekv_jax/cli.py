@@ -138,7 +138,9 @@ def _emit_json(records: Iterable[dict[str, Any]]) -> None:
 
 
 def _mib(n: float) -> str:
-    return f"{n / 2**20:.2f} MiB"
+    from rekv_jax.sizes import MIB
+
+    return f"{n / MIB:.2f} MiB"
 
 
 # ---------------------------------------------------------------------------------- commands

@@ -27,6 +27,7 @@ import random
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -69,7 +70,8 @@ def plan(n: int, fault_rate: float, seed: int) -> list[Step]:
 
 def vitals() -> dict[str, int]:
     """Resident memory (KiB) and live threads (Python's and the OS's) of this process."""
-    status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+    lines = Path("/proc/self/status").read_text().splitlines()
+    status = dict(line.split(":", 1) for line in lines)
     return {"rss_kib": int(status["VmRSS"].split()[0]), "os_threads": int(status["Threads"]),
             "py_threads": threading.active_count()}
 
