@@ -41,7 +41,7 @@ from rekv_jax.loader import load_model
 from rekv_jax.model import Params, attention_backend, prefill
 from rekv_jax.sharding import MeshTransport, shard_params, split_reference
 from rekv_jax.sizes import action_bytes
-from rekv_jax.summary import Rep, Summary
+from rekv_jax.summary import Rep, Summary, record_schedule
 from rekv_jax.transport import LocalTransport, Transport, checksums, connect
 from rekv_jax.transport.base import Role
 from rekv_jax.transport.launch import (
@@ -164,8 +164,8 @@ def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
             progress(1)
             if rep >= exp.warmup:
                 results[schedule].append(result)
-                emit(Rep(action, schedule, rep - exp.warmup, result.total_ms,
-                         result.phases_ms, result.fallback))
+                emit(Rep(action, record_schedule(action, schedule), rep - exp.warmup,
+                         result.total_ms, result.phases_ms, result.fallback))
         if role == "decode":
             for schedule in schedules:
                 emit(summarize(cfg, params, tokens, exp, action, schedule, results[schedule],
@@ -196,7 +196,7 @@ def summarize(cfg: ModelConfig, params: Params, tokens: jax.Array, exp: Experime
     cache_check = check_cache(reference, action, results[-1], exp.backend)
     return Summary(
         model=cfg.name, seq_len=exp.seq_len, batch=exp.batch, action=action,
-        transport=exp.transport, schedule=schedule if action.kind == "joint" else "n/a",
+        transport=exp.transport, schedule=record_schedule(action, schedule),
         link_gbps=exp.link_gbps, hardware=hardware(),
         reps_ms=tuple(r.total_ms for r in results),
         phases_ms={p: float(np.median([r.phases_ms[p] for r in results])) for p in PROMPT_PHASES},

@@ -21,6 +21,13 @@ from rekv_jax.costmodel import PROMPT_PHASES
 # The schedule of a record: overlapped or sequential for a joint action; "n/a" for transfer-only
 # and full recomputation, which have nothing to overlap.
 RECORD_SCHEDULES = ("overlapped", "sequential", "n/a")
+
+
+def record_schedule(action: Action, schedule: str) -> str:
+    """The schedule a record of `action` run under `schedule` states (RECORD_SCHEDULES)."""
+    return schedule if action.kind == "joint" else "n/a"
+
+
 # (hardware, transport, link_gbps, batch, interval, prefill mode, prefill devices, decode devices)
 Setup = tuple[str, str, float | None, int, str, str, int, int]
 
@@ -131,7 +138,7 @@ class Rep:
     """One timed handoff of an action (the handoff's `kind: "rep"` line)."""
 
     action: Action
-    schedule: str
+    schedule: str  # one of RECORD_SCHEDULES (record_schedule)
     rep: int  # index among the timed reps (warmups excluded)
     total_ms: float
     phases_ms: dict[str, float]
