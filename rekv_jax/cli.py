@@ -338,7 +338,8 @@ def cmd_select(args: argparse.Namespace) -> None:
     timings = [t for t in timings if t.batch == args.batch]
     choices = select(_read_jsonl(args.quality), timings)
     if args.json:
-        return _emit_json(choices)
+        return _emit_json({**c, "setup": c["setup"] and dataclasses.asdict(c["setup"])}
+                          for c in choices)
     for c in choices:
         chosen = (f"{c['chosen']} ({c['median_ms']:.2f} ms)" if c["chosen"]
                   else "none timed")

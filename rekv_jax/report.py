@@ -8,6 +8,7 @@ executed separately), except Fig. 3's, whose schedules ran as paired reps.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Iterable, Sequence
@@ -36,15 +37,12 @@ def link_label(link_gbps: float | None) -> str:
 
 
 def setup_label(setup: Setup) -> str:
-    hardware, transport, link, batch, interval, prefill, n_prefill, n_decode = setup
-    timed = "" if interval == "ready" else f" · timed from the prompt, {prefill} prefill"
-    devices = "" if (n_prefill, n_decode) == (1, 1) else f" · devices {n_prefill}->{n_decode}"
-    return (f"hardware: {hardware} · transport: {transport} · link: {link_label(link)} · "
-            f"batch {batch}{timed}{devices}")
-
-
-def _order(key: tuple) -> tuple:
-    return tuple(-1 if v is None else v for v in key)
+    s = setup
+    timed = "" if s.interval == "ready" else f" · timed from the prompt, {s.prefill} prefill"
+    devices = ("" if (s.prefill_devices, s.decode_devices) == (1, 1)
+               else f" · devices {s.prefill_devices}->{s.decode_devices}")
+    return (f"hardware: {s.hardware} · transport: {s.transport} · link: "
+            f"{link_label(s.link_gbps)} · batch {s.batch}{timed}{devices}")
 
 
 def _cells(records: Sequence[Summary]) -> dict[Setup, dict[tuple, dict[str, Summary]]]:
@@ -57,7 +55,7 @@ def _cells(records: Sequence[Summary]) -> dict[Setup, dict[tuple, dict[str, Summ
         if r.schedule != "sequential" or (trivial and key not in chosen):
             chosen[key] = r
     out: dict[Setup, dict[tuple, dict[str, Summary]]] = {}
-    for (setup, cell, action), r in sorted(chosen.items(), key=lambda i: _order(i[0][0])):
+    for (setup, cell, action), r in sorted(chosen.items(), key=lambda i: i[0][0].sort_key()):
         out.setdefault(setup, {}).setdefault(cell, {})[action] = r
     return {s: dict(sorted(c.items())) for s, c in out.items()}
 
@@ -314,8 +312,8 @@ def fig3_rows(records: Sequence[Summary], seed: int = 0) -> list[Row]:
         if r.interval == "prompt" and r.action.kind == "joint":
             both.setdefault((r.setup, r.model, r.seq_len, str(r.action)), {})[r.schedule] = r
     rows = []
-    for (setup, model, seq_len, action), by in sorted(both.items(),
-                                                      key=lambda i: (_order(i[0][0]), i[0][1:])):
+    for (setup, model, seq_len, action), by in sorted(
+            both.items(), key=lambda i: (i[0][0].sort_key(), i[0][1:])):
         if len(by) < 2:
             continue
         seq, ov = by["sequential"], by["overlapped"]
@@ -350,7 +348,7 @@ def batch_rows(records: Sequence[Summary], joint_bits: int = 8, seed: int = 0) -
     action at `joint_bits` vs its transfer-only action; completion time and requests/s."""
     rows = []
     for setup, cells in _cells(records).items():
-        batch = setup[3]
+        batch = setup.batch
         if batch < 2:
             continue
         for (model, seq_len), acts in cells.items():
@@ -391,10 +389,13 @@ def _crossover_groups(records: Sequence[Summary]
     groups measured at two or more paced links (timed from the prefill state, one device per
     side: the crossover compares links, nothing else)."""
     groups: dict[tuple, dict[float, dict[str, Summary]]] = {}
-    for (hardware, transport, link, batch, *rest), cells in _cells(records).items():
+    for s, cells in _cells(records).items():
+        if s.link_gbps is None or (s.interval, s.prefill, s.prefill_devices,
+                                   s.decode_devices) != ("ready", "full", 1, 1):
+            continue
         for (model, seq_len), acts in cells.items():
-            if link is not None and rest == ["ready", "full", 1, 1]:
-                groups.setdefault((hardware, transport, batch, model, seq_len), {})[link] = acts
+            groups.setdefault((s.hardware, s.transport, s.batch, model, seq_len),
+                              {})[s.link_gbps] = acts
     return {k: dict(sorted(v.items())) for k, v in sorted(groups.items()) if len(v) >= 2}
 
 
@@ -531,7 +532,7 @@ def write_report(records: Sequence[Summary], out_dir: str | Path,
             written.append(out / name)
     for setup in dict.fromkeys(r.setup for r in records):
         sel = [r for r in records if r.setup == setup]
-        written.append(fig2(sel, out / f"fig2_{_slug(*setup)}.png"))
+        written.append(fig2(sel, out / f"fig2_{_slug(*dataclasses.astuple(setup))}.png"))
     for key in _crossover_groups(records):
         hardware, transport, batch, model, seq_len = key
         sel = [r for r in records
@@ -590,7 +591,7 @@ def conclusion(records: Sequence[Summary], seed: int = 0) -> list[str]:
                        f"{gain['overlapped_ms']:.2f} ms, "
                        f"{gain['gain']:.2f}× [{gain['gain_ci95'][0]:.2f}, "
                        f"{gain['gain_ci95'][1]:.2f}].")
-        if best is bf16 or row["setup"][2] is None:  # nothing beat BF16, or an unpaced link
+        if best is bf16 or row["setup"].link_gbps is None:  # nothing beat BF16, or an unpaced link
             out.append("  " + _why_little(row, records))
     return out
 
@@ -605,7 +606,8 @@ def _why_little(row: Row, records: Sequence[Summary]) -> str:
         return "(Too few actions measured to say why BF16 transfer is not beaten.)"
     r = min(suffix, key=lambda r: r.action.cut)
     per_layer = r.phases_ms["suffix"] / r.action.suffix_len
-    link = "unpaced loopback" if row["setup"][2] is None else link_label(row["setup"][2])
+    gbps = row["setup"].link_gbps
+    link = "unpaced loopback" if gbps is None else link_label(gbps)
     return (f"Why so little: over {link} the whole BF16 prefix moves in "
             f"{bf16.phases_ms['prefix']:.2f} ms ({bf16.phases_ms['prefix'] / bf16.action.cut:.2f}"
             f" ms per layer) while one suffix layer costs {per_layer:.2f} ms here, so there is "

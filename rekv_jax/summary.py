@@ -28,8 +28,22 @@ def record_schedule(action: Action, schedule: str) -> str:
     return schedule if action.kind == "joint" else "n/a"
 
 
-# (hardware, transport, link_gbps, batch, interval, prefill mode, prefill devices, decode devices)
-Setup = tuple[str, str, float | None, int, str, str, int, int]
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """Where a record was measured; every table and figure is made per setup."""
+
+    hardware: str
+    transport: str
+    link_gbps: float | None  # the paced link (None: unpaced)
+    batch: int
+    interval: str  # costmodel.INTERVALS
+    prefill: str  # costmodel.PREFILL_MODES
+    prefill_devices: int
+    decode_devices: int
+
+    def sort_key(self) -> tuple:
+        """Tables list setups in this order (an unpaced link first)."""
+        return tuple(-1 if v is None else v for v in dataclasses.astuple(self))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +93,8 @@ class Summary:
     @property
     def setup(self) -> Setup:
         """Where it was measured; every table and figure is made per setup."""
-        return (self.hardware, self.transport, self.link_gbps, self.batch, self.interval,
-                self.prefill, self.prefill_devices, self.decode_devices)
+        return Setup(self.hardware, self.transport, self.link_gbps, self.batch, self.interval,
+                     self.prefill, self.prefill_devices, self.decode_devices)
 
     @property
     def family(self) -> str:

@@ -77,7 +77,7 @@ def test_select_picks_fastest_eligible_action():
     fast = [dataclasses.replace(timing("q8:full", 0.1), link_gbps=9.0)]
     first, second = quality.select(rows, timings + fast)
     assert first == choice and (second["chosen"], second["median_ms"]) == ("q8:full", 0.1)
-    assert second["untimed_eligible"] == ["q8:r=2"] and second["setup"][2] == 9.0
+    assert second["untimed_eligible"] == ["q8:r=2"] and second["setup"].link_gbps == 9.0
     [untimed] = quality.select(rows, [])
     assert untimed["chosen"] is None and untimed["untimed_eligible"] == ["q8:full", "q8:r=2"]
 
