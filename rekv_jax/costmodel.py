@@ -68,6 +68,16 @@ PREFILL_MODES = ("full", "split")  # the prefill side runs all L layers, or only
 _BITS_FIELDS = ("kv_layer_bytes", "quantize_ms", "restore_ms")  # dicts keyed by bits
 
 
+def check_modes(interval: str, prefill_mode: str) -> None:
+    """ValueError unless (interval, prefill mode) is a valid pair (split needs the prompt)."""
+    if interval not in INTERVALS or prefill_mode not in PREFILL_MODES:
+        raise ValueError(f"interval must be one of {INTERVALS} and prefill one of "
+                         f"{PREFILL_MODES}, got {interval!r}, {prefill_mode!r}")
+    if prefill_mode == "split" and interval != "prompt":
+        raise ValueError("a split prefill streams while it computes, so its interval starts at "
+                         "the prompt: use interval 'prompt'")
+
+
 def transfer_ms(nbytes: float, link_gbps: float) -> float:
     """Time to move `nbytes` over a `link_gbps` GB/s link."""
     if not link_gbps > 0:
@@ -300,10 +310,7 @@ def predicted_ms(profile: Profile, action: Action, schedule: str = "overlapped",
     key = {"overlapped": "t_ov_ms", "sequential": "t_seq_ms"}.get(schedule)
     if key is None:
         raise ValueError(f"schedule must be 'overlapped' or 'sequential', got {schedule!r}")
-    if interval not in INTERVALS or prefill not in PREFILL_MODES or (
-            prefill == "split" and interval != "prompt"):
-        raise ValueError(f"need interval in {INTERVALS}, prefill in {PREFILL_MODES} (split only "
-                         f"with the prompt interval); got {interval!r}, {prefill!r}")
+    check_modes(interval, prefill)
     if prefill == "split":
         return streamed_ms(profile, action, schedule)
     ready = predict(profile, action)[key]

@@ -25,13 +25,12 @@ import numpy as np
 
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
-from rekv_jax.costmodel import PROMPT_PHASES
+from rekv_jax.costmodel import PROMPT_PHASES, check_modes
 from rekv_jax.handoff import (
     FALLBACKS,
     SCHEDULES,
     Handoff,
     check_cache,
-    check_modes,
     prepare,
     receive_handoff,
     send_handoff,

@@ -34,7 +34,7 @@ import numpy as np
 
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
-from rekv_jax.costmodel import INTERVALS, PREFILL_MODES
+from rekv_jax.costmodel import check_modes
 from rekv_jax.kv import KVCache
 from rekv_jax.model import Params, prefill, run_layers, run_prefix, run_suffix
 from rekv_jax.quantize import QuantizedTensor, dequantize, quantize, quantized_specs
@@ -117,16 +117,6 @@ def prefix_specs(cfg: ModelConfig, action: Action, batch: int, seq_len: int, dty
 
 def _ms(start: float, stop: float) -> float:
     return 1e3 * (stop - start)
-
-
-def check_modes(interval: str, prefill_mode: str) -> None:
-    """ValueError unless (interval, prefill mode) is a valid pair (split needs the prompt)."""
-    if interval not in INTERVALS or prefill_mode not in PREFILL_MODES:
-        raise ValueError(f"interval must be one of {INTERVALS} and prefill one of "
-                         f"{PREFILL_MODES}, got {interval!r}, {prefill_mode!r}")
-    if prefill_mode == "split" and interval != "prompt":
-        raise ValueError("a split prefill streams while it computes, so its interval starts at "
-                         "the prompt: use interval 'prompt'")
 
 
 def send_handoff(transport: Transport, state: PrefillState, action: Action, tag: str,

@@ -267,5 +267,5 @@ def test_split_prefill_never_slower_when_the_link_keeps_up(L, alpha, restore, ga
                 split = cm.predicted_ms(p, action, schedule, "prompt", "split")
                 assert split <= full * (1 + 1e-12) + 1e-12
             assert cm.streamed_ms(p, action) <= cm.streamed_ms(p, action, "sequential")
-    with pytest.raises(ValueError, match="split only"):
+    with pytest.raises(ValueError, match="split prefill streams"):
         cm.predicted_ms(p, Action(8, 1, L), "overlapped", "ready", "split")
