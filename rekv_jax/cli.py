@@ -317,26 +317,14 @@ def cmd_quality(args: argparse.Namespace) -> None:
                   f"{'yes' if r['eligible'] else 'no'} |", flush=True)
 
 
-def _read_jsonl(path: str) -> list[dict]:
-    rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
-    return rows
-
-
 def cmd_select(args: argparse.Namespace) -> None:
     from rekv_jax import report
     from rekv_jax.quality import select
-    from rekv_jax.summary import read_summaries
+    from rekv_jax.summary import read_jsonl, read_summaries
 
     timings = read_summaries(args.timings) if args.timings else []
     timings = [t for t in timings if t.batch == args.batch]
-    choices = select(_read_jsonl(args.quality), timings)
+    choices = select(read_jsonl(args.quality), timings)
     if args.json:
         return _emit_json({**c, "setup": c["setup"] and dataclasses.asdict(c["setup"])}
                           for c in choices)

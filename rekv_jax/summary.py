@@ -130,21 +130,27 @@ class Summary:
         return cls(**{k: v for k, v in d.items() if k in names} | {"action": action})
 
 
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The JSON objects of a JSONL file; a line that is not JSON is a ValueError naming it."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror})") from None
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+    return out
+
+
 def read_summaries(paths: str | Path | Iterable[str | Path]) -> list[Summary]:
     """The summary lines of one or more JSONL files (other kinds of lines are skipped)."""
     paths = [paths] if isinstance(paths, str | Path) else list(paths)
-    out = []
-    for path in paths:
-        for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
-            if d.get("kind", "summary") == "summary":
-                out.append(Summary.from_json(d))
-    return out
+    return [Summary.from_json(d) for path in paths for d in read_jsonl(path)
+            if d.get("kind", "summary") == "summary"]
 
 
 @dataclasses.dataclass(frozen=True)
