@@ -80,16 +80,19 @@ def _flags() -> dict[str, Callable[[argparse.ArgumentParser], None]]:
         p.add_argument("--schedule", choices=(*SCHEDULES, "both"), default="both",
                        help="both: every joint action under each schedule")
 
-    def handoff(p: argparse.ArgumentParser) -> None:
+    def failure(p: argparse.ArgumentParser) -> None:
         from rekv_jax.handoff import FALLBACKS
-        from rekv_jax.quantize import BACKENDS
 
         p.add_argument("--fallback", choices=FALLBACKS, default=FALLBACKS[0],
                        help="a failed prefix transfer: fail, or rebuild the cache from tokens")
+        p.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may take")
+
+    def handoff(p: argparse.ArgumentParser) -> None:
+        from rekv_jax.quantize import BACKENDS
+
         p.add_argument("--quant-backend", choices=BACKENDS, default=None,
                        help="default: Pallas on GPU, XLA elsewhere")
         p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may take")
         p.add_argument("--role", choices=("prefill", "decode"), default=None,
                        help="run one side only (multi-host); default: start both here")
         p.add_argument("--coordinator", default=None,
@@ -125,8 +128,8 @@ def _flags() -> dict[str, Callable[[argparse.ArgumentParser], None]]:
 
     return {"json": json_, "model": model, "seq_len": seq_len, "batch": batch,
             "actions": actions, "link": link, "transport": transport, "reps": reps,
-            "schedule": schedule, "handoff": handoff, "attention": attention, "modes": modes,
-            "bits": bits}
+            "schedule": schedule, "failure": failure, "handoff": handoff, "attention": attention,
+            "modes": modes, "bits": bits}
 
 
 # ---------------------------------------------------------------------------------- output
@@ -475,7 +478,7 @@ def _plan_flags(p: argparse.ArgumentParser) -> None:
 
 @command("handoff", cmd_handoff, "timed handoffs between a prefill and a decode process",
          ("model", "seq_len", "batch", "actions", "link", "transport", "reps", "schedule",
-          "handoff", "modes", "attention", "json"))
+          "failure", "handoff", "modes", "attention", "json"))
 def _handoff_flags(p: argparse.ArgumentParser) -> None:
     p.set_defaults(seq_len=256, link_gbps=PAPER_LINK)
 
@@ -521,10 +524,11 @@ def _select_flags(p: argparse.ArgumentParser) -> None:
 
 
 @command("generate", cmd_generate, "generate text on a handed-off ReKV cache (two workers)",
-         ("transport", "link", "attention", "json"))
+         ("transport", "link", "failure", "attention", "json"))
 def _generate_flags(p: argparse.ArgumentParser) -> None:
     from rekv_jax.costmodel import PREFILL_MODES
-    from rekv_jax.handoff import FALLBACKS, SCHEDULES
+    from rekv_jax.generate import DTYPES
+    from rekv_jax.handoff import SCHEDULES
 
     p.add_argument("--model", default=None,
                    help="trained-model folder (default: the shipped wt2-tiny) or hf:PATH")
@@ -533,15 +537,12 @@ def _generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default=None, help="prompt text (the model's tokenizer)")
     p.add_argument("--token-ids", default=None, help="prompt ids: 1,2,3 or @FILE")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--dtype", choices=DTYPES, default=DTYPES[0])
     p.add_argument("--prefill", choices=PREFILL_MODES, default="split",
                    help="the prefill worker runs all L layers, or only 0..c-1, streamed")
     p.add_argument("--schedule", choices=SCHEDULES, default=SCHEDULES[0])
-    p.add_argument("--fallback", choices=FALLBACKS, default=FALLBACKS[0],
-                   help="a failed prefix transfer: fail, or rebuild the cache from tokens")
     p.add_argument("--compare", action="store_true",
                    help="also decode on a single-process cache; report first_divergence")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may take")
     p.add_argument("--role", choices=("prefill", "decode"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
     p.add_argument("--request", default=None, help=argparse.SUPPRESS)  # JSON, from generate()
