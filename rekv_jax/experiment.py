@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import sys
-import threading
 from collections.abc import Callable
 
 import jax
@@ -220,24 +219,9 @@ def _reference_text(cfg: ModelConfig, cut: int, prefill_devices: int, decode_dev
 def run_local(exp: Experiment, emit: Emit, progress: Callable[[int], None] = lambda n: None
               ) -> None:
     """Both sides in this process (the `local` transport): prefill on a thread."""
-    prefill_end, decode_end = LocalTransport.pair(exp.link_gbps)
-    errors: list[BaseException] = []
-
-    def prefill_side() -> None:
-        try:
-            run_role("prefill", exp, prefill_end, emit)
-        except BaseException as e:  # surfaced below, after the decode side stops
-            errors.append(e)
-
-    thread = threading.Thread(target=prefill_side, name="rekv-prefill", daemon=True)
-    thread.start()
-    try:
-        run_role("decode", exp, decode_end, emit, progress)
-    finally:
-        thread.join(exp.timeout)
-        prefill_end.close(), decode_end.close()
-    if errors:
-        raise errors[0]
+    LocalTransport.run_pair(lambda t: run_role("prefill", exp, t, emit),
+                            lambda t: run_role("decode", exp, t, emit, progress),
+                            exp.link_gbps, exp.timeout)
 
 
 def run_process(role: Role, exp: Experiment, coordinator: str | None, emit: Emit,

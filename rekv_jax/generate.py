@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -173,25 +172,9 @@ def run_role(role: Role, req: Request, transport: Transport, on_token: OnToken =
 
 def run_local(req: Request, on_token: OnToken = lambda t: None) -> Generation:
     """Both workers in this process (the `local` transport): prefill on a thread."""
-    prefill_end, decode_end = LocalTransport.pair(req.link_gbps)
-    errors: list[BaseException] = []
-
-    def prefill_side() -> None:
-        try:
-            run_role("prefill", req, prefill_end)
-        except BaseException as e:  # surfaced below, after the decode side stops
-            errors.append(e)
-
-    thread = threading.Thread(target=prefill_side, name="rekv-prefill", daemon=True)
-    thread.start()
-    try:
-        out = run_role("decode", req, decode_end, on_token)
-    finally:
-        thread.join(req.timeout)
-        prefill_end.close(), decode_end.close()
-    if errors:
-        raise errors[0]
-    return out
+    return LocalTransport.run_pair(lambda t: run_role("prefill", req, t),
+                                   lambda t: run_role("decode", req, t, on_token),
+                                   req.link_gbps, req.timeout)
 
 
 def run_process(role: Role, req: Request, coordinator: str | None,
