@@ -1,4 +1,4 @@
-"""The measured sweep end to end on a miniature preset, and `rekv profile`."""
+"""The measured sweep end to end on a miniature preset (its start profile is `rekv profile`)."""
 
 import csv
 import dataclasses
@@ -15,7 +15,6 @@ from rekv_jax.sweep import (
     action_grid,
     balanced_grid,
     best_cut,
-    profile,
     sweep,
 )
 
@@ -75,51 +74,51 @@ def test_a_sweep_needs_two_suffix_lengths():
 
 
 def test_mini_sweep_writes_every_output(tmp_path):
-    preset = SweepPreset(models=("tiny",), lengths=(32,), suffix_lens=(1, 2), transport="local",
-                         link_gbps=None, crossover_factors=(1.0, 4.0))
+    """The gpu preset's plumbing on tiny shapes, in one run: a start profile, the balanced grid,
+    a crossover link, paired Fig. 3 and batch 2, and every output file."""
+    preset = SweepPreset(models=("tiny",), lengths=(32,), suffix_lens=(), transport="local",
+                         link_gbps=0.002, crossover_factors=(1.0, 4.0),
+                         cut_spread=0, prompt_length=32, batch_model="tiny", batches=(2,))
     records, profiles = sweep(preset, tmp_path, reps=2, warmup=1)
     names = {p.name for p in tmp_path.iterdir()}
     assert {"sweep.jsonl", "sweep.csv", "table1.md", "table3.md", "predictions.md",
-            "crossover.md"} <= names
+            "crossover.md", "fig3.md", "batch.md", "start_profiles.jsonl"} <= names
     assert any(n.startswith("fig2_") and n.endswith(".png") for n in names)
-    # one profile fitted from the grid run (2 noisy reps: its values are not asserted here;
-    # fitting itself is tested on synthetic records in test_costmodel.py)
-    assert [(p.model, p.seq_len, p.source) for p in profiles] == [("tiny", 32, "fitted")]
-    links = {r.link_gbps for r in records}
-    assert len(links) == 2  # the calibrated link and 4x it (crossover)
-    assert all(r.first_token_match and r.predicted_ms is not None for r in records)
     lines = [json.loads(line) for line in (tmp_path / "sweep.jsonl").read_text().splitlines()]
     assert sum(line["kind"] == "summary" for line in lines) == len(records)
-    assert "tiny" in (tmp_path / "table1.md").read_text()
+    assert all(r.first_token_match for r in records)
 
-
-def test_balanced_mini_sweep_with_fig3_and_batch(tmp_path):
-    """The gpu preset's plumbing on tiny shapes: start profile, balanced grid, paired Fig. 3 and
-    batch 2, every report file."""
-    preset = SweepPreset(models=("tiny",), lengths=(32,), suffix_lens=(), transport="local",
-                         link_gbps=0.002, crossover_factors=(1.0,),
-                         cut_spread=0, prompt_length=32, batch_model="tiny", batches=(2,))
-    records, _ = sweep(preset, tmp_path, reps=2, warmup=1)
+    # the start profile (`rekv profile`'s measurement) has every cost; the grid is its balanced
+    # cuts; the grid run is fitted too (2 noisy reps: values are not asserted; fitting itself
+    # is tested on synthetic records in test_costmodel.py)
     (start,) = [json.loads(line) for line in
                 (tmp_path / "start_profiles.jsonl").read_text().splitlines()]
     prof = Profile.from_json(start)
-    grid = {str(a) for a in balanced_grid(prof, (8, 4), 0)}
+    assert prof.source == "fitted" and prof.suffix_layer_ms > 0 and {8, 4} <= set(prof.quantize_ms)
+    assert prof.at_link(1.0).link_gbps == 1.0
+    assert [(p.model, p.seq_len, p.source) for p in profiles] == [("tiny", 32, "fitted")]
     ready = [r for r in records if r.interval == "ready" and r.batch == 1]
-    assert {str(r.action) for r in ready} == grid
+    grid = {str(a) for a in balanced_grid(prof, (8, 4), 0)}
+    assert {str(r.action) for r in ready if r.link_gbps == 0.002} == grid
+    # crossover: four actions again at 4x the link
+    assert {r.link_gbps for r in ready} == {0.002, 0.008}
     prompt = [r for r in records if r.interval == "prompt"]
     assert [(str(r.action), r.schedule, r.paired) for r in prompt] == [
         (f"bf16:r={6 - best_cut(prof, 16)}", s, True) for s in ("sequential", "overlapped")]
     batch = [r for r in records if r.batch == 2]
     assert {str(r.action) for r in batch} == {f"q8:r={6 - best_cut(prof, 8)}", "q8:full"}
-    assert all(r.first_token_match for r in records)
+
     # each record's prediction is its own setup's: the prompt interval adds the prefill compute
     # to the ready one; no profile was fitted at batch 2, so the batch records predict nothing
-    ready_pred = {(str(r.action), r.schedule): r.predicted_ms for r in ready}
+    ready_pred = {(str(r.action), r.schedule): r.predicted_ms for r in ready
+                  if r.link_gbps == 0.002}
+    assert all(r.predicted_ms is not None for r in ready)
     assert all(r.predicted_ms > ready_pred[str(r.action), r.schedule] for r in prompt)
     assert all(r.predicted_ms is None for r in batch)
     rows = list(csv.DictReader(open(tmp_path / "sweep.csv")))
     assert len(rows) == len(records)  # the prompt interval's prefill compute is a column
     assert all(float(r["prefill_ms"]) > 0 for r in rows if r["interval"] == "prompt")
+    assert "tiny" in (tmp_path / "table1.md").read_text()
     assert "paired bootstrap" in (tmp_path / "fig3.md").read_text()
     assert "Batch 2" in (tmp_path / "batch.md").read_text()
 
@@ -128,14 +127,6 @@ def test_fig3_and_batch_need_a_start_profile():
     with pytest.raises(ValueError, match="start profile"):
         SweepPreset(models=("tiny",), lengths=(32,), suffix_lens=(1, 2), transport="local",
                     link_gbps=None, crossover_factors=(1.0,), prompt_length=32)
-
-
-def test_profile_measures_every_cost():
-    # a slow link, so that transfer time dominates the noise of these few reps
-    prof = profile("tiny", 32, "local", link_gbps=0.002, reps=2, warmup=1)
-    assert prof.source == "fitted" and prof.suffix_layer_ms > 0
-    assert set(prof.quantize_ms) >= {8, 4}
-    assert prof.at_link(1.0).link_gbps == 1.0
 
 
 @pytest.mark.parametrize("argv, preset, reps", [
