@@ -77,10 +77,12 @@ _GPU = SweepPreset(
     device_share=0.45, prompt_length=8192, batch_model="qwen2.5-7b")
 
 SWEEP_PRESETS = {
-    # Scaled: 6-layer models at 128-512 tokens; under 10 minutes on 2 CPU cores. The fixed r
-    # grid holds the cuts that won here (r = 1, 2: r = 4 won no row of a full run, 11 min 20 s).
+    # Scaled: 6-layer models at 128-512 tokens; under 10 minutes on 2 CPU cores (r = 1, 2, 4
+    # and four crossover links took 11 min 20 s). Two suffix lengths far apart keep the fit
+    # well posed: refitting a full run's records, r = {1, 4} erred 7.0% (median over actions),
+    # {1, 2, 4} 7.6%, and {1, 2} 20.5% (cuts 4 and 5 barely separate per-layer from fixed costs).
     "cpu": SweepPreset(models=("tiny", "tiny-qwen3"), lengths=(128, 256, 512),
-                       suffix_lens=(1, 2), transport="transfer-server", link_gbps=None,
+                       suffix_lens=(1, 4), transport="transfer-server", link_gbps=None,
                        crossover_factors=(0.25, 1.0, 4.0)),
     # The paper's shapes (synthetic weights, one layer's weights repeated) on one GPU shared by
     # the two processes of each handoff (each with its share of device memory) over the
