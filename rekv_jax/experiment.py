@@ -3,9 +3,11 @@
 Each process runs `run_role`. On one machine `launch_pair` starts both over loopback; on a
 multi-host allocation the scheduler starts one process per role (see the README). Both sides
 build the same weights (same seed, or the same checkpoint), agree on the experiment, then run
-`warmup + reps` handoffs per action and schedule. The decode side checks every first token and
-the last rep's complete cache against its own single-process prefill, and emits one JSON object
-per rep (`kind: "rep"`) and per action and schedule (`kind: "summary"`).
+`warmup + reps` handoffs per action and schedule. The decode side checks every timed rep's first
+token and complete cache against its own single-process prefill (`References`), and emits one
+JSON object per rep (`kind: "rep"`) and per action and schedule (`kind: "summary"`). Under
+`fallback="recompute"` a lost prefix costs one rep its transfer, not the run: the decode side
+rebuilds that cache from the token ids and both sides go on.
 """
 
 from __future__ import annotations
@@ -35,12 +37,13 @@ from rekv_jax.handoff import (
     send_handoff,
     send_prompt,
 )
+from rekv_jax.kv import KVCache
 from rekv_jax.loader import load_model
 from rekv_jax.model import Params, attention_backend, prefill
 from rekv_jax.sharding import MeshTransport, shard_params, split_reference
 from rekv_jax.sizes import action_bytes
 from rekv_jax.summary import Rep, Summary, record_schedule
-from rekv_jax.transport import LocalTransport, Transport, checksums, connect
+from rekv_jax.transport import LocalTransport, Transport, TransportError, checksums, connect
 from rekv_jax.transport.base import Role
 from rekv_jax.transport.launch import (
     SUPERVISED,
@@ -142,32 +145,69 @@ def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
     if exp.prefill_devices * exp.decode_devices > 1:  # a mesh per side
         transport = MeshTransport(transport, cfg, exp.prefill_devices, exp.decode_devices)
         params = shard_params(cfg, params, transport.mesh)
+    references = References(cfg, params, tokens, exp) if role == "decode" else None
     for action in exp.actions:
         ready = role == "prefill" and exp.interval == "ready"
         state = prepare(cfg, params, tokens, action) if ready else None
         schedules = exp.schedules_of(action)
-        results: dict[str, list[Handoff]] = {s: [] for s in schedules}
+        results: dict[str, list[Rep]] = {s: [] for s in schedules}
         for schedule, rep in handoff_order(exp, schedules):
             tag = f"{action}/{schedule}/{rep}"
-            if ready:
-                send_handoff(transport, state, action, tag, exp.backend, exp.timeout)
-                continue
             if role == "prefill":
-                send_prompt(transport, cfg, params, tokens, action, tag, exp.prefill,
-                            exp.backend, exp.timeout)
+                try:
+                    if ready:
+                        send_handoff(transport, state, action, tag, exp.backend, exp.timeout)
+                    else:
+                        send_prompt(transport, cfg, params, tokens, action, tag, exp.prefill,
+                                    exp.backend, exp.timeout)
+                except TransportError:
+                    if exp.fallback != "recompute":
+                        raise
+                    # the decode side rebuilds this cache from the token ids and goes on
                 continue
             result = receive_handoff(transport, cfg, params, action, exp.batch, exp.seq_len,
                                      tag, schedule, exp.fallback, exp.backend, exp.timeout,
                                      exp.prefill)
             progress(1)
-            if rep >= exp.warmup:
-                results[schedule].append(result)
-                emit(Rep(action, record_schedule(action, schedule), rep - exp.warmup,
-                         result.total_ms, result.phases_ms, result.fallback))
+            if rep >= exp.warmup:  # every timed rep is checked, then its cache is dropped
+                first_ok, cache_check = references.check(action, result)
+                record = Rep(action, record_schedule(action, schedule), rep - exp.warmup,
+                             result.total_ms, result.phases_ms, result.fallback,
+                             result.timeline_ms, result.sent_bytes, first_ok, cache_check)
+                results[schedule].append(record)
+                emit(record)
         if role == "decode":
             for schedule in schedules:
-                emit(summarize(cfg, params, tokens, exp, action, schedule, results[schedule],
-                               model.weights))
+                emit(summarize(cfg, exp, action, schedule, results[schedule], model.weights))
+
+
+class References:
+    """The single-process caches and first tokens a handoff is checked against, one per cut,
+    each computed once: a `prefill`, or, between sharded sides, the same split in this process
+    (`split_reference`: bits differ across meshes)."""
+
+    def __init__(self, cfg: ModelConfig, params: Params, tokens: jax.Array, exp: Experiment
+                 ) -> None:
+        self._cfg, self._params, self._tokens = cfg, params, tokens
+        self._devices = (exp.prefill_devices, exp.decode_devices)
+        self._cache: dict[int, tuple[KVCache, np.ndarray]] = {}
+
+    def check(self, action: Action, result: Handoff) -> tuple[bool, str]:
+        """(first token matches, what held of the cache: `check_cache`, plus for sharded sides
+        what the cache was compared with)."""
+        cut = 0 if result.fallback else action.cut  # a fallback rebuilt the cache from the ids
+        sharded = self._devices != (1, 1)
+        key = cut if sharded else -1  # one prefill serves every cut of one-device sides
+        if key not in self._cache:
+            reference, logits = (split_reference(self._cfg, self._params, self._tokens, cut,
+                                                 *self._devices) if sharded
+                                 else prefill(self._cfg, self._params, self._tokens))
+            self._cache[key] = reference, np.asarray(jnp.argmax(logits, axis=-1))
+        reference, first = self._cache[key]
+        text = check_cache(reference, action, result)
+        if sharded:
+            text += _reference_text(self._cfg, cut, *self._devices)
+        return bool(np.array_equal(result.first_token, first)), text
 
 
 def handoff_order(exp: Experiment, schedules: tuple[str, ...]) -> list[tuple[str, int]]:
@@ -179,31 +219,26 @@ def handoff_order(exp: Experiment, schedules: tuple[str, ...]) -> list[tuple[str
     return [(s, rep) for s in schedules for rep in reps]
 
 
-def summarize(cfg: ModelConfig, params: Params, tokens: jax.Array, exp: Experiment,
-              action: Action, schedule: str, results: list[Handoff], weights: str = ""
-              ) -> Summary:
-    """One summary: median and bootstrap CI, phase medians, payload, and the checks."""
-    devices = (exp.prefill_devices, exp.decode_devices)
-    sharded = devices != (1, 1)
-    cut = 0 if results[-1].fallback else action.cut  # the cache was rebuilt from the tokens
-    if sharded:  # bits differ across meshes: the reference is the same split, in this process
-        reference, logits = split_reference(cfg, params, tokens, cut, *devices)
-    else:
-        reference, logits = prefill(cfg, params, tokens)
-    first = np.asarray(jnp.argmax(logits, axis=-1))
-    cache_check = check_cache(reference, action, results[-1], exp.backend)
+def summarize(cfg: ModelConfig, exp: Experiment, action: Action, schedule: str,
+              reps: list[Rep], weights: str = "") -> Summary:
+    """One summary of checked reps: median and bootstrap CI, phase medians, payload, bytes sent,
+    and the checks of every rep."""
+    checks = [r.cache_check for r in reps]
+    distinct = dict.fromkeys(checks)
+    cache_check = checks[0] if len(distinct) == 1 else "; ".join(
+        f"{c} ({checks.count(c)} of {len(checks)} reps)" for c in distinct)
     return Summary(
         model=cfg.name, seq_len=exp.seq_len, batch=exp.batch, action=action,
         transport=exp.transport, schedule=record_schedule(action, schedule),
         link_gbps=exp.link_gbps, hardware=hardware(),
-        reps_ms=tuple(r.total_ms for r in results),
-        phases_ms={p: float(np.median([r.phases_ms[p] for r in results])) for p in PROMPT_PHASES},
+        reps_ms=tuple(r.total_ms for r in reps),
+        phases_ms={p: float(np.median([r.phases_ms[p] for r in reps])) for p in PROMPT_PHASES},
         payload_bytes=action_bytes(cfg, action, exp.seq_len, exp.batch)["total_bytes"],
-        first_token_match=all(np.array_equal(r.first_token, first) for r in results),
-        cache_check=cache_check + (_reference_text(cfg, cut, *devices) if sharded else ""),
-        fallbacks=sum(r.fallback for r in results), weights=weights,
-        interval=exp.interval, prefill=exp.prefill, prefill_devices=devices[0],
-        decode_devices=devices[1], paired=exp.paired and len(exp.schedules_of(action)) > 1)
+        first_token_match=all(r.first_token_match for r in reps), cache_check=cache_check,
+        fallbacks=sum(r.fallback for r in reps), weights=weights,
+        interval=exp.interval, prefill=exp.prefill, prefill_devices=exp.prefill_devices,
+        decode_devices=exp.decode_devices, paired=exp.paired and len(exp.schedules_of(action)) > 1,
+        sent_bytes=max(r.sent_bytes for r in reps))
 
 
 def _reference_text(cfg: ModelConfig, cut: int, prefill_devices: int, decode_devices: int

@@ -73,6 +73,9 @@ class Summary:
     prefill_devices: int = 1  # tensor-parallel devices of each side (rekv_jax.sharding)
     decode_devices: int = 1
     paired: bool = False  # its reps alternated with the other schedule's: rep i is a pair
+    # bytes the prefill side's transport sent per handoff (measured; the largest over the reps):
+    # payload_bytes (Eqs. 5, 7) plus the token ids and, where sent, the first token
+    sent_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.schedule not in RECORD_SCHEDULES:
@@ -155,7 +158,7 @@ def read_summaries(paths: str | Path | Iterable[str | Path]) -> list[Summary]:
 
 @dataclasses.dataclass(frozen=True)
 class Rep:
-    """One timed handoff of an action (the handoff's `kind: "rep"` line)."""
+    """One timed handoff of an action (the handoff's `kind: "rep"` line), checked on its own."""
 
     action: Action
     schedule: str  # one of RECORD_SCHEDULES (record_schedule)
@@ -163,6 +166,10 @@ class Rep:
     total_ms: float
     phases_ms: dict[str, float]
     fallback: bool = False
+    timeline_ms: dict[str, float] = dataclasses.field(default_factory=dict)  # handoff.TIMELINE
+    sent_bytes: int = 0  # what the prefill side's transport sent
+    first_token_match: bool = True  # equals a single-process prefill's first token
+    cache_check: str = ""  # what held of this rep's cache (handoff.check_cache)
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "rep", **dataclasses.asdict(self), "action": str(self.action)}

@@ -150,6 +150,7 @@ class Transport:
         self._channel = channel
         self._pacer = LinkPacer(link_gbps) if link_gbps is not None else None
         self._closed = False
+        self.sent_bytes = 0  # prefill side: bytes of every buffer handed to the link so far
 
     # -- buffers -------------------------------------------------------------------------------
 
@@ -158,7 +159,8 @@ class Transport:
         their checksums (computed on device while the link works).
 
         Returns once the transport holds the buffers (transfer-server: registered for pull; the
-        collective returns when the exchange is done). Errors of the decode side surface here
+        collective returns when the exchange is done), and adds their bytes to `sent_bytes`
+        (the JSON control messages are not counted). Errors of the decode side surface here
         (collective) or in `wait_ack`."""
         self._require("prefill", "send")
         arrays = list(arrays)
@@ -170,6 +172,7 @@ class Transport:
         sums = _checksums_dispatch(arrays)  # dispatched asynchronously
         self._channel.put(f"{tag}/header", json.dumps([spec_of(a) for a in arrays]))
         self._push(tag, arrays, time.monotonic() + timeout)
+        self.sent_bytes += sum(a.nbytes for a in arrays)
         self._channel.put(f"{tag}/checksums", json.dumps(_checksums_collect(sums)))
 
     def recv(self, tag: str, specs: Sequence[jax.ShapeDtypeStruct], timeout: float = 60.0
