@@ -2,17 +2,19 @@
 
 Checks, each pass or fail: the Pallas quantization kernels bitwise against the XLA reference
 computed on `jax.devices("cpu")`; the suffix bitwise equal to `prefill` at two cuts for each
-family (Qwen2, Qwen3, Llama) with this process's attention backend; the quantizer and model
-benchmarks (their summaries; a missed speed target is reported, not failed); one short
-two-process handoff whose first tokens and caches check out. On a GPU the shapes are real
-(published configs, synthetic shared-layer weights; a few minutes on an H100/H200); on CPU the
-same checks run on small shapes in well under a minute.
+family (Qwen2, Qwen3, Llama) with this process's attention backend; the quantizer's RMS
+round-trip error on Gaussian data within `RMS_ERR_BAND` of its theoretical value (its speed is
+reported: a missed target is not a failure); one short two-process handoff whose first tokens
+and caches check out. The model benchmark is information (INFO), a measurement, not a verdict.
+On a GPU the shapes are real (published configs, synthetic shared-layer weights; a few minutes
+on an H100/H200); on CPU the same checks run on small shapes in well under a minute.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,7 +39,7 @@ class Check:
     """One line of the report."""
 
     name: str
-    passed: bool
+    passed: bool | None  # None: a measurement, not a verdict (printed as INFO)
     detail: str
     seconds: float
     data: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -73,7 +75,7 @@ def shapes_for(platform: str) -> Shapes:
                   64, (0.5,), "tiny", 64, 64)
 
 
-def _timed(name: str, fn: Callable[[], tuple[bool, str, dict]]) -> Check:
+def _timed(name: str, fn: Callable[[], tuple[bool | None, str, dict]]) -> Check:
     t0 = time.perf_counter()
     try:
         passed, detail, data = fn()
@@ -132,26 +134,49 @@ def check_exact(cfg: ModelConfig, seq_len: int, fractions: tuple[float, ...]
                              "cuts": cuts, "differ": bad}
 
 
+# Measured / expected RMS error may depart this far from 1. bench_quant's bf16 Gaussians have
+# light tails (smaller group maxima), measured 1.5-3.5% under the estimate; a quantizer that
+# truncates instead of rounding doubles the error, a wrong scale or code layout does worse.
+RMS_ERR_BAND = 0.1
+
+
+def gaussian_rms_rel_err(bits: int, group_size: int = sizes.GROUP_SIZE) -> float:
+    """Expected RMS relative round-trip error of the contract on N(0, 1) data, from first
+    principles: in each group all but the max (restored exactly) carry a uniform rounding error
+    of variance s^2 / 12, s = max|x| / qmax, so err^2 = (G - 1) / G * E[max^2] / (12 qmax^2);
+    E[max^2] of G half-normals is the integral of 2 m P(max > m)."""
+    m = np.linspace(0.0, 12.0, 12001)
+    below = np.array([math.erf(v / math.sqrt(2.0)) for v in m]) ** group_size
+    e_max2 = float(np.trapezoid(2 * m * (1 - below), m))
+    return math.sqrt((group_size - 1) / group_size * e_max2 / (12 * kernels.QMAX[bits] ** 2))
+
+
 def check_bench_quant(cfg: ModelConfig, seq_len: int) -> tuple[bool, str, dict]:
-    """bench_quant summary; passes when it ran (the 0.8 / 0.5 target is reported)."""
+    """bench_quant summary; passes when Q8's and Q4's RMS round-trip error on Gaussian data lie
+    within `RMS_ERR_BAND` of `gaussian_rms_rel_err` (the 0.8 / 0.5 speed target is reported)."""
     r = bench.bench_quant(cfg, seq_len, trials=3)
     run = r["tunings"][0]
     fracs = {f"q{b}/{op}": run[f"q{b}"][f"{op}_frac_of_copy"] for b in (8, 4)
              for op in ("quantize", "dequantize")}
+    expected = r["rms_rel_err_expected"] = {f"q{b}": gaussian_rms_rel_err(b) for b in (8, 4)}
+    measured = r["rms_rel_err_gaussian"]
+    ok = all(abs(measured[k] / expected[k] - 1) <= RMS_ERR_BAND for k in expected)
     detail = (f"{r['backend']} copy {r['copy_gbps']:.1f} GB/s; of copy: " + ", ".join(
         f"{k} {v:.2f}" for k, v in fracs.items()) + f"; target {r['target_frac_of_copy']} "
-        f"{'met' if r['meets_target'] else 'NOT met'}")
-    return all(np.isfinite(list(fracs.values()))), detail, r
+        f"{'met' if r['meets_target'] else 'NOT met'}; rms err " + ", ".join(
+        f"{k} {measured[k]:.3g} (expected {v:.3g})" for k, v in expected.items())
+        + f" within {RMS_ERR_BAND:.0%}: {'yes' if ok else 'NO'}")
+    return ok, detail, r
 
 
-def check_bench_model(cfg: ModelConfig, seq_len: int) -> tuple[bool, str, dict]:
-    """bench_model summary; passes when it ran with finite rates."""
+def check_bench_model(cfg: ModelConfig, seq_len: int) -> tuple[None, str, dict]:
+    """bench_model summary: information, not a verdict (no speed is right on every machine)."""
     r = bench.bench_model(cfg, seq_len, reps=3)
     s, d = r["run_suffix"], r["decode_step"]
     detail = (f"{cfg.name} S={seq_len} {r['attention']}: suffix {s['ms_per_layer']:.2f} ms/layer "
               f"= {s['frac_of_matmul']:.2f} of matmul ({r['matmul_tflops']:.1f} TFLOP/s); "
               f"decode {d['ms']:.2f} ms = {d['ratio_to_byte_bound']:.2f}x byte bound")
-    return bool(np.isfinite([s["tflops"], d["ratio_to_byte_bound"]]).all()), detail, r
+    return None, detail, r
 
 
 def check_handoff(seq_len: int) -> tuple[bool, str, dict]:
@@ -193,8 +218,9 @@ def run_checks() -> list[Check]:
 
 
 def report(checks: list[Check]) -> dict[str, Any]:
-    """The JSON form: device, overall verdict and every check."""
-    return {"kind": "doctor", **bench.device_info(), "passed": all(c.passed for c in checks),
+    """The JSON form: device, overall verdict (of the checks that give one) and every check."""
+    return {"kind": "doctor", **bench.device_info(),
+            "passed": all(c.passed for c in checks if c.passed is not None),
             "checks": [dataclasses.asdict(c) for c in checks]}
 
 
@@ -202,5 +228,5 @@ def print_table(checks: list[Check]) -> None:
     """The readable form: one line per check."""
     width = max(len(c.name) for c in checks)
     for c in checks:
-        verdict = "PASS" if c.passed else "FAIL"
+        verdict = "INFO" if c.passed is None else "PASS" if c.passed else "FAIL"
         print(f"{verdict}  {c.name:<{width}}  {c.seconds:6.1f} s  {c.detail}")

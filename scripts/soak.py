@@ -8,7 +8,9 @@ the prefix late). Expected outcomes: `ok` (no fault, or a delay), `recovered` (a
 under `recompute`: the cache is rebuilt from the token ids), `failed_clean` (under `error`: both
 sides raise TransportError and go on). Every cache and first token that comes back is checked
 against a single-process prefill: `wrong` counts differences, `unexpected` outcomes that are not
-the expected ones, `hangs` handoffs that timed out (or a side that never finished).
+the expected ones, `hangs` handoffs that timed out (or a side that never finished). `faults`
+counts the planned faults per kind, `injected` those the hooks applied (prefill side: corrupt,
+delay; decode side: lost); a soak passes only if every planned fault was injected.
 
 Resident memory and live threads are read on both sides after a warm-up (one fault-free handoff
 per action and schedule) and at the end; latency p50/p99 per action and schedule is over the
@@ -97,6 +99,8 @@ def run_side(role: str, coordinator: str, args: argparse.Namespace) -> None:
 
     def faulty_push(tag: str, arrays: list, deadline: float) -> None:
         fault = faults.get(tag)
+        if fault in ("delay", "corrupt"):
+            injected[fault] += 1
         if fault == "delay":
             time.sleep(DELAY_S)
         elif fault == "corrupt":
@@ -107,10 +111,12 @@ def run_side(role: str, coordinator: str, args: argparse.Namespace) -> None:
 
     def faulty_pull(tag: str, specs: list, deadline: float) -> list:
         if faults.get(tag) == "lost":
+            injected["lost"] += 1
             raise TransportError(f"{tag}: injected loss of the prefix")
         return pull(tag, specs, deadline)
 
     faults: dict[str, str] = {}
+    injected = dict.fromkeys(FAULTS, 0)  # faults this side's hooks applied
     transport._push, transport._pull = faulty_push, faulty_pull
     if role == "prefill":
         states = {a: prepare(cfg, params, tokens, action) for a, action in actions.items()}
@@ -158,10 +164,11 @@ def run_side(role: str, coordinator: str, args: argparse.Namespace) -> None:
             counts["unexpected"] += outcome != step.expected
     end = vitals()
     if role == "prefill":
-        transport.send_meta("soak/prefill", {"start": start, "end": end})
+        transport.send_meta("soak/prefill", {"start": start, "end": end, "injected": injected})
         transport.close()
         return
     prefill_vitals = transport.recv_meta("soak/prefill", HANDOFF_TIMEOUT)
+    prefill_injected = prefill_vitals.pop("injected")
     transport.close()
     tenth = max(1, args.handoffs // 10)
 
@@ -171,7 +178,8 @@ def run_side(role: str, coordinator: str, args: argparse.Namespace) -> None:
 
     print(json.dumps({
         "handoffs": args.handoffs, "fault_rate": args.fault_rate, "seq_len": args.seq_len,
-        "faults": {f: sum(s.fault == f for s in steps) for f in FAULTS}, **counts, "hung": hung,
+        "faults": {f: sum(s.fault == f for s in steps) for f in FAULTS},
+        "injected": {f: prefill_injected[f] + injected[f] for f in FAULTS}, **counts, "hung": hung,
         "vitals": {"decode": {"start": start, "end": end}, "prefill": prefill_vitals},
         "latency_ms": {key: {"first_tenth": pct([t for j, t in xs if j < tenth]),
                              "last_tenth": pct([t for j, t in xs if j >= args.handoffs - tenth])}
@@ -180,9 +188,10 @@ def run_side(role: str, coordinator: str, args: argparse.Namespace) -> None:
 
 
 def verdict(report: dict, max_rss_growth: float) -> dict:
-    """The pass criteria: nothing wrong, unexpected or hung; memory and threads flat."""
+    """The pass criteria: nothing wrong, unexpected or hung; every planned fault injected;
+    memory and threads flat."""
     checks = {"wrong": report["wrong"] == 0, "unexpected": report["unexpected"] == 0,
-              "hangs": report["hangs"] == 0,
+              "hangs": report["hangs"] == 0, "injected": report["injected"] == report["faults"],
               "all_counted": report["ok"] + report["recovered"] + report["failed_clean"]
               + report["hangs"] == report["handoffs"]}
     for side, v in report["vitals"].items():
@@ -234,7 +243,7 @@ def main() -> None:
         print(json.dumps(report))
     else:
         for key in ("handoffs", "ok", "recovered", "failed_clean", "wrong", "unexpected", "hangs",
-                    "faults", "vitals", "passed", "checks", "wall_s"):
+                    "faults", "injected", "vitals", "passed", "checks", "wall_s"):
             print(f"{key:>14}: {report[key]}")
         for key, lat in report["latency_ms"].items():
             print(f"{key:>26}: {lat}")

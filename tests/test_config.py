@@ -89,6 +89,17 @@ def test_cli_info(capsys):
     main(["info", "--model", "qwen2.5-7b", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert out["config"]["num_layers"] == 28
-    assert out["sizes"]
+    # the sizes, from the published config at the CLI's default S = 8192, B = 1
+    hf, S = QWEN25_7B, 8192
+    D, K = hf["hidden_size"], hf["num_key_value_heads"]
+    H = D // hf["num_attention_heads"]
+    kv16 = 2 * S * K * H * 2  # K and V, bf16
+    scales = 2 * S * K * (H // 64) * 2  # one float16 scale per group of 64
+    assert out["sizes"] == {
+        "seq_len": S, "batch": 1, "boundary_bytes": S * D * 2, "kv_layer_bytes_bf16": kv16,
+        "kv_layer_bytes_q8": kv16 // 2 + scales, "kv_layer_bytes_q4": kv16 // 4 + scales,
+        "full_kv_bytes_bf16": hf["num_hidden_layers"] * kv16, "token_bytes": S * 4,
+        "boundary_to_kv_layer": 3.5,  # n_h / (2 n_kv), the paper's Eq. 3 ratio for this model
+        "min_saving_suffix_bf16": 4}  # smallest r with r * 16 MiB > 56 MiB (Eq. 6)
     with pytest.raises(SystemExit):
         main(["info", "--model", "nope"])

@@ -1,6 +1,7 @@
 """Pallas quantization kernels and their block math: bit-identical to the XLA reference
-(interpret mode on CPU), `f16_scale` against every bfloat16, and lowerable for CUDA from this
-CPU-only machine, so a kernel that cannot compile fails here."""
+(interpret mode everywhere; compiled Triton kernels on a GPU, skipped with a reason elsewhere),
+`f16_scale` against every bfloat16, and lowerable for CUDA from this CPU-only machine, so a
+kernel that cannot compile fails here."""
 
 import jax
 import jax.numpy as jnp
@@ -20,33 +21,41 @@ def assert_bitwise_equal(a: jax.Array, b: jax.Array) -> None:
     assert np.array_equal(a.view(f"u{a.itemsize}"), b.view(f"u{b.itemsize}"))
 
 
-def check_same_as_reference(x: jax.Array, bits: int, block_rows: int) -> None:
-    ref = P.quantize_xla(x, bits, 64)
+# the kernels interpreted, and compiled (Triton) where a GPU is present
+INTERPRET = [True, pytest.param(False, marks=pytest.mark.skipif(
+    jax.default_backend() != "gpu", reason="compiled Pallas (Triton) kernels need a CUDA GPU"))]
+
+
+def check_same_as_reference(x: jax.Array, bits: int, block_rows: int, interpret: bool) -> None:
+    # the reference on the CPU device: XLA:GPU departs from the contract (see rekv_jax/quantize.py)
+    ref = P.quantize_xla(jax.device_put(x, jax.devices("cpu")[0]), bits, 64)
     block = block_rows * x.shape[-1]
-    got = P.quantize(x, bits, 64, block_elements=block, interpret=True)
+    got = P.quantize(x, bits, 64, block_elements=block, interpret=interpret)
     assert_bitwise_equal(got.values, ref.values)
     assert_bitwise_equal(got.scales, ref.scales)
     assert (got.bits, got.group_size, got.dtype) == (ref.bits, ref.group_size, ref.dtype)
     for dtype in (None, jnp.float32, jnp.float16):
-        assert_bitwise_equal(P.dequantize(got, dtype, block_elements=block, interpret=True),
+        assert_bitwise_equal(P.dequantize(got, dtype, block_elements=block, interpret=interpret),
                              P.dequantize_xla(ref, dtype))
 
 
+@pytest.mark.parametrize("interpret", INTERPRET)
 @settings(max_examples=16, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), tokens=st.integers(1, 70), heads=st.integers(1, 8),
        head_dim=st.sampled_from([64, 128]), bits=st.sampled_from([8, 4]),
        dtype=st.sampled_from([jnp.bfloat16, jnp.float32]), block_rows=st.sampled_from([8, 32]))
-def test_interpret_matches_reference_bitwise(seed, tokens, heads, head_dim, bits, dtype,
-                                             block_rows):
+def test_kernels_match_reference_bitwise(interpret, seed, tokens, heads, head_dim, bits, dtype,
+                                        block_rows):
     # KV layout [B, S, K, H]; rows = S * K are rarely a multiple of block_rows (ragged blocks).
     check_same_as_reference(random_groups(seed, (1, tokens, heads, head_dim), dtype), bits,
-                            block_rows)
+                            block_rows, interpret)
 
 
+@pytest.mark.parametrize("interpret", INTERPRET)
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_interpret_matches_reference_on_extremes(bits, dtype):
-    check_same_as_reference(extreme_groups(bits, dtype), bits, block_rows=8)
+def test_kernels_match_reference_on_extremes(interpret, bits, dtype):
+    check_same_as_reference(extreme_groups(bits, dtype), bits, 8, interpret)
 
 
 def test_nan_through_the_pallas_backend_raises():

@@ -18,8 +18,14 @@ TINY = ModelConfig.preset("tiny")
 def test_analytic_plan_is_labelled_and_consistent():
     out = planner.plan(QWEN7B, 8192)
     assert "analytic" in out["note"] and out["profile"]["source"] == "analytic"
-    assert out["profile"]["link_gbps"] == pytest.approx(planner.PAPER_LINK_GBPS)
     L = QWEN7B.num_layers
+    # the transfer terms use the profile's link: full BF16 sends L layers of 2 S K H bf16 bytes
+    # (16 MiB per layer, as the paper's §2.2 states for Qwen2.5-7B at 8K)
+    layer_bytes = 2 * 8192 * QWEN7B.num_kv_heads * QWEN7B.head_dim * 2
+    assert layer_bytes == 16 * 2**20
+    full = next(c for c in out["candidates"] if c["action"] == str(Action(16, L, L)))
+    assert full["phases_ms"]["prefix"] == pytest.approx(
+        L * layer_bytes / (out["profile"]["link_gbps"] * 1e6))
     assert [c["action"] for c in out["candidates"]] == [str(a) for a in action_space(L)]
     best = min(out["candidates"], key=lambda c: c["predicted_ms"])
     assert out["best"]["action"] == best["action"]

@@ -140,6 +140,21 @@ def test_bf16_joint_action_is_exact_and_passes(shipped, small_eval):
     assert m["eligible"]
 
 
+# Mean KL(BF16 || a) on `small_eval` (512 tokens, 2 windows x 16 continuation positions),
+# measured here: q8:r=2 1.25e-5 (the README's 1.2e-5 at 8 windows), q4:r=2 1.05e-4.
+Q8_KL_BOUND = 5e-5
+
+
+def test_q8_joint_action_keeps_kl_small_and_below_q4(shipped, small_eval):
+    """End to end on the shipped model: q8:r=2 stays within a small KL of BF16, and Q4 at the
+    same cut departs further (coarser codes, larger error)."""
+    cfg, params, _ = shipped
+    q8, q4 = quality.evaluate(cfg, params, small_eval,
+                              [Action(8, 2, cfg.num_layers), Action(4, 2, cfg.num_layers)])
+    assert 0 < q8["kl"] < Q8_KL_BOUND and q8["top1_agree"] == 1.0
+    assert q4["kl"] > q8["kl"]
+
+
 def test_corrupted_prefix_is_rejected(shipped, small_eval):
     cfg, params, _ = shipped
 
