@@ -29,7 +29,7 @@ from rekv_jax.experiment import Experiment
 from rekv_jax.loader import synthetic_model
 from rekv_jax.model import attention_backend, prefill, run_prefix, run_suffix
 from rekv_jax.transport import TransportError
-from rekv_jax.transport.launch import run_cli
+from rekv_jax.transport.launch import run_cli, visible_gpus
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +178,11 @@ def check_handoff(seq_len: int) -> tuple[bool, str, dict]:
 
 
 def run_checks() -> list[Check]:
-    """Every check, on this platform's shapes."""
+    """Every check, on this platform's shapes. The two-process handoff runs first, before this
+    process starts JAX (whose GPU backend would hold memory the pair needs), on the shapes of
+    the platform that `visible_gpus` predicts; it is reported last."""
+    guess = shapes_for("gpu" if visible_gpus() else "cpu")
+    handoff = _timed("handoff", lambda: check_handoff(guess.handoff_seq_len))
     shapes = shapes_for(jax.default_backend())
     checks = [_timed("pallas_kernels", lambda: check_kernels(shapes.quant_rows))]
     for family, cfg in shapes.families.items():
@@ -188,8 +192,7 @@ def run_checks() -> list[Check]:
     model = ModelConfig.preset(shapes.bench_model)
     checks.append(_timed("bench_quant", lambda: check_bench_quant(model, shapes.bench_seq_len)))
     checks.append(_timed("bench_model", lambda: check_bench_model(model, shapes.bench_seq_len)))
-    checks.append(_timed("handoff", lambda: check_handoff(shapes.handoff_seq_len)))
-    return checks
+    return [*checks, handoff]
 
 
 def report(checks: list[Check]) -> dict[str, Any]:

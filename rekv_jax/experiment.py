@@ -47,9 +47,13 @@ from rekv_jax.transport import LocalTransport, Transport, TransportError, checks
 from rekv_jax.transport.base import Role
 from rekv_jax.transport.launch import (
     SUPERVISED,
+    agree_runtime,
     die_with_parent,
+    pair_environments,
     run_cli,
+    start_side,
     supervise,
+    visible_gpus,
     with_prefill_child,
 )
 
@@ -136,9 +140,9 @@ def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
     wrong = [str(a) for a in exp.actions if a.num_layers != cfg.num_layers]
     if wrong:
         raise ValueError(f"actions {wrong} are not for {cfg.name} ({cfg.num_layers} layers)")
-    # different attention backends give different bits, so the backend is agreed on too
-    transport.agree("experiment", {**dataclasses.asdict(exp), "model": fingerprint(cfg, params),
-                                   "attention": attention_backend(cfg, params["embed"].dtype)},
+    # different attention backends, versions, XLA flags or devices give different bits
+    agree_runtime(transport, attention_backend(cfg, params["embed"].dtype), exp.timeout)
+    transport.agree("experiment", {**dataclasses.asdict(exp), "model": fingerprint(cfg, params)},
                     exp.timeout)
     tokens = jax.random.randint(jax.random.key(exp.seed + 1), (exp.batch, exp.seq_len), 0,
                                 cfg.vocab_size, jnp.int32)
@@ -265,6 +269,7 @@ def run_process(role: Role, exp: Experiment, coordinator: str | None, emit: Emit
 
     The prefill side runs in a supervised worker: JAX aborts it when the decode side (which hosts
     the coordination service) goes away, and the supervisor turns that into one line."""
+    start_side()
     if role == "prefill" and not os.environ.get(SUPERVISED):
         supervise([sys.executable, "-m", "rekv_jax.cli", "handoff", "--experiment",
                    exp.to_json(), "--role", role]
@@ -281,11 +286,23 @@ def run_process(role: Role, exp: Experiment, coordinator: str | None, emit: Emit
 def launch_pair(exp: Experiment, emit: Emit, progress: Callable[[int], None] = lambda n: None
                 ) -> None:
     """Run both sides on this machine over loopback: this process decodes, a child prefills
-    (`transport.launch.with_prefill_child`: bounded, and a dead child is named by its exit)."""
+    (`transport.launch.with_prefill_child`: a GPU or a fair share per side, bounded, and a dead
+    child is named by its exit). The decode side builds the prefill mesh too, for its reference
+    (`References`), so it needs max(N, M) devices."""
     cmd = [sys.executable, "-m", "rekv_jax.cli", "handoff", "--experiment", exp.to_json(),
            "--role", "prefill"]
     with_prefill_child(cmd, lambda coordinator: run_process("decode", exp, coordinator, emit,
-                                                            progress), exp.timeout)
+                                                            progress), exp.timeout,
+                       side_environments(exp))
+
+
+def side_environments(exp: Experiment) -> dict[Role, dict[str, str]]:
+    """Each side's environment when `launch_pair` runs `exp` on this machine
+    (`transport.launch.pair_environments`); a ValueError for a refused set-up, e.g. the
+    collective transport on one GPU."""
+    devices = {"prefill": exp.prefill_devices,
+               "decode": max(exp.prefill_devices, exp.decode_devices)}
+    return pair_environments(visible_gpus(), os.environ, devices, exp.transport)
 
 
 def total_handoffs(exp: Experiment) -> int:

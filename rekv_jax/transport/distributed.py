@@ -70,6 +70,14 @@ def _client_errors_recorded() -> Iterator[None]:
         _jax_distributed._jax = lib
 
 
+def backends_started() -> bool:
+    """Whether JAX has started its backends in this process (after which CUDA_VISIBLE_DEVICES,
+    the memory share and XLA_FLAGS are read and fixed)."""
+    from jax._src import xla_bridge  # private
+
+    return xla_bridge.backends_are_initialized()
+
+
 def wait_for_port(address: str, timeout: float) -> None:
     """Return once `host:port` accepts TCP connections; TransportTimeout after `timeout` s."""
     host, port = address.rsplit(":", 1)
