@@ -26,6 +26,7 @@ from rekv_jax import bench, sizes
 from rekv_jax.action import Action
 from rekv_jax.config import Llama3RopeScaling, ModelConfig
 from rekv_jax.experiment import Experiment
+from rekv_jax.handoff import SUFFIX_ACROSS
 from rekv_jax.loader import synthetic_model
 from rekv_jax.model import attention_backend, prefill, run_prefix, run_suffix
 from rekv_jax.transport import TransportError
@@ -155,7 +156,8 @@ def check_bench_model(cfg: ModelConfig, seq_len: int) -> tuple[bool, str, dict]:
 
 
 def check_handoff(seq_len: int) -> tuple[bool, str, dict]:
-    """A short two-process handoff (tiny model): first tokens and caches must check out.
+    """A short two-process handoff (tiny model): first tokens and caches must check out, and
+    the decode side's suffix must equal the prefill process's own (by checksum) on every rep.
 
     It runs as `rekv handoff` (i.e. `experiment.launch_pair`) in a child process: the decode side
     initializes `jax.distributed`, which must come before any computation of this process."""
@@ -169,9 +171,9 @@ def check_handoff(seq_len: int) -> tuple[bool, str, dict]:
         return False, str(e), {}
     records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     summaries = [r for r in records if r["kind"] == "summary"]
-    ok = len(summaries) == 1 and all(
+    ok = len(summaries) == 1 and all(  # the suffix bitwise, and the same in both processes
         s["first_token_match"] and s["cache_check"].startswith("suffix bitwise")
-        for s in summaries)
+        and s["cache_check"].endswith(SUFFIX_ACROSS) for s in summaries)
     detail = "; ".join(f"{s['action']} {s['median_ms']:.1f} ms, {s['cache_check']}"
                        for s in summaries)
     return ok, detail, {"summaries": summaries}

@@ -152,7 +152,11 @@ def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
     references = References(cfg, params, tokens, exp) if role == "decode" else None
     for action in exp.actions:
         ready = role == "prefill" and exp.interval == "ready"
-        state = prepare(cfg, params, tokens, action) if ready else None
+        # the prefill side's own suffix is checked against the decode side's on every rep
+        # (the same mesh shape on both sides: across meshes the bits differ by design)
+        state = (prepare(cfg, params, tokens, action,
+                         check_suffix=exp.prefill_devices == exp.decode_devices)
+                 if ready else None)
         schedules = exp.schedules_of(action)
         results: dict[str, list[Rep]] = {s: [] for s in schedules}
         for schedule, rep in handoff_order(exp, schedules):

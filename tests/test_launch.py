@@ -1,8 +1,10 @@
 """One command, two processes on one machine: the GPUs and environment each side gets, the
-runtime the sides must share, and the transfer server's unguessable pull ids."""
+runtime the sides must share, the suffix checked across processes on every rep, and the
+transfer server's unguessable pull ids."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -12,10 +14,11 @@ import threading
 import jax
 import pytest
 
-from rekv_jax import cli
+from rekv_jax import cli, experiment
 from rekv_jax.action import Action
 from rekv_jax.experiment import Experiment, run_local
 from rekv_jax.failures import describe
+from rekv_jax.summary import Rep, Summary
 from rekv_jax.transport import launch
 from rekv_jax.transport.launch import (
     GPU_XLA_FLAGS,
@@ -177,6 +180,39 @@ def test_runtime_names_what_decides_the_bits():
     assert facts["jax"] == jax.__version__ and facts["attention"] == "xla"
     assert facts["device_kind"] == jax.local_devices()[0].device_kind
     assert set(facts) == {"jax", "jaxlib", "platform", "device_kind", "xla_flags", "attention"}
+
+
+# ------------------------------------------------------------ the suffix across the two processes
+
+ACROSS = ", suffix checksum = the prefill process's"  # what a person reads
+
+
+def test_every_rep_checks_the_suffix_against_the_prefill_process():
+    out = []
+    run_local(dataclasses.replace(EXP, actions=(Action.parse("bf16:r=2", 6),
+                                                Action.parse("q8:r=2", 6),
+                                                Action.parse("q8:full", 6))), out.append)
+    reps = [r for r in out if isinstance(r, Rep)]
+    assert [r.cache_check for r in reps] == ["bitwise" + ACROSS] * 2 + [
+        "suffix bitwise, prefix within the q8 error bound" + ACROSS] * 2 + [
+        "suffix bitwise, prefix within the q8 error bound"] * 2  # transfer-only: no suffix
+
+
+def test_a_prefill_process_with_other_suffix_bits_is_a_mismatch(monkeypatch):
+    real = experiment.prepare
+
+    def other_bits(*args, **kwargs):  # the prefill side's suffix differs by one checksum
+        state = real(*args, **kwargs)
+        return dataclasses.replace(state, suffix_sums=(state.suffix_sums[0] + 1,
+                                                       *state.suffix_sums[1:]))
+
+    monkeypatch.setattr(experiment, "prepare", other_bits)
+    out = []
+    run_local(EXP, out.append)
+    reps = [r for r in out if isinstance(r, Rep)]
+    (summary,) = [r for r in out if isinstance(r, Summary)]
+    want = "MISMATCH in the prefill process's suffix checksum"
+    assert [r.cache_check for r in reps] == [want, want] and summary.cache_check == want
 
 
 # ----------------------------------------------------------------- transfer-server pull ids
