@@ -42,7 +42,7 @@ from rekv_jax.loader import load_model
 from rekv_jax.model import Params, attention_backend, prefill
 from rekv_jax.sharding import MeshTransport, shard_params, split_reference
 from rekv_jax.sizes import action_bytes
-from rekv_jax.summary import Rep, Summary, record_schedule
+from rekv_jax.summary import Rep, Summary, record_schedule, serializes
 from rekv_jax.transport import LocalTransport, Transport, TransportError, checksums, connect
 from rekv_jax.transport.base import Role
 from rekv_jax.transport.launch import (
@@ -179,9 +179,11 @@ def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
             progress(1)
             if rep >= exp.warmup:  # every timed rep is checked, then its cache is dropped
                 first_ok, cache_check = references.check(action, result)
-                record = Rep(action, record_schedule(action, schedule), rep - exp.warmup,
+                stated = record_schedule(action, schedule)
+                record = Rep(action, stated, rep - exp.warmup,
                              result.total_ms, result.phases_ms, result.fallback,
-                             result.timeline_ms, result.sent_bytes, first_ok, cache_check)
+                             result.timeline_ms, result.sent_bytes, first_ok, cache_check,
+                             serializes(exp.transport, stated, jax.default_backend()))
                 results[schedule].append(record)
                 emit(record)
         if role == "decode":
@@ -246,7 +248,7 @@ def summarize(cfg: ModelConfig, exp: Experiment, action: Action, schedule: str,
         fallbacks=sum(r.fallback for r in reps), weights=weights,
         interval=exp.interval, prefill=exp.prefill, prefill_devices=exp.prefill_devices,
         decode_devices=exp.decode_devices, paired=exp.paired and len(exp.schedules_of(action)) > 1,
-        sent_bytes=max(r.sent_bytes for r in reps))
+        sent_bytes=max(r.sent_bytes for r in reps), serialized=any(r.serialized for r in reps))
 
 
 def _reference_text(cfg: ModelConfig, cut: int, prefill_devices: int, decode_devices: int

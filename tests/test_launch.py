@@ -1,6 +1,6 @@
 """One command, two processes on one machine: the GPUs and environment each side gets, the
-runtime the sides must share, the suffix checked across processes on every rep, and the
-transfer server's unguessable pull ids."""
+runtime the sides must share, the suffix checked across processes on every rep, the labelling
+of records that cannot overlap on a GPU, and the transfer server's unguessable pull ids."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import types
 
 import jax
 import pytest
@@ -18,7 +19,7 @@ from rekv_jax import cli, experiment
 from rekv_jax.action import Action
 from rekv_jax.experiment import Experiment, run_local
 from rekv_jax.failures import describe
-from rekv_jax.summary import Rep, Summary
+from rekv_jax.summary import Rep, Summary, serializes
 from rekv_jax.transport import launch
 from rekv_jax.transport.launch import (
     GPU_XLA_FLAGS,
@@ -213,6 +214,38 @@ def test_a_prefill_process_with_other_suffix_bits_is_a_mismatch(monkeypatch):
     (summary,) = [r for r in out if isinstance(r, Summary)]
     want = "MISMATCH in the prefill process's suffix checksum"
     assert [r.cache_check for r in reps] == [want, want] and summary.cache_check == want
+
+
+# --------------------------------------------------------- collective + overlapped on a GPU
+
+
+def test_serialized_only_for_the_collective_overlapped_on_a_gpu():
+    assert serializes("collective", "overlapped", "gpu")
+    for args in [("collective", "sequential", "gpu"), ("collective", "overlapped", "cpu"),
+                 ("transfer-server", "overlapped", "gpu"), ("collective", "n/a", "gpu")]:
+        assert not serializes(*args)
+
+
+@pytest.mark.parametrize("platform, want", [("gpu", True), ("cpu", False)])
+def test_records_of_collective_overlapped_say_serialized_on_a_gpu(monkeypatch, platform, want):
+    """The experiment sees a GPU (only its own module's `jax` is patched); the link is local."""
+    seen = types.SimpleNamespace(**{n: getattr(jax, n) for n in dir(jax) if not n.startswith("__")})
+    seen.default_backend = lambda: platform
+    monkeypatch.setattr(experiment, "jax", seen)
+    out = []
+    exp = dataclasses.replace(EXP, transport="collective", schedules=("overlapped", "sequential"),
+                              actions=(Action.parse("bf16:r=2", 6), Action.parse("bf16:full", 6)))
+    run_local(exp, out.append)
+    summaries = {(str(s.action), s.schedule): s for s in out if isinstance(s, Summary)}
+    assert summaries["bf16:r=2", "overlapped"].serialized is want
+    assert not summaries["bf16:r=2", "sequential"].serialized
+    assert not summaries["bf16:full", "n/a"].serialized
+    reps = [r for r in out if isinstance(r, Rep) and r.schedule == "overlapped"]
+    assert reps and all(r.serialized is want for r in reps)
+    line = summaries["bf16:r=2", "overlapped"].to_json()
+    assert Summary.from_json(json.loads(json.dumps(line))).serialized is want
+    old = {k: v for k, v in line.items() if k != "serialized"}  # a committed, older line
+    assert Summary.from_json(old).serialized is False
 
 
 # ----------------------------------------------------------------- transfer-server pull ids
