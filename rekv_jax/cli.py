@@ -273,6 +273,8 @@ def cmd_handoff(args: argparse.Namespace) -> None:
     if args.role is not None:  # one process of a pair started by a scheduler (or by us)
         experiment.run_process(args.role, exp, args.coordinator, emit)
         return
+    if exp.transport != "local":  # a refused set-up (collective on one GPU) before any output
+        experiment.side_environments(exp)
     if not args.json:
         print(f"{exp.model}, {exp.seq_len} tokens, batch {exp.batch}, {exp.transport}; link: "
               f"{note}", file=out, flush=True)

@@ -28,10 +28,11 @@ from rekv_jax import bench, sizes
 from rekv_jax.action import Action
 from rekv_jax.config import Llama3RopeScaling, ModelConfig
 from rekv_jax.experiment import Experiment
+from rekv_jax.handoff import SUFFIX_ACROSS
 from rekv_jax.loader import synthetic_model
 from rekv_jax.model import attention_backend, prefill, run_prefix, run_suffix
 from rekv_jax.transport import TransportError
-from rekv_jax.transport.launch import run_cli
+from rekv_jax.transport.launch import run_cli, visible_gpus
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +182,8 @@ def check_bench_model(cfg: ModelConfig, seq_len: int) -> tuple[None, str, dict]:
 
 
 def check_handoff(seq_len: int) -> tuple[bool, str, dict]:
-    """A short two-process handoff (tiny model): first tokens and caches must check out.
+    """A short two-process handoff (tiny model): first tokens and caches must check out, and
+    the decode side's suffix must equal the prefill process's own (by checksum) on every rep.
 
     It runs as `rekv handoff` (i.e. `experiment.launch_pair`) in a child process: the decode side
     initializes `jax.distributed`, which must come before any computation of this process."""
@@ -195,16 +197,20 @@ def check_handoff(seq_len: int) -> tuple[bool, str, dict]:
         return False, str(e), {}
     records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     summaries = [r for r in records if r["kind"] == "summary"]
-    ok = len(summaries) == 1 and all(
+    ok = len(summaries) == 1 and all(  # the suffix bitwise, and the same in both processes
         s["first_token_match"] and s["cache_check"].startswith("suffix bitwise")
-        for s in summaries)
+        and s["cache_check"].endswith(SUFFIX_ACROSS) for s in summaries)
     detail = "; ".join(f"{s['action']} {s['median_ms']:.1f} ms, {s['cache_check']}"
                        for s in summaries)
     return ok, detail, {"summaries": summaries}
 
 
 def run_checks() -> list[Check]:
-    """Every check, on this platform's shapes."""
+    """Every check, on this platform's shapes. The two-process handoff runs first, before this
+    process starts JAX (whose GPU backend would hold memory the pair needs), on the shapes of
+    the platform that `visible_gpus` predicts; it is reported last."""
+    guess = shapes_for("gpu" if visible_gpus() else "cpu")
+    handoff = _timed("handoff", lambda: check_handoff(guess.handoff_seq_len))
     shapes = shapes_for(jax.default_backend())
     checks = [_timed("pallas_kernels", lambda: check_kernels(shapes.quant_rows))]
     for family, cfg in shapes.families.items():
@@ -214,8 +220,7 @@ def run_checks() -> list[Check]:
     model = ModelConfig.preset(shapes.bench_model)
     checks.append(_timed("bench_quant", lambda: check_bench_quant(model, shapes.bench_seq_len)))
     checks.append(_timed("bench_model", lambda: check_bench_model(model, shapes.bench_seq_len)))
-    checks.append(_timed("handoff", lambda: check_handoff(shapes.handoff_seq_len)))
-    return checks
+    return [*checks, handoff]
 
 
 def report(checks: list[Check]) -> dict[str, Any]:

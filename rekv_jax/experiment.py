@@ -42,14 +42,18 @@ from rekv_jax.loader import load_model
 from rekv_jax.model import Params, attention_backend, prefill
 from rekv_jax.sharding import MeshTransport, shard_params, split_reference
 from rekv_jax.sizes import action_bytes
-from rekv_jax.summary import Rep, Summary, record_schedule
+from rekv_jax.summary import Rep, Summary, record_schedule, serializes
 from rekv_jax.transport import LocalTransport, Transport, TransportError, checksums, connect
 from rekv_jax.transport.base import Role
 from rekv_jax.transport.launch import (
     SUPERVISED,
+    agree_runtime,
     die_with_parent,
+    pair_environments,
     run_cli,
+    start_side,
     supervise,
+    visible_gpus,
     with_prefill_child,
 )
 
@@ -136,9 +140,9 @@ def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
     wrong = [str(a) for a in exp.actions if a.num_layers != cfg.num_layers]
     if wrong:
         raise ValueError(f"actions {wrong} are not for {cfg.name} ({cfg.num_layers} layers)")
-    # different attention backends give different bits, so the backend is agreed on too
-    transport.agree("experiment", {**dataclasses.asdict(exp), "model": fingerprint(cfg, params),
-                                   "attention": attention_backend(cfg, params["embed"].dtype)},
+    # different attention backends, versions, XLA flags or devices give different bits
+    agree_runtime(transport, attention_backend(cfg, params["embed"].dtype), exp.timeout)
+    transport.agree("experiment", {**dataclasses.asdict(exp), "model": fingerprint(cfg, params)},
                     exp.timeout)
     tokens = jax.random.randint(jax.random.key(exp.seed + 1), (exp.batch, exp.seq_len), 0,
                                 cfg.vocab_size, jnp.int32)
@@ -148,7 +152,11 @@ def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
     references = References(cfg, params, tokens, exp) if role == "decode" else None
     for action in exp.actions:
         ready = role == "prefill" and exp.interval == "ready"
-        state = prepare(cfg, params, tokens, action) if ready else None
+        # the prefill side's own suffix is checked against the decode side's on every rep
+        # (the same mesh shape on both sides: across meshes the bits differ by design)
+        state = (prepare(cfg, params, tokens, action,
+                         check_suffix=exp.prefill_devices == exp.decode_devices)
+                 if ready else None)
         schedules = exp.schedules_of(action)
         results: dict[str, list[Rep]] = {s: [] for s in schedules}
         for schedule, rep in handoff_order(exp, schedules):
@@ -171,9 +179,11 @@ def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
             progress(1)
             if rep >= exp.warmup:  # every timed rep is checked, then its cache is dropped
                 first_ok, cache_check = references.check(action, result)
-                record = Rep(action, record_schedule(action, schedule), rep - exp.warmup,
+                stated = record_schedule(action, schedule)
+                record = Rep(action, stated, rep - exp.warmup,
                              result.total_ms, result.phases_ms, result.fallback,
-                             result.timeline_ms, result.sent_bytes, first_ok, cache_check)
+                             result.timeline_ms, result.sent_bytes, first_ok, cache_check,
+                             serializes(exp.transport, stated, jax.default_backend()))
                 results[schedule].append(record)
                 emit(record)
         if role == "decode":
@@ -238,7 +248,7 @@ def summarize(cfg: ModelConfig, exp: Experiment, action: Action, schedule: str,
         fallbacks=sum(r.fallback for r in reps), weights=weights,
         interval=exp.interval, prefill=exp.prefill, prefill_devices=exp.prefill_devices,
         decode_devices=exp.decode_devices, paired=exp.paired and len(exp.schedules_of(action)) > 1,
-        sent_bytes=max(r.sent_bytes for r in reps))
+        sent_bytes=max(r.sent_bytes for r in reps), serialized=any(r.serialized for r in reps))
 
 
 def _reference_text(cfg: ModelConfig, cut: int, prefill_devices: int, decode_devices: int
@@ -265,6 +275,7 @@ def run_process(role: Role, exp: Experiment, coordinator: str | None, emit: Emit
 
     The prefill side runs in a supervised worker: JAX aborts it when the decode side (which hosts
     the coordination service) goes away, and the supervisor turns that into one line."""
+    start_side()
     if role == "prefill" and not os.environ.get(SUPERVISED):
         supervise([sys.executable, "-m", "rekv_jax.cli", "handoff", "--experiment",
                    exp.to_json(), "--role", role]
@@ -281,11 +292,23 @@ def run_process(role: Role, exp: Experiment, coordinator: str | None, emit: Emit
 def launch_pair(exp: Experiment, emit: Emit, progress: Callable[[int], None] = lambda n: None
                 ) -> None:
     """Run both sides on this machine over loopback: this process decodes, a child prefills
-    (`transport.launch.with_prefill_child`: bounded, and a dead child is named by its exit)."""
+    (`transport.launch.with_prefill_child`: a GPU or a fair share per side, bounded, and a dead
+    child is named by its exit). The decode side builds the prefill mesh too, for its reference
+    (`References`), so it needs max(N, M) devices."""
     cmd = [sys.executable, "-m", "rekv_jax.cli", "handoff", "--experiment", exp.to_json(),
            "--role", "prefill"]
     with_prefill_child(cmd, lambda coordinator: run_process("decode", exp, coordinator, emit,
-                                                            progress), exp.timeout)
+                                                            progress), exp.timeout,
+                       side_environments(exp))
+
+
+def side_environments(exp: Experiment) -> dict[Role, dict[str, str]]:
+    """Each side's environment when `launch_pair` runs `exp` on this machine
+    (`transport.launch.pair_environments`); a ValueError for a refused set-up, e.g. the
+    collective transport on one GPU."""
+    devices = {"prefill": exp.prefill_devices,
+               "decode": max(exp.prefill_devices, exp.decode_devices)}
+    return pair_environments(visible_gpus(), os.environ, devices, exp.transport)
 
 
 def total_handoffs(exp: Experiment) -> int:

@@ -1,8 +1,8 @@
 """How a failed command is told to its user: one line and an exit status, no traceback.
 
 Bad input (ValueError: a file, a flag, a model that does not fit) exits 2; a run that failed
-(a dead or unreachable peer, a timeout, a device out of memory) exits 1. Anything else is a bug
-and keeps its traceback.
+(a dead or unreachable peer, a timeout, a device out of memory, two sides whose software or
+devices differ) exits 1. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import re
 import signal
 
 from rekv_jax.transport.base import TransportError
+from rekv_jax.transport.launch import RuntimeMismatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +31,7 @@ def describe(e: BaseException) -> Told | None:
         return Told(1, f"out of memory ({detail}{first})")
     if isinstance(e, ValueError):
         return Told(2, first)
-    if isinstance(e, TransportError | TimeoutError):
+    if isinstance(e, TransportError | TimeoutError | RuntimeMismatch):
         return Told(1, first)
     return None
 

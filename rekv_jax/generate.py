@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -29,12 +30,18 @@ from rekv_jax.data import load_tokenizer
 from rekv_jax.handoff import receive_handoff, send_prompt
 from rekv_jax.kv import KVCache
 from rekv_jax.loader import SHIPPED_MODEL
-from rekv_jax.model import Params, decode_step, prefill
+from rekv_jax.model import Params, attention_backend, decode_step, prefill
 from rekv_jax.params import load_hf
 from rekv_jax.sizes import action_bytes
 from rekv_jax.transport import LocalTransport, Transport, connect
 from rekv_jax.transport.base import Role
-from rekv_jax.transport.launch import with_prefill_child
+from rekv_jax.transport.launch import (
+    agree_runtime,
+    pair_environments,
+    start_side,
+    visible_gpus,
+    with_prefill_child,
+)
 
 OnToken = Callable[[int], None]
 DTYPES = ("bfloat16", "float32")
@@ -135,6 +142,7 @@ def run_role(role: Role, req: Request, transport: Transport, on_token: OnToken =
     """One worker: the prefill side sends; the decode side receives, decodes and reports."""
     cfg, params, tok = load(req.model, req.dtype)
     action = Action.parse(req.action, cfg.num_layers)
+    agree_runtime(transport, attention_backend(cfg, params["embed"].dtype), req.timeout)
     transport.agree("request", dataclasses.asdict(req), req.timeout)
     tokens = jnp.asarray([req.token_ids], jnp.int32)  # [1, S]
     S = tokens.shape[1]
@@ -180,6 +188,7 @@ def run_local(req: Request, on_token: OnToken = lambda t: None) -> Generation:
 def run_process(role: Role, req: Request, coordinator: str | None,
                 on_token: OnToken = lambda t: None) -> Generation | None:
     """This worker over a real transport (jax.distributed is initialized here)."""
+    start_side()
     with connect(req.transport, role, coordinator, link_gbps=req.link_gbps,
                  timeout=req.timeout) as transport:
         return run_role(role, req, transport, on_token)
@@ -193,4 +202,5 @@ def generate(req: Request, on_token: OnToken = lambda t: None) -> Generation:
     cmd = [sys.executable, "-m", "rekv_jax.cli", "generate", "--request",
            json.dumps(dataclasses.asdict(req)), "--role", "prefill"]
     return with_prefill_child(cmd, lambda coordinator: run_process("decode", req, coordinator,
-                                                                   on_token), req.timeout)
+                                                                   on_token), req.timeout,
+                              pair_environments(visible_gpus(), os.environ, None, req.transport))

@@ -45,10 +45,12 @@ from rekv_jax.quantize import (
     quantized_specs,
 )
 from rekv_jax.sizes import GROUP_SIZE
-from rekv_jax.transport import Transport, TransportError
+from rekv_jax.transport import Transport, TransportError, checksums
 
 SCHEDULES = ("overlapped", "sequential")
 FALLBACKS = ("error", "recompute")
+# what `check_cache` adds when the recomputed suffix's checksums equal the prefill process's
+SUFFIX_ACROSS = ", suffix checksum = the prefill process's"
 # events of a handoff's timeline: the boundary arrived, the prefix arrived and was restored, the
 # suffix started and ended, the cache and first token were ready
 TIMELINE = ("boundary", "prefix", "suffix_start", "suffix_end", "end")
@@ -63,6 +65,9 @@ class PrefillState:
     h_c: jax.Array | None  # [B, S, D] boundary (joint actions)
     prefix: KVCache | None  # [c, B, S, K, H] (joint and transfer-only)
     first_token: jax.Array  # [B] from the prefill's own logits (sent with transfer-only)
+    # `checksums` of this process's suffix KV [K, V] (joint actions, when asked for): the decode
+    # side compares its recomputed suffix with it (sent with the prefill side's times)
+    suffix_sums: tuple[int, ...] = dataclasses.field(default=(), metadata={"static": True})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,17 +83,26 @@ class Handoff:
     timeline_ms: dict[str, float] = dataclasses.field(default_factory=dict)
     sent_bytes: int = 0  # what the prefill side's transport put on the wire for this handoff
     fallback: bool = False  # True if the prefix transfer failed and the cache was recomputed
+    # whether the recomputed suffix KV's checksums equal those of the prefill process's own
+    # suffix (PrefillState.suffix_sums); None: not compared (nothing sent, or a fallback)
+    suffix_match: bool | None = None
 
 
-def prepare(cfg: ModelConfig, params: Params, tokens: jax.Array, action: Action) -> PrefillState:
-    """Run the prefill worker's prompt processing for `action` (untimed, as in the paper)."""
+def prepare(cfg: ModelConfig, params: Params, tokens: jax.Array, action: Action,
+            check_suffix: bool = False) -> PrefillState:
+    """Run the prefill worker's prompt processing for `action` (untimed, as in the paper).
+
+    `check_suffix`: also take the checksums of the suffix KV it computes anyway (joint actions;
+    a device-to-host sync, so only where this runs outside the timed interval)."""
     if action.kind == "recompute":
         _, logits = prefill(cfg, params, tokens)
         return PrefillState(tokens, None, None, jnp.argmax(logits, axis=-1).astype(jnp.int32))
     h_c, prefix = run_prefix(cfg, params, tokens, action.cut)
-    _, logits = run_suffix(cfg, params, h_c, action.cut)  # the rest of the prompt's layers
+    suffix, logits = run_suffix(cfg, params, h_c, action.cut)  # the rest of the prompt's layers
     first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return PrefillState(tokens, h_c if action.kind == "joint" else None, prefix, first)
+    joint = action.kind == "joint"
+    sums = tuple(checksums([suffix.k, suffix.v])) if joint and check_suffix else ()
+    return PrefillState(tokens, h_c if joint else None, prefix, first, sums)
 
 
 # ---------------------------------------------------------------------------- prefix payload
@@ -170,7 +184,8 @@ def _send_state(transport: Transport, state: PrefillState, action: Action, tag: 
         transport.send(f"{tag}/prefix", payload, timeout)
     _finish_send(transport, tag, ["boundary"] + ["prefix"] * bool(payload), timeout,
                  prefill_ms=prefill_ms, quantize_ms=quantize_ms, boundary_at_ms=boundary_at_ms,
-                 sent_bytes=transport.sent_bytes - sent_before)
+                 sent_bytes=transport.sent_bytes - sent_before,
+                 **({"suffix_sums": list(state.suffix_sums)} if state.suffix_sums else {}))
 
 
 def _send_streamed(transport: Transport, cfg: ModelConfig, params: Params, tokens: jax.Array,
@@ -212,7 +227,7 @@ def _send_streamed(transport: Transport, cfg: ModelConfig, params: Params, token
 
 
 def _finish_send(transport: Transport, tag: str, phases: list[str], timeout: float,
-                 **sent: float) -> None:
+                 **sent: float | list[int]) -> None:
     """Post the prefill side's times and bytes sent, then wait for every phase's ack (the decode
     side's errors surface here)."""
     transport.send_meta(f"{tag}/prefill", sent)
@@ -312,6 +327,9 @@ def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, acti
     t_end = time.perf_counter()
 
     sent = transport.recv_meta(f"{tag}/prefill", timeout)
+    suffix_match = None  # compared after the interval: a device-to-host sync
+    if "suffix_sums" in sent and suffix is not None and not fell_back:
+        suffix_match = checksums([suffix.k, suffix.v]) == sent["suffix_sums"]
     phases = {
         "prefill": sent["prefill_ms"],
         "quantize": sent["quantize_ms"],
@@ -324,7 +342,8 @@ def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, acti
     }
     timeline = dict(zip(TIMELINE, (_ms(t0, t) for t in (t_boundary, t_prefix, t_start, t_suffix,
                                                          t_end)), strict=True))
-    return Handoff(kv, first, _ms(t0, t_end), phases, timeline, sent["sent_bytes"], fell_back)
+    return Handoff(kv, first, _ms(t0, t_end), phases, timeline, sent["sent_bytes"], fell_back,
+                   suffix_match)
 
 
 def check_cache(reference: KVCache, action: Action, result: Handoff) -> str:
@@ -334,6 +353,8 @@ def check_cache(reference: KVCache, action: Action, result: Handoff) -> str:
     prefix must lie, element by element, within the quantizer's own error bound
     (`quantize.error_bound`) of the prefill's prefix, computed from the prefill's KV alone, not
     through `pack_prefix`/`unpack_prefix`, so the check is independent of the code it checks.
+    Where the prefill process sent its own suffix's checksums, they must equal the recomputed
+    suffix's (`Handoff.suffix_match`): the same bits in both processes, checked on every rep.
     """
     c, L = (0 if result.fallback else action.cut), reference.num_layers
     bounded = c > 0 and action.bits != 16
@@ -342,11 +363,13 @@ def check_cache(reference: KVCache, action: Action, result: Handoff) -> str:
     failed = [name for name, got, want, within in parts
               if not all(_same(g, w, action.bits if within else None)
                          for g, w in ((got.k, want.k), (got.v, want.v)))]
+    failed += ["the prefill process's suffix checksum"] * (result.suffix_match is False)
     if failed:
         return f"MISMATCH in {' and '.join(failed)}"
+    across = SUFFIX_ACROSS * bool(result.suffix_match)
     if not bounded:
-        return "bitwise"
-    return f"suffix bitwise, prefix within the {action.precision} error bound"
+        return "bitwise" + across
+    return f"suffix bitwise, prefix within the {action.precision} error bound" + across
 
 
 def _same(got: jax.Array, want: jax.Array, bits: int | None) -> bool:

@@ -552,7 +552,8 @@ def handoff_table(records: Sequence[Summary], header: bool = True) -> str:
     for r in records:
         ci = f"[{r.ci95_ms[0]:.2f}, {r.ci95_ms[1]:.2f}]"
         times = "".join(f"{r.phases_ms[p]:>10.2f}" for p in phases)
-        lines.append(f"{str(r.action):<16}{r.schedule:<12}{r.median_ms:>10.2f}{ci:>18}{times}"
+        schedule = "serialized" if r.serialized else r.schedule
+        lines.append(f"{str(r.action):<16}{schedule:<12}{r.median_ms:>10.2f}{ci:>18}{times}"
                      f"{r.payload_bytes / sizes.MIB:>9.2f}  {str(r.first_token_match):<6} "
                      f"{r.cache_check}")
     return "\n".join(lines)

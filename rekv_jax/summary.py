@@ -28,6 +28,14 @@ def record_schedule(action: Action, schedule: str) -> str:
     return schedule if action.kind == "joint" else "n/a"
 
 
+def serializes(transport: str, schedule: str, platform: str) -> bool:
+    """Whether a record's overlapped schedule ran serialized on the device: on a GPU the
+    collective transport's cross-process ppermute is its own program on the compute stream, so
+    it runs before or after the suffix program, not beside it (see rekv_jax/transport). Such a
+    record states `serialized: true`; its times are not an overlapped schedule's."""
+    return transport == "collective" and schedule == "overlapped" and platform == "gpu"
+
+
 @dataclasses.dataclass(frozen=True)
 class Setup:
     """Where a record was measured; every table and figure is made per setup."""
@@ -76,6 +84,7 @@ class Summary:
     # bytes the prefill side's transport sent per handoff (measured; the largest over the reps):
     # payload_bytes (Eqs. 5, 7) plus the token ids and, where sent, the first token
     sent_bytes: int | None = None
+    serialized: bool = False  # overlapped, but serialized on the device (`serializes`)
 
     def __post_init__(self) -> None:
         if self.schedule not in RECORD_SCHEDULES:
@@ -170,6 +179,7 @@ class Rep:
     sent_bytes: int = 0  # what the prefill side's transport sent
     first_token_match: bool = True  # equals a single-process prefill's first token
     cache_check: str = ""  # what held of this rep's cache (handoff.check_cache)
+    serialized: bool = False  # overlapped, but serialized on the device (`serializes`)
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "rep", **dataclasses.asdict(self), "action": str(self.action)}

@@ -54,7 +54,6 @@ class SweepPreset:
     # profile measured at the start of the run, and k cuts either side (replaces suffix_lens)
     cut_spread: int | None = None
     unpaced_block: bool = False  # also run the grid over the unpaced link, as its own block
-    device_share: float | None = None  # device memory fraction of each process of the pair
     prompt_length: int | None = None  # Fig. 3: prompt to first token at this length, per model
     batch_model: str | None = None  # batch 2 and 4 at the longest length: joint vs Q8 transfer
     batches: tuple[int, ...] = (2, 4)
@@ -74,7 +73,7 @@ _GPU = SweepPreset(
     models=("qwen2.5-3b", "qwen2.5-7b", "qwen3-8b", "llama-3.1-8b"), lengths=(512, 2048, 8192),
     suffix_lens=(), transport="transfer-server", link_gbps=PAPER_LINK_GBPS,
     crossover_factors=(0.5, 1.0, 4.0, 16.0), cut_spread=1, unpaced_block=True,
-    device_share=0.45, prompt_length=8192, batch_model="qwen2.5-7b")
+    prompt_length=8192, batch_model="qwen2.5-7b")
 
 SWEEP_PRESETS = {
     # Scaled: 6-layer models at 128-512 tokens; under 10 minutes on 2 CPU cores (r = 1, 2, 4
@@ -84,8 +83,8 @@ SWEEP_PRESETS = {
     "cpu": SweepPreset(models=("tiny", "tiny-qwen3"), lengths=(128, 256, 512),
                        suffix_lens=(1, 4), transport="transfer-server", link_gbps=None,
                        crossover_factors=(0.25, 1.0, 4.0)),
-    # The paper's shapes (synthetic weights, one layer's weights repeated) on one GPU shared by
-    # the two processes of each handoff (each with its share of device memory) over the
+    # The paper's shapes (synthetic weights, one layer's weights repeated) on a GPU per side, or
+    # one GPU shared with a memory share each (`transport.launch.pair_environments`), over the
     # transfer-server transport, paced to the paper's 2.32 GB/s, then unpaced; Fig. 3 at 8K per
     # model, batch 2 and 4 at 8K for Qwen2.5-7B. An estimate, not a measurement: ~8 minutes on
     # one H200 with the shared compile cache (30 reps of a 7B handoff at 8K take ~10 s; the
@@ -133,21 +132,19 @@ def best_cut(prof: costmodel.Profile, bits: int) -> int:
                key=lambda c: costmodel.predicted_ms(prof, Action(bits, c, L)))
 
 
-def run_experiment(exp: Experiment, cache_dir: Path | None = None, timeout: float = 1800.0,
-                   device_share: float | None = None) -> list[Summary]:
+def run_experiment(exp: Experiment, cache_dir: Path | None = None, timeout: float = 1800.0
+                   ) -> list[Summary]:
     """One `rekv handoff --json` run (both processes); its summary records.
 
     With `cache_dir`, compiled programs persist there, so the two sides and later runs of the
     same shapes compile each program once (compilation is not part of any timed interval).
-    With `device_share`, each process of the pair may take that fraction of device memory (two
-    processes sharing one GPU; JAX would otherwise preallocate 75% in the first)."""
+    The run's own launcher gives each side a GPU or a memory share of one
+    (`transport.launch.pair_environments`)."""
     env = dict(os.environ)
     if cache_dir is not None:
         env |= {"JAX_COMPILATION_CACHE_DIR": str(cache_dir),
                 "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                 "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-    if device_share is not None:
-        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{device_share:g}"
     out = run_cli(["handoff", "--json", "--experiment", exp.to_json()],
                   f"handoff run ({exp.model}, {exp.seq_len})", timeout, env)
     records = [json.loads(line) for line in out.splitlines()]
@@ -207,8 +204,7 @@ def fit(cfg: ModelConfig, records: list[Summary]) -> costmodel.Profile:
 
 
 def profile(model: str, seq_len: int, transport: str, link_gbps: float | None,
-            reps: int = 5, warmup: int = 2, cache_dir: Path | None = None,
-            device_share: float | None = None) -> costmodel.Profile:
+            reps: int = 5, warmup: int = 2, cache_dir: Path | None = None) -> costmodel.Profile:
     """`rekv profile`: short sequential handoffs at two cuts per precision, then a fit."""
     cfg = load_config(model)
     L = cfg.num_layers
@@ -218,7 +214,7 @@ def profile(model: str, seq_len: int, transport: str, link_gbps: float | None,
     exp = Experiment(model=model, seq_len=seq_len, actions=tuple(actions),
                      schedules=("sequential",), transport=transport, link_gbps=link_gbps,
                      warmup=warmup, reps=reps)
-    return fit(cfg, run_experiment(exp, cache_dir, device_share=device_share))
+    return fit(cfg, run_experiment(exp, cache_dir))
 
 
 def sweep(preset: SweepPreset, out: Path, reps: int = 30, warmup: int = 3
@@ -235,7 +231,7 @@ def sweep(preset: SweepPreset, out: Path, reps: int = 30, warmup: int = 3
         cache = Path(tmp)
 
         def run(exp: Experiment) -> list[Summary]:
-            got = run_experiment(exp, cache, device_share=preset.device_share)
+            got = run_experiment(exp, cache)
             for r in got:
                 log.write(json.dumps(r.to_json()) + "\n")
             log.flush()
@@ -282,8 +278,7 @@ def _start_profiles(preset: SweepPreset, link: float, out: Path, cache: Path
     also written to DIR/start_profiles.jsonl."""
     if preset.cut_spread is None:
         return {}
-    start = {(m, s): profile(m, s, preset.transport, link, cache_dir=cache,
-                             device_share=preset.device_share)
+    start = {(m, s): profile(m, s, preset.transport, link, cache_dir=cache)
              for m in tqdm(preset.models, desc="profile", unit="model", file=sys.stderr)
              for s in preset.lengths}
     (out / "start_profiles.jsonl").write_text(

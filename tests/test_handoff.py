@@ -25,6 +25,7 @@ from rekv_jax import (
 from rekv_jax.experiment import Experiment, handoff_order, run_local
 from rekv_jax.handoff import (
     SCHEDULES,
+    SUFFIX_ACROSS,
     TIMELINE,
     Handoff,
     check_cache,
@@ -70,6 +71,8 @@ def check_summaries(records: list[dict], actions: str, seq_len: int, reps: int =
         assert s["first_token_match"] is True, s
         want = "bitwise" if action.bits == 16 or action.cut == 0 else (
             f"suffix bitwise, prefix within the {action.precision} error bound")
+        if action.kind == "joint" and s["interval"] == "ready":  # the prefill process's own
+            want += SUFFIX_ACROSS  # suffix, computed before the interval, checked on every rep
         assert s["cache_check"] == want, s
         assert s["payload_bytes"] == action_bytes(cfg, action, seq_len)["total_bytes"]
         assert s["sent_bytes"] == expected_sent_bytes(cfg, action, seq_len, prefill=prefill), s
@@ -250,8 +253,8 @@ def test_lost_prefix_on_one_rep_falls_back_through_the_runner(monkeypatch):
     assert reps[1].cache_check == "bitwise"  # rebuilt from the ids: a full prefill's cache
     (summary,) = [r for r in out if isinstance(r, Summary)]
     assert summary.fallbacks == 1 and summary.first_token_match
-    assert summary.cache_check == ("suffix bitwise, prefix within the q8 error bound (2 of 3 "
-                                   "reps); bitwise (1 of 3 reps)")
+    assert summary.cache_check == (f"suffix bitwise, prefix within the q8 error bound"
+                                   f"{SUFFIX_ACROSS} (2 of 3 reps); bitwise (1 of 3 reps)")
     with pytest.raises(TransportError, match="connection reset"):  # fallback "error": it fails
         run_local(dataclasses.replace(exp, fallback="error"), lambda r: None)
 

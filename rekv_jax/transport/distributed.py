@@ -70,6 +70,14 @@ def _client_errors_recorded() -> Iterator[None]:
         _jax_distributed._jax = lib
 
 
+def backends_started() -> bool:
+    """Whether JAX has started its backends in this process (after which CUDA_VISIBLE_DEVICES,
+    the memory share and XLA_FLAGS are read and fixed)."""
+    from jax._src import xla_bridge  # private
+
+    return xla_bridge.backends_are_initialized()
+
+
 def wait_for_port(address: str, timeout: float) -> None:
     """Return once `host:port` accepts TCP connections; TransportTimeout after `timeout` s."""
     host, port = address.rsplit(":", 1)
@@ -96,12 +104,16 @@ def initialize(coordinator: str | None, process_id: int | None, *, init_timeout_
     if coordinator is not None and process_id != 0:
         wait_for_port(coordinator, init_timeout_s)
     init_timeout_s = max(1, round(init_timeout_s - (time.monotonic() - start)))
+    # JAX's coordination service binds every interface by default; a loopback coordinator (one
+    # machine, `launch.with_prefill_child`) keeps it to loopback
+    host = coordinator.rsplit(":", 1)[0].strip("[]") if coordinator else None
+    bind = coordinator if host in ("127.0.0.1", "localhost", "::1") else None
     try:
         with _client_errors_recorded():
             jax.distributed.initialize(
                 coordinator, 2 if coordinator else None, process_id,
                 initialization_timeout=init_timeout_s, heartbeat_timeout_seconds=heartbeat_s,
-                shutdown_timeout_seconds=heartbeat_s,
+                shutdown_timeout_seconds=heartbeat_s, coordinator_bind_address=bind,
             )
     except RuntimeError as e:  # JaxRuntimeError, or the callback's own error while connecting
         if not isinstance(e, jax.errors.JaxRuntimeError) and "bad_cast" not in str(e):

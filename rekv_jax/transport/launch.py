@@ -1,5 +1,7 @@
-"""Start the two processes of a loopback handoff on one machine, bounded in time, no strays;
-and `supervise` one side, so that even a native abort ends in one line its user reads."""
+"""Start the two processes of a loopback handoff on one machine, bounded in time, no strays,
+each with its own GPU or a fair share of one (`pair_environments`); `supervise` one side, so
+that even a native abort ends in one line its user reads; and check that the two sides run the
+same software on the same kind of device (`agree_runtime`)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from rekv_jax.transport.base import ROLES, Role, TransportError
+from rekv_jax.transport.base import ROLES, Role, Transport, TransportError
 
 T = TypeVar("T")
 SUPERVISED = "REKV_SUPERVISED"  # set in the environment of a supervised worker
@@ -22,6 +24,151 @@ SUPERVISED = "REKV_SUPERVISED"  # set in the environment of a supervised worker
 # by the decode side) went away; see distributed.py.
 _SERVICE_GONE = ("Polled an error from coordination service", "detected fatal errors",
                  "Socket closed", "std::bad_cast")
+
+# Added to XLA_FLAGS of both sides on a GPU (a flag the user already sets keeps the user's value).
+# The decode side's recomputed suffix must be bitwise the prefill side's, so both processes must
+# compile the same kernels. By default XLA:GPU autotunes: it times candidate GEMM/fusion configs
+# and cuBLAS algorithms in each process and keeps the fastest, so two processes (on one busy GPU,
+# or on two hosts) can choose differently. In XLA's autotuner (xla/service/gpu/autotuning/
+# autotuner_pass.cc, openxla/xla) `xla_gpu_autotune_level=0` sets `select_first_config`, turns
+# cuBLAS/cuDNN autotuning off and disables the fusion autotuner: every choice is a fixed rule of
+# (HLO, device, library versions), which the sides agree on (`agree_runtime`), and nothing is
+# timed. `xla_gpu_shard_autotuning=false`: with jax.distributed up, XLA would otherwise split
+# autotuning across the processes and join the results through the coordinator, which assumes
+# that every process compiles the same module (ours compile different programs). Not chosen:
+# a shared `xla_gpu_per_fusion_autotune_cache_dir` (the two sides compile concurrently, so both
+# may time and write the same entry), `xla_gpu_deterministic_ops` (run-to-run determinism within a
+# process, e.g. no atomics; it also disables the Triton GEMM backend). Both flags exist in the
+# XLA of jaxlib 0.10.2 (their help strings are in libjax_common.so). Their cost in speed on a GPU
+# is not measured here.
+GPU_XLA_FLAGS = ("--xla_gpu_autotune_level=0", "--xla_gpu_shard_autotuning=false")
+# Device-memory fraction of each side when both share one GPU: each reserves its own share as it
+# starts, so neither takes JAX's default 75% before the other starts; 10% stays free for the two
+# CUDA contexts and cuDNN/cuBLAS workspaces outside JAX's pool.
+PAIR_SHARE = 0.45
+# XLA_FLAGS entries that legitimately differ between the sides (host-device counts of sharded
+# CPU sides, `sharding.force_host_devices`)
+_PER_SIDE_FLAGS = ("--xla_force_host_platform_device_count=",)
+
+
+def visible_gpus(env: Mapping[str, str] = os.environ) -> list[str]:
+    """The GPUs a JAX process started with `env` would see, as CUDA_VISIBLE_DEVICES entries,
+    found without starting JAX (whose GPU backend would reserve their memory):
+    $CUDA_VISIBLE_DEVICES, else `nvidia-smi -L`, else /proc/driver/nvidia/gpus. None when
+    $JAX_PLATFORMS leaves CUDA out."""
+    platforms = env.get("JAX_PLATFORMS", "")
+    if platforms and not {"cuda", "gpu"} & {p.strip() for p in platforms.split(",")}:
+        return []
+    if "CUDA_VISIBLE_DEVICES" in env:
+        listed = []
+        for entry in (e.strip() for e in env["CUDA_VISIBLE_DEVICES"].split(",")):
+            if not entry or entry.startswith("-"):  # CUDA ignores an invalid entry and the rest
+                break
+            listed.append(entry)
+        return listed
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+        if out.returncode == 0:
+            return [str(i) for i, _ in enumerate(
+                line for line in out.stdout.splitlines() if line.startswith("GPU "))]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    proc = Path("/proc/driver/nvidia/gpus")
+    return [str(i) for i in range(len(list(proc.iterdir())))] if proc.is_dir() else []
+
+
+def with_gpu_flags(xla_flags: str) -> str:
+    """`xla_flags` (an XLA_FLAGS value) with each of GPU_XLA_FLAGS it does not set appended."""
+    given = {f.split("=", 1)[0] for f in xla_flags.split()}
+    return " ".join([*xla_flags.split(),
+                     *(f for f in GPU_XLA_FLAGS if f.split("=", 1)[0] not in given)])
+
+
+def pair_environments(gpus: Sequence[str], env: Mapping[str, str],
+                      devices: Mapping[Role, int] | None = None,
+                      transport: str = "transfer-server", share: float = PAIR_SHARE
+                      ) -> dict[Role, dict[str, str]]:
+    """The environment of each side of a pair that one command starts on one machine, from the
+    `gpus` visible there (`visible_gpus`) and the parent's environment `env`.
+
+    `devices`: the devices each side computes on (default 1 each; a decode side that checks
+    against sharded sides needs max(N, M)). No GPU: both get `env` (CPU sides). Enough GPUs for
+    both: each side its own, whole (CUDA_VISIBLE_DEVICES: the decode side the first ones, the
+    prefill side the next). Fewer: both see the same GPUs and take `share` of their memory each
+    (XLA_PYTHON_CLIENT_MEM_FRACTION, replacing any given: two processes taking one larger
+    fraction is the race this prevents); the collective transport is refused there (ValueError),
+    as NCCL cannot run both ranks on one device. On a GPU both get GPU_XLA_FLAGS."""
+    need = {"decode": 1, "prefill": 1, **(devices or {})}
+    if not gpus:
+        return {role: dict(env) for role in ROLES}
+    base = {**env, "XLA_FLAGS": with_gpu_flags(env.get("XLA_FLAGS", ""))}
+    if need["decode"] + need["prefill"] <= len(gpus):
+        first = list(gpus[:need["decode"]])
+        mine = {"decode": first, "prefill": list(gpus[len(first):len(first) + need["prefill"]])}
+        return {role: {**base, "CUDA_VISIBLE_DEVICES": ",".join(mine[role])} for role in ROLES}
+    if transport == "collective":
+        raise ValueError(
+            f"--transport collective needs a GPU per side (NCCL cannot put both ranks on one "
+            f"device): {len(gpus)} visible, the sides need {need['decode']} + "
+            f"{need['prefill']}; use --transport transfer-server, or more GPUs")
+    shared = {**base, "CUDA_VISIBLE_DEVICES": ",".join(gpus),
+              "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{share:g}"}
+    return {role: dict(shared) for role in ROLES}
+
+
+def become(env: Mapping[str, str]) -> None:
+    """Give this process the environment `env` (its side's, from `pair_environments`) before
+    JAX starts its backends, which read the GPUs, the memory share and XLA_FLAGS once. A
+    RuntimeError (a bug in the caller) if they already started and `env` changes anything."""
+    changed = {k for k in env.keys() | os.environ.keys() if env.get(k) != os.environ.get(k)}
+    if not changed:
+        return
+    from rekv_jax.transport.distributed import backends_started
+
+    if backends_started():
+        raise RuntimeError(f"JAX started before this side's environment was set: "
+                           f"{sorted(changed)}")
+    for key in changed:
+        if key in env:
+            os.environ[key] = env[key]
+        else:
+            del os.environ[key]
+
+
+def start_side() -> None:
+    """Called by each side's process, whoever started it (our launcher, or a scheduler with
+    `--role`), before JAX starts: on a GPU, GPU_XLA_FLAGS join XLA_FLAGS."""
+    if visible_gpus():
+        become({**os.environ, "XLA_FLAGS": with_gpu_flags(os.environ.get("XLA_FLAGS", ""))})
+
+
+class RuntimeMismatch(RuntimeError):
+    """The two sides run different JAX/jaxlib versions, XLA flags, device kinds or attention
+    backends, so their bits may differ: a failed run (exit 1), not bad input."""
+
+
+def runtime(attention: str) -> dict[str, Any]:
+    """What decides the bits of this process's programs, beyond the experiment itself."""
+    import jax
+    import jaxlib
+
+    device = jax.local_devices()[0]
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith(_PER_SIDE_FLAGS)]
+    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "platform": f"{device.platform} {device.client.platform_version}",
+            "device_kind": device.device_kind, "xla_flags": " ".join(flags),
+            "attention": attention}
+
+
+def agree_runtime(transport: Transport, attention: str, timeout: float) -> None:
+    """Both sides compare `runtime(attention)` before any handoff; RuntimeMismatch on both, one
+    line naming what differs."""
+    try:
+        transport.agree("runtime", runtime(attention), timeout)
+    except ValueError as e:
+        raise RuntimeMismatch(f"{e} (the decode side's recomputed suffix would not be bitwise "
+                              "the prefill side's)") from None
 
 
 def die_with_parent() -> None:
@@ -93,18 +240,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def with_prefill_child(argv: list[str], decode: Callable[[str], T], timeout: float) -> T:
+def with_prefill_child(argv: list[str], decode: Callable[[str], T], timeout: float,
+                       envs: Mapping[Role, Mapping[str, str]]) -> T:
     """Run `decode(coordinator)` here while a child process runs `argv + ["--coordinator",
     coordinator]` (the prefill side) over loopback; return what `decode` returns.
 
-    The child is killed if it outlives the decode side by more than `timeout`. Its stderr is
-    ours: its one error line reaches our user even if this process dies first. If it dies
-    first, our error names how (exit status or signal)."""
+    Each side runs in its environment of `envs` (`pair_environments`: its GPUs or share); this
+    process takes its own before JAX starts, so call this before any JAX computation. The
+    child is killed if it outlives the decode side by more than `timeout`. Its stderr is ours:
+    its one error line reaches our user even if this process dies first. If it dies first, our
+    error names how (exit status or signal)."""
     from rekv_jax.failures import exit_text
 
+    become(envs["decode"])
     coordinator = f"127.0.0.1:{free_port()}"
     child = subprocess.Popen([*argv, "--coordinator", coordinator], stdout=subprocess.DEVNULL,
-                             text=True)
+                             text=True, env=envs["prefill"])
     try:
         out = decode(coordinator)
         child.wait(timeout=timeout)

@@ -1,9 +1,12 @@
 """Transport (b): `jax.experimental.transfer` (a TCP pull of device buffers). The prefill side
-registers the buffers with `await_pull` and returns; the decode side pulls them by uuid."""
+registers the buffers with `await_pull` and returns; the decode side pulls them by uuid. A uuid
+is keyed by a per-run secret, so a process that can reach the transfer server but not the
+coordinator cannot name a buffer (see the README's threat model)."""
 
 from __future__ import annotations
 
 import hashlib
+import secrets
 
 import jax
 from jax.experimental import transfer
@@ -12,10 +15,14 @@ from jax.sharding import SingleDeviceSharding
 from rekv_jax.transport import distributed
 from rekv_jax.transport.base import Role, Transport, TransportError, poll_until
 
+SECRET_BYTES = 16
 
-def _uuid(tag: str) -> int:
-    """The pull id of a tag, the same on both sides (63 bits)."""
-    return int.from_bytes(hashlib.blake2b(tag.encode(), digest_size=8).digest(), "big") >> 1
+
+def _uuid(tag: str, secret: bytes) -> int:
+    """The pull id of a tag in the run keyed by `secret` (63 bits): the same on both sides,
+    unguessable without the secret (a keyed BLAKE2b)."""
+    digest = hashlib.blake2b(tag.encode(), digest_size=8, key=secret).digest()
+    return int.from_bytes(digest, "big") >> 1
 
 
 class TransferServerTransport(Transport):
@@ -32,6 +39,13 @@ class TransferServerTransport(Transport):
         address = f"[{ip}]:0" if ":" in ip else f"{ip}:0"
         self._server = transfer.start_transfer_server(self._device.client, address, [address])
         channel.put(f"transfer-server/{role}", self._server.address())
+        # the run's secret: made by the decode side, read by the prefill side through the
+        # coordinator's key-value store
+        if role == "decode":
+            self._secret = secrets.token_bytes(SECRET_BYTES)
+            channel.put("transfer-server/secret", self._secret.hex())
+        else:
+            self._secret = bytes.fromhex(channel.get("transfer-server/secret", timeout))
         self._connection = None
         if role == "decode":
             self._connection = self._server.connect(channel.get("transfer-server/prefill", timeout))
@@ -39,7 +53,7 @@ class TransferServerTransport(Transport):
 
     def _push(self, tag: str, arrays: list[jax.Array], deadline: float) -> None:
         self._pending[tag] = arrays
-        self._server.await_pull(_uuid(tag), arrays)
+        self._server.await_pull(_uuid(tag, self._secret), arrays)
 
     def _pull(self, tag: str, specs: list[jax.ShapeDtypeStruct], deadline: float
               ) -> list[jax.Array]:
@@ -47,7 +61,8 @@ class TransferServerTransport(Transport):
         avals = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=s.sharding or default)
                  for s in specs]
         try:
-            arrays = self._connection.pull(_uuid(tag), avals)  # returns at once, fills in later
+            # returns at once, fills in later
+            arrays = self._connection.pull(_uuid(tag, self._secret), avals)
         except jax.errors.JaxRuntimeError as e:
             raise TransportError(f"{tag}: pull failed: {e}") from e
         poll_until(lambda: all(a.is_ready() for a in arrays), deadline, self._channel.peer_alive,

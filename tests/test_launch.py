@@ -1,0 +1,261 @@
+"""One command, two processes on one machine: the GPUs and environment each side gets, the
+runtime the sides must share, the suffix checked across processes on every rep, the labelling
+of records that cannot overlap on a GPU, and the transfer server's unguessable pull ids."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import threading
+import types
+
+import jax
+import pytest
+
+from rekv_jax import cli, experiment
+from rekv_jax.action import Action
+from rekv_jax.experiment import Experiment, run_local
+from rekv_jax.failures import describe
+from rekv_jax.summary import Rep, Summary, serializes
+from rekv_jax.transport import launch
+from rekv_jax.transport.launch import (
+    GPU_XLA_FLAGS,
+    PAIR_SHARE,
+    RuntimeMismatch,
+    pair_environments,
+    visible_gpus,
+    with_gpu_flags,
+)
+from rekv_jax.transport.transfer_server import SECRET_BYTES, _uuid
+
+PARENT = {"PATH": "/usr/bin", "XLA_FLAGS": "--xla_dump_to=/tmp/d"}
+SHARE_VARS = ("CUDA_VISIBLE_DEVICES", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+
+
+def gpus(n: int) -> list[str]:
+    return [str(i) for i in range(n)]
+
+
+def test_no_gpu_leaves_both_environments_as_the_parents():
+    envs = pair_environments([], PARENT)
+    assert envs == {"prefill": PARENT, "decode": PARENT}
+    assert envs["prefill"] is not envs["decode"]  # each side its own copy
+
+
+@pytest.mark.parametrize("transport", ["transfer-server", "collective", "local"])
+@pytest.mark.parametrize("n, decode, prefill", [(2, "0", "1"), (8, "0", "1")])
+def test_two_or_more_gpus_give_each_side_its_own(n, decode, prefill, transport):
+    envs = pair_environments(gpus(n), PARENT, transport=transport)
+    assert envs["decode"]["CUDA_VISIBLE_DEVICES"] == decode
+    assert envs["prefill"]["CUDA_VISIBLE_DEVICES"] == prefill
+    for env in envs.values():  # a whole GPU each: no memory share
+        assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in env
+        assert env["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/d", *GPU_XLA_FLAGS]
+        assert env["PATH"] == "/usr/bin"
+
+
+def test_sharded_sides_get_disjoint_gpu_sets_by_uuid_too():
+    uuids = [f"GPU-{i:04x}" for i in range(8)]
+    envs = pair_environments(uuids, PARENT, {"decode": 4, "prefill": 4})
+    assert envs["decode"]["CUDA_VISIBLE_DEVICES"] == ",".join(uuids[:4])
+    assert envs["prefill"]["CUDA_VISIBLE_DEVICES"] == ",".join(uuids[4:])
+    envs = pair_environments(gpus(8), PARENT, {"decode": 4, "prefill": 2})
+    assert envs["decode"]["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert envs["prefill"]["CUDA_VISIBLE_DEVICES"] == "4,5"
+
+
+@pytest.mark.parametrize("n, devices", [(1, None), (2, {"decode": 2, "prefill": 1}),
+                                        (8, {"decode": 5, "prefill": 4})])
+def test_too_few_gpus_are_shared_with_a_memory_share_each(n, devices):
+    parent = {**PARENT, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}  # would be the race
+    envs = pair_environments(gpus(n), parent, devices)
+    assert envs["decode"] == envs["prefill"]
+    env = envs["decode"]
+    assert env["CUDA_VISIBLE_DEVICES"] == ",".join(gpus(n))
+    assert float(env["XLA_PYTHON_CLIENT_MEM_FRACTION"]) == PAIR_SHARE
+    assert 0 < 2 * PAIR_SHARE <= 0.9  # both reserve up front, with room for the CUDA contexts
+    assert env["XLA_FLAGS"].split()[-len(GPU_XLA_FLAGS):] == list(GPU_XLA_FLAGS)
+    with pytest.raises(ValueError, match="collective needs a GPU per side") as e:
+        pair_environments(gpus(n), parent, devices, "collective")
+    assert "\n" not in str(e.value)
+
+
+def test_a_users_own_xla_flag_wins():
+    flags = with_gpu_flags("--xla_gpu_autotune_level=4")
+    assert flags.split() == ["--xla_gpu_autotune_level=4", "--xla_gpu_shard_autotuning=false"]
+    assert with_gpu_flags(flags) == flags  # idempotent: each process may add them again
+
+
+@pytest.mark.parametrize("env, want", [
+    ({"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}, gpus(8)),
+    ({"CUDA_VISIBLE_DEVICES": "3, 5"}, ["3", "5"]),
+    ({"CUDA_VISIBLE_DEVICES": "2,-1,3"}, ["2"]),  # CUDA stops at an invalid entry
+    ({"CUDA_VISIBLE_DEVICES": ""}, []),
+    ({"CUDA_VISIBLE_DEVICES": "0", "JAX_PLATFORMS": "cpu"}, []),
+    ({"CUDA_VISIBLE_DEVICES": "0", "JAX_PLATFORMS": "cuda,cpu"}, ["0"]),
+])
+def test_visible_gpus_are_counted_without_jax(env, want):
+    assert visible_gpus(env) == want
+
+
+CHILD = """import json, os, sys
+json.dump({k: os.environ.get(k) for k in sys.argv[1:4]}, sys.stderr)"""
+PARENT_RUN = """import json, os, sys
+from rekv_jax.transport.launch import pair_environments, visible_gpus, with_prefill_child
+keys = ["CUDA_VISIBLE_DEVICES", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_FLAGS"]
+
+def decode(coordinator):
+    import jax
+    jax.devices()  # JAX starts after this side's environment was set
+    return {k: os.environ.get(k) for k in keys}
+
+envs = pair_environments(visible_gpus(), os.environ, None, sys.argv[2])
+mine = with_prefill_child([sys.executable, "-c", sys.argv[1], *keys], decode, 60, envs)
+print(json.dumps(mine))"""
+
+
+@pytest.mark.parametrize("visible, decode, prefill, share", [
+    ("3,5", "3", "5", None), ("3", "3", "3", f"{PAIR_SHARE:g}")])
+def test_each_process_of_a_pair_gets_its_environment(visible, decode, prefill, share):
+    """The launcher sets this process's side before JAX starts and starts the child with its
+    own (on CPU JAX ignores CUDA_VISIBLE_DEVICES, so the variables themselves are checked)."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    out = subprocess.run([sys.executable, "-c", PARENT_RUN, CHILD, "transfer-server"],
+                         capture_output=True, text=True, timeout=120,
+                         env={**env, "CUDA_VISIBLE_DEVICES": visible, "XLA_FLAGS": ""})
+    assert out.returncode == 0, out.stderr[-2000:]
+    mine = json.loads(out.stdout)
+    child = json.loads(out.stderr[out.stderr.index("{"):])
+    flags = " ".join(GPU_XLA_FLAGS)
+    assert mine == {"CUDA_VISIBLE_DEVICES": decode, "XLA_PYTHON_CLIENT_MEM_FRACTION": share,
+                    "XLA_FLAGS": flags}
+    assert child == {"CUDA_VISIBLE_DEVICES": prefill, "XLA_PYTHON_CLIENT_MEM_FRACTION": share,
+                     "XLA_FLAGS": flags}
+
+
+def test_collective_on_one_gpu_is_one_line_exit_2(monkeypatch, capsys):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["handoff", "--transport", "collective", "--link-gbps", "unpaced",
+                  "--seq-len", "32", "--actions", "bf16:r=2"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rekv handoff: error: --transport collective "
+                                               "needs a GPU per side"), err
+
+
+# ------------------------------------------------------------------- the runtime both sides share
+
+EXP = Experiment(seq_len=32, actions=(Action.parse("bf16:r=2", 6),), schedules=("overlapped",),
+                 transport="local", warmup=0, reps=2)
+
+
+@pytest.mark.parametrize("field, value", [("jaxlib", "0.0.1"), ("device_kind", "NVIDIA H100"),
+                                          ("xla_flags", "--xla_gpu_autotune_level=4"),
+                                          ("attention", "cudnn")])
+def test_sides_on_different_runtimes_fail_in_one_line_exit_1(monkeypatch, field, value):
+    real = launch.runtime
+
+    def prefill_differs(attention):  # LocalTransport runs the prefill side on its own thread
+        facts = real(attention)
+        return facts | {field: value} if threading.current_thread().name == "rekv-prefill" \
+            else facts
+
+    monkeypatch.setattr(launch, "runtime", prefill_differs)
+    records = []
+    with pytest.raises(RuntimeMismatch) as e:
+        run_local(EXP, records.append)
+    assert records == []  # before any handoff
+    told = describe(e.value)
+    assert told.status == 1 and "\n" not in told.line
+    assert told.line.startswith(f"runtime: prefill and decode disagree on {field} ")
+    assert value in told.line
+
+
+def test_runtime_names_what_decides_the_bits():
+    facts = launch.runtime("xla")
+    assert facts["jax"] == jax.__version__ and facts["attention"] == "xla"
+    assert facts["device_kind"] == jax.local_devices()[0].device_kind
+    assert set(facts) == {"jax", "jaxlib", "platform", "device_kind", "xla_flags", "attention"}
+
+
+# ------------------------------------------------------------ the suffix across the two processes
+
+ACROSS = ", suffix checksum = the prefill process's"  # what a person reads
+
+
+def test_every_rep_checks_the_suffix_against_the_prefill_process():
+    out = []
+    run_local(dataclasses.replace(EXP, actions=(Action.parse("bf16:r=2", 6),
+                                                Action.parse("q8:r=2", 6),
+                                                Action.parse("q8:full", 6))), out.append)
+    reps = [r for r in out if isinstance(r, Rep)]
+    assert [r.cache_check for r in reps] == ["bitwise" + ACROSS] * 2 + [
+        "suffix bitwise, prefix within the q8 error bound" + ACROSS] * 2 + [
+        "suffix bitwise, prefix within the q8 error bound"] * 2  # transfer-only: no suffix
+
+
+def test_a_prefill_process_with_other_suffix_bits_is_a_mismatch(monkeypatch):
+    real = experiment.prepare
+
+    def other_bits(*args, **kwargs):  # the prefill side's suffix differs by one checksum
+        state = real(*args, **kwargs)
+        return dataclasses.replace(state, suffix_sums=(state.suffix_sums[0] + 1,
+                                                       *state.suffix_sums[1:]))
+
+    monkeypatch.setattr(experiment, "prepare", other_bits)
+    out = []
+    run_local(EXP, out.append)
+    reps = [r for r in out if isinstance(r, Rep)]
+    (summary,) = [r for r in out if isinstance(r, Summary)]
+    want = "MISMATCH in the prefill process's suffix checksum"
+    assert [r.cache_check for r in reps] == [want, want] and summary.cache_check == want
+
+
+# --------------------------------------------------------- collective + overlapped on a GPU
+
+
+def test_serialized_only_for_the_collective_overlapped_on_a_gpu():
+    assert serializes("collective", "overlapped", "gpu")
+    for args in [("collective", "sequential", "gpu"), ("collective", "overlapped", "cpu"),
+                 ("transfer-server", "overlapped", "gpu"), ("collective", "n/a", "gpu")]:
+        assert not serializes(*args)
+
+
+@pytest.mark.parametrize("platform, want", [("gpu", True), ("cpu", False)])
+def test_records_of_collective_overlapped_say_serialized_on_a_gpu(monkeypatch, platform, want):
+    """The experiment sees a GPU (only its own module's `jax` is patched); the link is local."""
+    seen = types.SimpleNamespace(**{n: getattr(jax, n) for n in dir(jax) if not n.startswith("__")})
+    seen.default_backend = lambda: platform
+    monkeypatch.setattr(experiment, "jax", seen)
+    out = []
+    exp = dataclasses.replace(EXP, transport="collective", schedules=("overlapped", "sequential"),
+                              actions=(Action.parse("bf16:r=2", 6), Action.parse("bf16:full", 6)))
+    run_local(exp, out.append)
+    summaries = {(str(s.action), s.schedule): s for s in out if isinstance(s, Summary)}
+    assert summaries["bf16:r=2", "overlapped"].serialized is want
+    assert not summaries["bf16:r=2", "sequential"].serialized
+    assert not summaries["bf16:full", "n/a"].serialized
+    reps = [r for r in out if isinstance(r, Rep) and r.schedule == "overlapped"]
+    assert reps and all(r.serialized is want for r in reps)
+    line = summaries["bf16:r=2", "overlapped"].to_json()
+    assert Summary.from_json(json.loads(json.dumps(line))).serialized is want
+    old = {k: v for k, v in line.items() if k != "serialized"}  # a committed, older line
+    assert Summary.from_json(old).serialized is False
+
+
+# ----------------------------------------------------------------- transfer-server pull ids
+
+
+def test_pull_ids_agree_within_a_run_and_differ_across_runs():
+    tags = [f"q8:r=2/overlapped/{i}/{p}" for i in range(50) for p in ("boundary", "prefix")]
+    run, other = (bytes(range(SECRET_BYTES)), bytes(range(1, SECRET_BYTES + 1)))
+    ids = [_uuid(t, run) for t in tags]
+    assert ids == [_uuid(t, bytes(run)) for t in tags]  # both ends, same secret: same ids
+    assert len(set(ids)) == len(tags) and all(0 <= i < 2**63 for i in ids)
+    assert not set(ids) & {_uuid(t, other) for t in tags}  # another run's secret: other ids
+    assert not set(ids) & {_uuid(t, b"") for t in tags}  # the unkeyed ids of before
