@@ -118,11 +118,12 @@ def check_overlap(records: list[dict], action: str) -> None:
 
 
 def test_overlap_happens_on_a_paced_local_link():
-    """bf16:r=2 of tiny at 256 tokens on a link where the 4-layer prefix takes ~6x the 2-layer
-    suffix (16 ms on this machine): overlapped saves about the whole suffix."""
+    """bf16:r=2 of tiny at 256 tokens on a link where the 4-layer prefix takes ~8x the 2-layer
+    suffix (16 ms on this idle machine; the margin leaves room for load): overlapped saves about
+    the whole suffix."""
     cfg = ModelConfig.preset("tiny")
     action = Action.parse("bf16:r=2", cfg.num_layers)
-    prefix_ms = 6 * 16.0  # 6x the measured 2-layer suffix
+    prefix_ms = 8 * 16.0  # 8x the measured 2-layer suffix
     link = sizes.prefix_bytes(cfg, 256, action.cut, 16) / (prefix_ms * 1e6)
     exp = Experiment(seq_len=256, actions=(action,), link_gbps=link, transport="local",
                      warmup=1, reps=3)
@@ -138,7 +139,7 @@ def test_overlap_happens_on_a_paced_local_link():
 # receives must stay in order while a worker pulls the layers).
 PAIRS = {
     "transfer-server-paced": ("transfer-server", "bf16:full,q8:full,bf16:r=4,q8:r=4,bf16:recompute",
-                              128, ["--link-gbps", "0.002"], "full"),
+                              128, ["--link-gbps", "0.001"], "full"),
     "collective": ("collective", "bf16:full,q8:full,bf16:r=2,q8:r=2,bf16:recompute", 64,
                    ["--link-gbps", "unpaced"], "full"),
     "collective-split": ("collective", "q8:full,bf16:r=2,q8:r=2,bf16:recompute", 64,
@@ -169,7 +170,7 @@ def test_two_processes(pair):
     # the pacer holds a transfer of n bytes to n / W: not faster, and not much slower
     cfg, gbps = ModelConfig.preset("tiny"), float(flags[1])
     (bf16,) = [s for s in summaries if s["action"] == "bf16:full"]
-    link_ms = sizes.prefix_bytes(cfg, seq_len, cfg.num_layers, 16) / (gbps * 1e6)  # 197 ms
+    link_ms = sizes.prefix_bytes(cfg, seq_len, cfg.num_layers, 16) / (gbps * 1e6)  # 393 ms
     assert 0.9 * link_ms <= bf16["phases_ms"]["prefix"] <= 1.3 * link_ms + 20, (bf16, link_ms)
     check_overlap(records, "bf16:r=4")
 
