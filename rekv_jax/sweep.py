@@ -299,7 +299,7 @@ def sweep(preset: SweepPreset, out: Path, reps: int = 30, warmup: int = 3
                 run(prompt_experiment(m, s, prof, preset.transport, link, reps, warmup))
             else:
                 run(batch_experiment(m, s, b, prof, preset.transport, link, reps, warmup))
-    if unfitted or skipped:
+    if unfitted:  # a skipped run's grid fit failed too
         print("sweep: no cost-model fit, so no predictions, for " + "; ".join(unfitted)
               + (f"; not run for want of a fitted cut: {', '.join(skipped)}" if skipped else ""),
               file=sys.stderr)

@@ -68,10 +68,10 @@ def test_balanced_grid_stays_interior():
 
 
 def _tiny_profile(seq_len: int = 32, batch: int = 1, link_gbps: float = 0.002,
-                  suffix_layer_ms: float = 0.4) -> Profile:
+                  suffix_layer_ms: float = 0.4, cfg: ModelConfig = TINY) -> Profile:
     """A tiny-model profile with every fixed cost nonzero, to generate records from."""
     return Profile.for_config(
-        TINY, seq_len, batch, hardware="test", link="test link", link_gbps=link_gbps,
+        cfg, seq_len, batch, hardware="test", link="test link", link_gbps=link_gbps,
         source="analytic", quantize_ms={16: 0.0, 8: 0.02, 4: 0.03},
         restore_ms={16: 0.0, 8: 0.05, 4: 0.07}, suffix_layer_ms=suffix_layer_ms, embed_ms=0.05,
         join_ms={"transfer": 0.01, "recompute": 0.3, "joint": 0.6}, quantize_fixed_ms=0.1,
@@ -182,21 +182,22 @@ def test_mini_sweep_writes_every_output(tmp_path):
 
 
 def _fake_run(exp, cache_dir=None, timeout=None, device_share=None) -> list[Summary]:
-    """Summaries of `exp` as `_tiny_profile` predicts them, in place of a measured handoff; the
-    start profile at 64 tokens and the grid run at 32 lack the points their fits need."""
-    prof = _tiny_profile(exp.seq_len, exp.batch, exp.link_gbps or 1.0)
-    actions = exp.actions
-    if exp.schedules == ("sequential",) and exp.seq_len == 64:  # start profile: one interior cut
+    """Summaries of `exp` as `_tiny_profile` predicts them, in place of a measured handoff; some
+    start profiles (one interior cut) and grid runs (no joint action) lack what their fits need."""
+    prof = _tiny_profile(exp.seq_len, exp.batch, exp.link_gbps or 1.0,
+                         cfg=ModelConfig.preset(exp.model))
+    actions, key = exp.actions, (exp.model, exp.seq_len)
+    if exp.schedules == ("sequential",) and key in (("tiny", 64), ("tiny-qwen3", 32)):
         actions = [a for a in actions if a.cut in (0, 2, 6)]
     elif (exp.seq_len, exp.interval, exp.batch, len(exp.schedules)) == (32, "ready", 1, 2):
-        actions = [a for a in actions if a.kind != "joint"]  # the grid run: no joint action
+        actions = [a for a in actions if a.kind != "joint"]
     done = dict.fromkeys((a, record_schedule(a, s)) for a in actions for s in exp.schedules)
     out = []
     for a, s in done:
         t = cm.predicted_ms(prof, a, "sequential" if s == "sequential" else "overlapped",
                             exp.interval, exp.prefill)
         phases = cm.phase_ms(prof, a) | {"prefill": 1.0 if exp.interval == "prompt" else 0.0}
-        out.append(Summary(model="tiny", seq_len=exp.seq_len, batch=exp.batch, action=a,
+        out.append(Summary(model=exp.model, seq_len=exp.seq_len, batch=exp.batch, action=a,
                            transport=exp.transport, schedule=s, link_gbps=exp.link_gbps,
                            hardware="test", reps_ms=(0.99 * t, t, 1.01 * t), phases_ms=phases,
                            payload_bytes=1000, interval=exp.interval, prefill=exp.prefill,
@@ -208,33 +209,36 @@ def test_sweep_without_a_fit_still_reports(monkeypatch, capsys, tmp_path):
     """An ill-posed fit (a start profile, a grid run) costs only its predictions: the sweep runs
     a fallback grid, writes every output and names each failure with its reason on stderr."""
     monkeypatch.setattr(sweep_module, "run_experiment", _fake_run)
-    preset = SweepPreset(models=("tiny",), lengths=(32, 64), suffix_lens=(), transport="local",
-                         link_gbps=0.002, crossover_factors=(1.0,), cut_spread=0,
-                         prompt_length=32, batch_model="tiny", batches=(2,))
+    preset = SweepPreset(models=("tiny", "tiny-qwen3"), lengths=(32, 64), suffix_lens=(),
+                         transport="local", link_gbps=0.002, crossover_factors=(1.0,),
+                         cut_spread=0, prompt_length=32, batch_model="tiny", batches=(2,))
     records, profiles = sweep(preset, tmp_path, reps=3, warmup=1)
     err = [line.split("\r")[-1] for line in capsys.readouterr().err.splitlines()]
     lines = [line for line in err if line.startswith("sweep: no ")]  # not the progress bars
-    assert len(lines) == 2
-    assert lines[0].startswith("sweep: no start profile") and "tiny at 64 tokens over the " \
-        "paced 0.002 GB/s link (not enough distinct cuts/precisions in the records to fit " \
-        "suffix times)" in lines[0] and "32 tokens" not in lines[0]
-    assert lines[1].startswith("sweep: no cost-model fit") and "tiny at 32 tokens over the " \
-        "paced 0.002 GB/s link (not enough distinct" in lines[1] and "64" not in lines[1]
+    link, why = "over the paced 0.002 GB/s link", "not enough distinct cuts/precisions in the " \
+        "records to fit"
+    assert lines == [
+        "sweep: no start profile, so cuts L/3 and 2L/3 in place of the balanced ones, for "
+        f"tiny at 64 tokens {link} ({why} suffix times); tiny-qwen3 at 32 tokens {link} ({why} "
+        "suffix times)",
+        f"sweep: no cost-model fit, so no predictions, for tiny at 32 tokens {link} ({why} "
+        f"boundary and prefix times); tiny-qwen3 at 32 tokens {link} ({why} boundary and prefix "
+        "times); not run for want of a fitted cut: Fig. 3 of tiny-qwen3 at 32"]
     names = {p.name for p in tmp_path.iterdir()}
     assert {"sweep.jsonl", "sweep.csv", "table1.md", "table3.md", "predictions.md",
             "crossover.md", "fig3.md", "batch.md", "start_profiles.jsonl"} <= names
     assert sum(n.startswith("fig2_") for n in names) == 3  # ready, prompt and batch 2 setups
-    (start,) = (tmp_path / "start_profiles.jsonl").read_text().splitlines()
-    assert json.loads(start)["seq_len"] == 32
-    # 64 tokens: the fixed grid of cuts L/3 and 2L/3, fitted; its profile picks the batch cut
-    (fitted,) = profiles
-    assert (fitted.seq_len, fitted.source) == (64, "fitted")
-    at = {s: {r.action for r in records if (r.seq_len, r.interval, r.batch) == (s, "ready", 1)}
-          for s in (32, 64)}
-    assert at[64] == set(action_grid(TINY, (2, 4), (8, 4)))
+    starts = [json.loads(line) for line in
+              (tmp_path / "start_profiles.jsonl").read_text().splitlines()]
+    assert [(p["model"], p["seq_len"]) for p in starts] == [("tiny", 32), ("tiny-qwen3", 64)]
+    # tiny at 64: the fixed grid of cuts L/3 and 2L/3, fitted; its profile picks the batch cut
+    assert [(p.model, p.seq_len, p.source) for p in profiles] == [
+        ("tiny", 64, "fitted"), ("tiny-qwen3", 64, "fitted")]
+    assert {r.action for r in records if (r.model, r.seq_len, r.interval, r.batch)
+            == ("tiny", 64, "ready", 1)} == set(action_grid(TINY, (2, 4), (8, 4)))
     assert {r.action for r in records if r.batch == 2} == {
-        Action(8, best_cut(fitted, 8), 6), Action(8, 6, 6)}
-    assert {r.interval for r in records if r.seq_len == 32} == {"ready", "prompt"}
+        Action(8, best_cut(profiles[0], 8), 6), Action(8, 6, 6)}
+    assert {r.model for r in records if r.interval == "prompt"} == {"tiny"}
     # predictions exactly where a profile was fitted: 64 tokens, batch 1
     for r in records:
         assert (r.predicted_ms is not None) == ((r.seq_len, r.batch) == (64, 1)), r
