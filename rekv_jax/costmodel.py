@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from scipy.optimize import nnls  # scipy: a dependency of jax
 
 from rekv_jax import sizes
 from rekv_jax.action import ACTION_KINDS, Action
@@ -354,7 +355,8 @@ def fit_profile(cfg: ModelConfig, records: Sequence[dict[str, Any]], hardware: s
     jointly over the boundary and prefix phases (`h0`, `m`, `1 / W`, `restore_b`, `x0_b`; BF16
     needs no restore), so `W` is the bandwidth the link actually delivered. Pass records
     measured without contention (the sequential schedule) for per-phase costs that add up. `J`
-    is the median join per action kind (over all records for a kind that has none).
+    is the median join per action kind (over all records for a kind that has none). Every
+    unknown is a cost (or 1 / W), so the fits are nonnegative least squares.
     """
     if not records:
         raise ValueError("fit_profile needs at least one record")
@@ -401,24 +403,20 @@ def fit_profile(cfg: ModelConfig, records: Sequence[dict[str, Any]], hardware: s
     return Profile.for_config(
         cfg, seq_len, batch, hardware=hardware, link=link, link_gbps=1e-6 / inv_w,
         source="fitted",
-        quantize_ms={16: 0.0} | {b: _clip(a) for b, a in zip(low, alpha, strict=True)},
-        restore_ms={16: 0.0} | {b: _clip(x) for b, x in zip(low, restore, strict=True)},
-        restore_fixed_ms={b: _clip(x) for b, x in zip(low, restore_fixed, strict=True)},
-        suffix_layer_ms=_clip(gamma), join_ms={k: _clip(t) for k, t in join.items()},
-        embed_ms=_clip(embed[0]) if embed else 0.0,
-        quantize_fixed_ms=_clip(q0), boundary_fixed_ms=_clip(h0), message_ms=_clip(m),
-        suffix_fixed_ms=_clip(r0))
-
-
-def _clip(v: float) -> float:
-    """Measurement noise can push a fitted cost slightly below 0; a cost is never negative."""
-    return max(float(v), 0.0)
+        quantize_ms={16: 0.0} | dict(zip(low, alpha, strict=True)),
+        restore_ms={16: 0.0} | dict(zip(low, restore, strict=True)),
+        restore_fixed_ms=dict(zip(low, restore_fixed, strict=True)),
+        suffix_layer_ms=gamma, join_ms=join, embed_ms=embed[0] if embed else 0.0,
+        quantize_fixed_ms=q0, boundary_fixed_ms=h0, message_ms=m, suffix_fixed_ms=r0)
 
 
 def _lstsq(rows: list[list[float]], ys: list[float], what: str) -> list[float]:
+    """Nonnegative least squares. Clipping an unconstrained fit instead would keep the partner
+    of a clipped term (a restore's per-call cost of its per-layer one) fitted to the negative
+    value: noise in 2 reps of one cut mispredicted a Q4 transfer by +390% that way."""
     a = np.asarray(rows, dtype=np.float64)
     if a.size == 0 or np.linalg.matrix_rank(a) < a.shape[1]:
         raise ValueError(f"not enough distinct cuts/precisions in the records to fit {what}")
     scale = np.abs(a).max(axis=0)  # column scaling: bytes and layer counts differ by 1e9
-    coef = np.linalg.lstsq(a / scale, np.asarray(ys, dtype=np.float64), rcond=None)[0] / scale
+    coef = nnls(a / scale, np.asarray(ys, dtype=np.float64))[0] / scale
     return [float(v) for v in coef]

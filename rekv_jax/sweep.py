@@ -115,13 +115,22 @@ def action_grid(cfg: ModelConfig, suffix_lens: tuple[int, ...], joint_bits: tupl
 def balanced_grid(prof: costmodel.Profile, joint_bits: tuple[int, ...], spread: int = 1
                   ) -> list[Action]:
     """BF16 / Q8 / Q4 transfer-only; per precision (BF16: recompute-only) the profile's balanced
-    cuts (Prop. 2) and `spread` interior cuts either side; and full recomputation."""
+    cuts (Prop. 2) and `spread` interior cuts either side; and full recomputation.
+
+    The fit of its records needs two distinct interior cuts (the suffix's fixed and per-layer
+    costs) and, per precision, one besides `c = L` (the prefix's): when every balanced cut is
+    the same one, BF16 also runs at its nearest interior neighbour (with L = 2 there is none)."""
     L = prof.num_layers
     actions = [Action(b, L, L) for b in (16, 8, 4)]
     for bits in (16, *joint_bits):
         cuts = prof.balanced_cut(bits)[1]
         actions += [Action(bits, c, L) for c in range(min(cuts) - spread, max(cuts) + spread + 1)
                     if 0 < c < L]
+    interior = {a.cut for a in actions if 0 < a.cut < L}
+    if len(interior) == 1 and L > 2:
+        (c,) = interior
+        near = c + 1 if c + 1 < L else c - 1
+        actions.insert(3 + (near > c), Action(16, near, L))  # BF16's cuts stay ascending
     return actions + [Action(16, 0, L)]
 
 
@@ -208,13 +217,19 @@ def profile(model: str, seq_len: int, transport: str, link_gbps: float | None,
     """`rekv profile`: short sequential handoffs at two cuts per precision, then a fit."""
     cfg = load_config(model)
     L = cfg.num_layers
-    cuts = sorted({max(1, L // 3), max(1, 2 * L // 3)} - {L})
     actions = [Action(b, L, L) for b in (16, 8, 4)] + [
-        Action(b, c, L) for b in (16, 8, 4) for c in cuts] + [Action(16, 0, L)]
+        Action(b, c, L) for b in (16, 8, 4) for c in _far_cuts(L)] + [Action(16, 0, L)]
     exp = Experiment(model=model, seq_len=seq_len, actions=tuple(actions),
                      schedules=("sequential",), transport=transport, link_gbps=link_gbps,
                      warmup=warmup, reps=reps)
     return fit(cfg, run_experiment(exp, cache_dir))
+
+
+def _far_cuts(num_layers: int) -> list[int]:
+    """Two interior cuts far apart (L/3 and 2L/3): the profile's grid, and the sweep's where a
+    start profile could not be fitted."""
+    L = num_layers
+    return sorted({max(1, L // 3), max(1, 2 * L // 3)} - {L})
 
 
 def sweep(preset: SweepPreset, out: Path, reps: int = 30, warmup: int = 3
@@ -222,11 +237,13 @@ def sweep(preset: SweepPreset, out: Path, reps: int = 30, warmup: int = 3
     """Run the whole sweep, write DIR/sweep.jsonl, DIR/sweep.csv and the report files.
 
     With `preset.cut_spread`, each model and length is first profiled (short sequential
-    handoffs; DIR/start_profiles.jsonl) and its cut grid is the balanced one (`balanced_grid`)."""
+    handoffs; DIR/start_profiles.jsonl) and its cut grid is the balanced one (`balanced_grid`).
+    A fit that fails (ValueError) costs only its predictions: the sweep goes on, writes every
+    output and names what it could not fit, and why, in one line on stderr."""
     out.mkdir(parents=True, exist_ok=True)
     mid = preset.lengths[len(preset.lengths) // 2]
     link = preset.link_gbps or calibrate_link(preset.models[0], mid).link_gbps
-    records, profiles = [], []
+    records, profiles, unfitted, skipped = [], [], [], []
     with open(out / "sweep.jsonl", "w") as log, tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp)
 
@@ -243,28 +260,45 @@ def sweep(preset: SweepPreset, out: Path, reps: int = 30, warmup: int = 3
                            transport=preset.transport, link_gbps=lk, warmup=warmup, reps=reps)
                 for lk in (link, None)[:1 + preset.unpaced_block]
                 for m in preset.models for s in preset.lengths]
+        fits = {}  # (model, length, link) -> the profile of its grid run
         for exp in tqdm(grid, desc="sweep", unit="run", file=sys.stderr):
-            profiles.append(fit(load_config(exp.model), run(exp)))  # every action, both schedules
-            log.write(json.dumps(profiles[-1].to_json()) + "\n")
-        base, base_cfg = preset.models[0], load_config(preset.models[0])
-        L = base_cfg.num_layers
-        q8_cut = (best_cut(start[base, mid], 8) if start
-                  else L - preset.suffix_lens[len(preset.suffix_lens) // 2])
+            got = run(exp)  # every action, both schedules
+            try:
+                prof = fit(load_config(exp.model), got)
+            except ValueError as e:
+                unfitted.append(f"{_setup_text(exp.model, exp.seq_len, exp.link_gbps)} ({e})")
+                continue
+            fits[exp.model, exp.seq_len, exp.link_gbps] = prof
+            profiles.append(prof)
+            log.write(json.dumps(prof.to_json()) + "\n")
+        base = preset.models[0]
+        L = load_config(base).num_layers
+        lens = _suffix_lens(preset, base)
+        q8_cut = (best_cut(start[base, mid], 8) if (base, mid) in start
+                  else L - lens[len(lens) // 2])
         crossover = (Action(16, L, L), Action(8, L, L), Action(8, q8_cut, L), Action(16, 0, L))
         for f in preset.crossover_factors:  # the first model at the middle length, paced links
             if f != 1.0:
                 run(Experiment(model=base, seq_len=mid, actions=crossover,
                                schedules=("overlapped",), transport=preset.transport,
                                link_gbps=round(link * f, 6), warmup=warmup, reps=reps))
-        if preset.prompt_length is not None:
-            for m in preset.models:
-                run(prompt_experiment(m, preset.prompt_length, start[m, preset.prompt_length],
-                                      preset.transport, link, reps, warmup))
-        if preset.batch_model is not None:
-            s = max(preset.lengths)
-            for b in preset.batches:
-                run(batch_experiment(preset.batch_model, s, b, start[preset.batch_model, s],
-                                     preset.transport, link, reps, warmup))
+        # Fig. 3 and batch runs take their cut from the start profile, else the grid run's fit
+        extra = [(m, preset.prompt_length, None) for m in preset.models
+                 if preset.prompt_length is not None]
+        extra += [(preset.batch_model, max(preset.lengths), b) for b in preset.batches
+                  if preset.batch_model is not None]
+        for m, s, b in extra:
+            prof = start.get((m, s)) or fits.get((m, s, link))
+            if prof is None:
+                skipped.append(f"{'Fig. 3' if b is None else f'batch {b}'} of {m} at {s}")
+            elif b is None:
+                run(prompt_experiment(m, s, prof, preset.transport, link, reps, warmup))
+            else:
+                run(batch_experiment(m, s, b, prof, preset.transport, link, reps, warmup))
+    if unfitted:  # a skipped run's grid fit failed too
+        print("sweep: no cost-model fit, so no predictions, for " + "; ".join(unfitted)
+              + (f"; not run for want of a fitted cut: {', '.join(skipped)}" if skipped else ""),
+              file=sys.stderr)
     records = [dataclasses.replace(r, predicted_ms=report.record_prediction(r, profiles))
                for r in records]
     write_csv(records, out / "sweep.csv")
@@ -274,23 +308,44 @@ def sweep(preset: SweepPreset, out: Path, reps: int = 30, warmup: int = 3
 
 def _start_profiles(preset: SweepPreset, link: float, out: Path, cache: Path
                     ) -> dict[tuple[str, int], costmodel.Profile]:
-    """(model, length) -> its profile measured at the start of the run (none for a fixed grid);
-    also written to DIR/start_profiles.jsonl."""
+    """(model, length) -> its profile measured at the start of the run (none for a fixed grid,
+    nor where the fit failed: one line on stderr names those, whose grid is `_far_cuts`); also
+    written to DIR/start_profiles.jsonl."""
     if preset.cut_spread is None:
         return {}
-    start = {(m, s): profile(m, s, preset.transport, link, cache_dir=cache)
-             for m in tqdm(preset.models, desc="profile", unit="model", file=sys.stderr)
-             for s in preset.lengths}
+    start, unfitted = {}, []
+    for m in tqdm(preset.models, desc="profile", unit="model", file=sys.stderr):
+        for s in preset.lengths:
+            try:
+                start[m, s] = profile(m, s, preset.transport, link, cache_dir=cache)
+            except ValueError as e:
+                unfitted.append(f"{_setup_text(m, s, link)} ({e})")
+    if unfitted:
+        print("sweep: no start profile, so cuts L/3 and 2L/3 in place of the balanced ones, for "
+              + "; ".join(unfitted), file=sys.stderr)
     (out / "start_profiles.jsonl").write_text(
         "".join(json.dumps(p.to_json()) + "\n" for p in start.values()))
     return start
 
 
+def _setup_text(model: str, seq_len: int, link_gbps: float | None) -> str:
+    return f"{model} at {seq_len} tokens over the {report.link_label(link_gbps)} link"
+
+
+def _suffix_lens(preset: SweepPreset, model: str) -> tuple[int, ...]:
+    """The fixed r grid of `model`: the preset's, or, in a sweep of balanced grids whose start
+    profile is missing, the suffixes of `_far_cuts` (far apart: the fit stays well posed)."""
+    if preset.cut_spread is None:
+        return preset.suffix_lens
+    L = load_config(model).num_layers
+    return tuple(L - c for c in reversed(_far_cuts(L)))
+
+
 def _actions(preset: SweepPreset, model: str, seq_len: int,
              start: dict[tuple[str, int], costmodel.Profile]) -> list[Action]:
-    if preset.cut_spread is None:
-        return action_grid(load_config(model), preset.suffix_lens, preset.joint_bits)
-    return balanced_grid(start[model, seq_len], preset.joint_bits, preset.cut_spread)
+    if (model, seq_len) in start:
+        return balanced_grid(start[model, seq_len], preset.joint_bits, preset.cut_spread)
+    return action_grid(load_config(model), _suffix_lens(preset, model), preset.joint_bits)
 
 
 def prompt_experiment(model: str, seq_len: int, prof: costmodel.Profile, transport: str,

@@ -167,6 +167,22 @@ def test_fit_profile_recovers_the_generating_profile():
             assert got == pytest.approx(want, rel=1e-6, abs=1e-9), f.name
 
 
+def test_fit_profile_one_noisy_point_does_not_skew_the_rest():
+    """On a 2 MB/s link (a Q4 layer: 35 ms), a Q4 prefix measured 30 ms slow at its one
+    interior cut costs the Q4 transfer-only prediction less than those 30 ms: the fit is
+    constrained to costs >= 0, not clipped afterwards (which put 36 ms on the Q4 transfer)."""
+    truth, L = _profile(link_gbps=0.002), TINY.num_layers
+    actions = [a for a in action_space(L) if a.cut in (0, 1, 3, L) and (a.bits, a.cut) != (4, 3)]
+    records = [{"model": TINY.name, "seq_len": 256, "batch": 2, "bits": a.bits, "cut": a.cut,
+                "phases_ms": cm.phase_ms(truth, a)} for a in actions]
+    noisy = next(r for r in records if (r["bits"], r["cut"]) == (4, 1))
+    noisy["phases_ms"] = noisy["phases_ms"] | {"prefix": noisy["phases_ms"]["prefix"] + 30.0}
+    fit = cm.fit_profile(TINY, records, hardware="test", link="test link")
+    full = Action(4, L, L)
+    assert abs(cm.phase_ms(fit, full)["prefix"] - cm.phase_ms(truth, full)["prefix"]) < 30.0
+    assert fit.link_gbps == pytest.approx(0.002, rel=0.01)
+
+
 def test_fit_profile_needs_enough_distinct_points():
     a = Action(8, 3, TINY.num_layers)
     rec = {"seq_len": 256, "batch": 1, "bits": 8, "cut": 3, "phases_ms": cm.phase_ms(
