@@ -98,6 +98,9 @@ def _flags() -> dict[str, Callable[[argparse.ArgumentParser], None]]:
         p.add_argument("--coordinator", default=None,
                        help="host:port of the decode process (default: detected, e.g. SLURM)")
         p.add_argument("--experiment", default=None, help=argparse.SUPPRESS)  # from launch_pair
+        # a sweep's pair (sweep.Pair): experiments as JSON lines on stdin, each answered by its
+        # records and experiment.SESSION_DONE
+        p.add_argument("--session", action="store_true", help=argparse.SUPPRESS)
         p.add_argument("--prefill-devices", type=int, default=1,
                        help="tensor-parallel devices of the prefill side (CPU: host devices)")
         p.add_argument("--decode-devices", type=int, default=1,
@@ -218,6 +221,11 @@ def _handoff_experiment(args: argparse.Namespace):
 
     if args.experiment:  # the prefill child of launch_pair: everything already decided
         return Experiment.from_json(args.experiment), ""
+    if args.session:  # a sweep's pair: its first experiment decides the processes
+        line = sys.stdin.readline()
+        if not line.strip():
+            raise ValueError("--session: no experiment on stdin")
+        return Experiment.from_json(line), ""
     cfg = load_config(args.model)
     cfg.check_seq_len(args.seq_len)
     link = args.link_gbps
@@ -273,6 +281,7 @@ def cmd_handoff(args: argparse.Namespace) -> None:
     if args.role is not None:  # one process of a pair started by a scheduler (or by us)
         experiment.run_process(args.role, exp, args.coordinator, emit)
         return
+    rest = experiment.session_experiments(sys.stdin, out) if args.session else ()
     if exp.transport != "local":  # a refused set-up (collective on one GPU) before any output
         experiment.side_environments(exp)
     if not args.json:
@@ -281,9 +290,9 @@ def cmd_handoff(args: argparse.Namespace) -> None:
     bar = tqdm(total=experiment.total_handoffs(exp), desc="handoffs", unit="", file=sys.stderr,
                disable=args.json)
     if exp.transport == "local":
-        experiment.run_local(exp, emit, bar.update)
+        experiment.run_local(exp, emit, bar.update, rest)
     else:  # both processes on this machine: we are the decode side, a child is the prefill side
-        experiment.launch_pair(exp, emit, bar.update)
+        experiment.launch_pair(exp, emit, bar.update, rest)
     bar.close()
     if not args.json:
         print("\n".join(report.conclusion(summaries)), file=out, flush=True)

@@ -1,7 +1,9 @@
 """`rekv handoff`: timed ReKV handoffs between a prefill and a decode process (paper §3).
 
-Each process runs `run_role`. On one machine `launch_pair` starts both over loopback; on a
-multi-host allocation the scheduler starts one process per role (see the README). Both sides
+Each process runs `run_session`: one experiment (`run_role`), or, for a sweep's pair, one after
+another over the same transport and weights. On one machine `launch_pair` starts both over
+loopback; on a multi-host allocation the scheduler starts one process per role (see the README).
+Both sides
 build the same weights (same seed, or the same checkpoint), agree on the experiment, then run
 `warmup + reps` handoffs per action and schedule. The decode side checks every timed rep's first
 token and complete cache against its own single-process prefill (`References`), and emits one
@@ -14,11 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import platform
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from typing import TextIO
 
 import jax
 import jax.numpy as jnp
@@ -132,17 +136,93 @@ def fingerprint(cfg: ModelConfig, params: Params) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+# The decode side of a sweep's pair (`rekv handoff --session`) prints this line after the
+# records of each experiment
+SESSION_DONE = json.dumps({"kind": "experiment_done"})
+
+
+class Weights:
+    """The weights of the last (model, seed) a process ran, with their fingerprint: a pair that
+    runs many experiments of one model builds its weights once."""
+
+    def __init__(self) -> None:
+        self._key: tuple[str, int] | None = None
+        self._held = None
+
+    def get(self, spec: str, seed: int):
+        """(the loaded model, its `fingerprint`)."""
+        if self._key != (spec, seed):
+            self._key, self._held = None, None  # the old weights go before the new ones come
+            model = load_model(spec, seed)
+            self._held = model, fingerprint(model.cfg, model.params)
+            self._key = (spec, seed)
+        return self._held
+
+
+def run_session(role: Role, first: Experiment, transport: Transport, emit: Emit,
+                progress: Callable[[int], None] = lambda n: None,
+                more: Iterable[Experiment] = ()) -> None:
+    """One side of a pair's experiments over one transport: `first` (which both sides were
+    started with), then each of `more`, which only the decode side is given: it posts each to the
+    prefill side through the transport's metadata, then a stop. Each experiment is agreed on as
+    one alone, its tags are its own (its index), its link is its own, and each model's weights
+    are built once (`Weights`). `more` is consumed lazily: the next experiment may be decided
+    from the records of the last (the sweep's start profiles decide its grid)."""
+    weights = Weights()
+    if role == "decode":
+        n = 0
+        for n, exp in enumerate(itertools.chain([first], more)):
+            if n:
+                _check_same_pair(first, exp)
+                transport.send_meta(f"session/{n}", {"experiment": dataclasses.asdict(exp)})
+            run_role(role, exp, transport, emit, progress, f"{n}/", weights)
+        transport.send_meta(f"session/{n + 1}", {"experiment": None})
+        return
+    exp, n = first, 0
+    while exp is not None:
+        run_role(role, exp, transport, emit, progress, f"{n}/", weights)
+        n += 1
+        given = transport.recv_meta(f"session/{n}", exp.timeout)["experiment"]
+        exp = None if given is None else Experiment(**given)
+
+
+def session_experiments(lines: TextIO, out: TextIO) -> Iterator[Experiment]:
+    """The experiments after the first of `rekv handoff --session` (a sweep's pair), as
+    `run_session` consumes them: once the last one's records are out, SESSION_DONE goes to `out`,
+    then the next is read from `lines` (JSON, one a line), until they end."""
+    while True:
+        print(SESSION_DONE, file=out, flush=True)
+        line = lines.readline()
+        if not line.strip():
+            return
+        yield Experiment.from_json(line)
+
+
+def _check_same_pair(first: Experiment, exp: Experiment) -> None:
+    """A pair's processes were started for `first`'s transport and devices: later experiments
+    must share them (a ValueError names what differs)."""
+    fields = ("transport", "prefill_devices", "decode_devices")
+    diff = [f"{f} {getattr(exp, f)!r} (the pair's: {getattr(first, f)!r})" for f in fields
+            if getattr(exp, f) != getattr(first, f)]
+    if diff:
+        raise ValueError(f"an experiment of this pair differs in {', '.join(diff)}")
+
+
 def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
-             progress: Callable[[int], None] = lambda n: None) -> None:
-    """One side of the whole experiment; the decode side emits the records."""
-    model = load_model(exp.model, exp.seed)
+             progress: Callable[[int], None] = lambda n: None, name: str = "",
+             weights: Weights | None = None) -> None:
+    """One side of the whole experiment; the decode side emits the records. `name` prefixes
+    every tag (unique per experiment of a session); `weights` holds the session's model."""
+    model, model_fingerprint = (weights or Weights()).get(exp.model, exp.seed)
     cfg, params = model.cfg, model.params
     wrong = [str(a) for a in exp.actions if a.num_layers != cfg.num_layers]
     if wrong:
         raise ValueError(f"actions {wrong} are not for {cfg.name} ({cfg.num_layers} layers)")
+    transport.set_link(exp.link_gbps)
     # different attention backends, versions, XLA flags or devices give different bits
-    agree_runtime(transport, attention_backend(cfg, params["embed"].dtype), exp.timeout)
-    transport.agree("experiment", {**dataclasses.asdict(exp), "model": fingerprint(cfg, params)},
+    agree_runtime(transport, attention_backend(cfg, params["embed"].dtype), exp.timeout,
+                  f"{name}runtime")
+    transport.agree(f"{name}experiment", {**dataclasses.asdict(exp), "model": model_fingerprint},
                     exp.timeout)
     tokens = jax.random.randint(jax.random.key(exp.seed + 1), (exp.batch, exp.seq_len), 0,
                                 cfg.vocab_size, jnp.int32)
@@ -160,7 +240,7 @@ def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
         schedules = exp.schedules_of(action)
         results: dict[str, list[Rep]] = {s: [] for s in schedules}
         for schedule, rep in handoff_order(exp, schedules):
-            tag = f"{action}/{schedule}/{rep}"
+            tag = f"{name}{action}/{schedule}/{rep}"
             if role == "prefill":
                 try:
                     if ready:
@@ -261,17 +341,20 @@ def _reference_text(cfg: ModelConfig, cut: int, prefill_devices: int, decode_dev
     return f" to a prefix on {prefill_devices} devices and a suffix on {decode_devices}"
 
 
-def run_local(exp: Experiment, emit: Emit, progress: Callable[[int], None] = lambda n: None
-              ) -> None:
-    """Both sides in this process (the `local` transport): prefill on a thread."""
-    LocalTransport.run_pair(lambda t: run_role("prefill", exp, t, emit),
-                            lambda t: run_role("decode", exp, t, emit, progress),
+def run_local(exp: Experiment, emit: Emit, progress: Callable[[int], None] = lambda n: None,
+              more: Iterable[Experiment] = ()) -> None:
+    """Both sides in this process (the `local` transport): prefill on a thread; `exp`, then
+    `more` (`run_session`)."""
+    LocalTransport.run_pair(lambda t: run_session("prefill", exp, t, emit),
+                            lambda t: run_session("decode", exp, t, emit, progress, more),
                             exp.link_gbps, exp.timeout)
 
 
 def run_process(role: Role, exp: Experiment, coordinator: str | None, emit: Emit,
-                progress: Callable[[int], None] = lambda n: None) -> None:
-    """This process's side over a real transport (jax.distributed is initialized here).
+                progress: Callable[[int], None] = lambda n: None,
+                more: Iterable[Experiment] = ()) -> None:
+    """This process's side over a real transport (jax.distributed is initialized here): `exp`,
+    then, on the decode side, `more` (`run_session`).
 
     The prefill side runs in a supervised worker: JAX aborts it when the decode side (which hosts
     the coordination service) goes away, and the supervisor turns that into one line."""
@@ -286,19 +369,20 @@ def run_process(role: Role, exp: Experiment, coordinator: str | None, emit: Emit
         die_with_parent()
     with connect(exp.transport, role, coordinator, link_gbps=exp.link_gbps,
                  timeout=exp.timeout) as transport:
-        run_role(role, exp, transport, emit, progress)
+        run_session(role, exp, transport, emit, progress, more)
 
 
-def launch_pair(exp: Experiment, emit: Emit, progress: Callable[[int], None] = lambda n: None
-                ) -> None:
-    """Run both sides on this machine over loopback: this process decodes, a child prefills
+def launch_pair(exp: Experiment, emit: Emit, progress: Callable[[int], None] = lambda n: None,
+                more: Iterable[Experiment] = ()) -> None:
+    """Run both sides on this machine over loopback, `exp` then `more` (`run_session`), each
+    side one process for all of them: this process decodes, a child prefills
     (`transport.launch.with_prefill_child`: a GPU or a fair share per side, bounded, and a dead
     child is named by its exit). The decode side builds the prefill mesh too, for its reference
     (`References`), so it needs max(N, M) devices."""
     cmd = [sys.executable, "-m", "rekv_jax.cli", "handoff", "--experiment", exp.to_json(),
            "--role", "prefill"]
     with_prefill_child(cmd, lambda coordinator: run_process("decode", exp, coordinator, emit,
-                                                            progress), exp.timeout,
+                                                            progress, more), exp.timeout,
                        side_environments(exp))
 
 

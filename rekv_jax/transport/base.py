@@ -148,9 +148,14 @@ class Transport:
         self.role = role
         self.peer = peer_of(role)
         self._channel = channel
-        self._pacer = LinkPacer(link_gbps) if link_gbps is not None else None
+        self.set_link(link_gbps)
         self._closed = False
         self.sent_bytes = 0  # prefill side: bytes of every buffer handed to the link so far
+
+    def set_link(self, link_gbps: float | None) -> None:
+        """Pace later receives to a link of `link_gbps` GB/s (None: unpaced): each experiment of
+        a pair runs on its own link over the same transport."""
+        self._pacer = LinkPacer(link_gbps) if link_gbps is not None else None
 
     # -- buffers -------------------------------------------------------------------------------
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+import queue
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -161,11 +163,12 @@ def runtime(attention: str) -> dict[str, Any]:
             "attention": attention}
 
 
-def agree_runtime(transport: Transport, attention: str, timeout: float) -> None:
-    """Both sides compare `runtime(attention)` before any handoff; RuntimeMismatch on both, one
-    line naming what differs."""
+def agree_runtime(transport: Transport, attention: str, timeout: float, tag: str = "runtime"
+                  ) -> None:
+    """Both sides compare `runtime(attention)` under `tag` before any handoff; RuntimeMismatch on
+    both, one line naming what differs."""
     try:
-        transport.agree("runtime", runtime(attention), timeout)
+        transport.agree(tag, runtime(attention), timeout)
     except ValueError as e:
         raise RuntimeMismatch(f"{e} (the decode side's recomputed suffix would not be bitwise "
                               "the prefill side's)") from None
@@ -219,8 +222,6 @@ def run_cli(argv: list[str], what: str, timeout: float, env: Mapping[str, str] |
 
     A failure is one line naming `what`: ValueError for bad input (exit 2), TransportError for a
     failed run, TimeoutError past `timeout` s (the child is killed)."""
-    from rekv_jax.failures import exit_text
-
     cmd = [sys.executable, "-m", "rekv_jax.cli", *argv]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -228,9 +229,93 @@ def run_cli(argv: list[str], what: str, timeout: float, env: Mapping[str, str] |
         raise TimeoutError(f"{what}: still running after {timeout:g} s (killed)") from None
     if out.returncode == 0:
         return out.stdout
-    last = (out.stderr.strip().splitlines() or ["no output"])[-1]
-    why = _error_line(out.stderr) or f"{exit_text(out.returncode)} ({last})"
-    raise (ValueError if out.returncode == 2 else TransportError)(f"{what}: {why}")
+    raise _cli_failure(what, out.returncode, out.stderr)
+
+
+def _cli_failure(what: str, code: int, stderr: str) -> Exception:
+    """The one-line error of a command of ours that exited with `code`: ValueError for bad
+    input (exit 2), else TransportError; its own error line, else how it ended."""
+    from rekv_jax.failures import exit_text
+
+    last = (stderr.strip().splitlines() or ["no output"])[-1]
+    why = _error_line(stderr) or f"{exit_text(code)} ({last})"
+    return (ValueError if code == 2 else TransportError)(f"{what}: {why}")
+
+
+class CliSession:
+    """`python -m rekv_jax.cli *argv` kept running to serve requests: `ask` writes one line to
+    its stdin and returns the lines it prints until the line `end`; `close` ends its stdin and
+    waits for it. Failures are one line naming `what`, as `run_cli`'s (it is killed first
+    where it still runs)."""
+
+    def __init__(self, argv: list[str], what: str, env: Mapping[str, str] | None = None) -> None:
+        self._what = what
+        self._log = tempfile.TemporaryFile("w+")  # its stderr: native logs can be long
+        self._proc = subprocess.Popen([sys.executable, "-m", "rekv_jax.cli", *argv],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=self._log, text=True, env=env)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, name="rekv-session", daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            self._lines.put(line.rstrip("\n"))
+        self._lines.put(None)  # it closed its stdout: it ended
+
+    def ask(self, line: str, end: str, timeout: float) -> list[str]:
+        deadline = time.monotonic() + timeout
+        try:
+            self._proc.stdin.write(line + "\n")
+            self._proc.stdin.flush()
+        except BrokenPipeError:
+            raise self._failure() from None
+        out = []
+        while True:
+            try:
+                got = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self._kill()
+                raise TimeoutError(f"{self._what}: no answer after {timeout:g} s (killed)"
+                                   ) from None
+            if got is None:
+                raise self._failure()
+            if got == end:
+                return out
+            out.append(got)
+
+    def close(self, timeout: float = 60.0) -> None:
+        """End its input and wait for it; the error of a failed exit."""
+        try:
+            self._proc.stdin.close()
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._kill()
+            raise TimeoutError(f"{self._what}: still running {timeout:g} s after its input "
+                               "ended (killed)") from None
+        except BrokenPipeError:
+            pass
+        if self._proc.wait():
+            raise self._failure()
+        self._log.close()
+
+    def _failure(self) -> Exception:
+        code = self._proc.wait()
+        self._log.seek(0)
+        return _cli_failure(self._what, code, self._log.read())
+
+    def _kill(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait()
+
+    def __enter__(self) -> CliSession:
+        return self
+
+    def __exit__(self, kind: type | None, *rest: object) -> None:
+        if kind is None:
+            self.close()
+        else:  # the caller's error wins: no one is left to ask it anything
+            self._kill()
 
 
 def free_port() -> int:
