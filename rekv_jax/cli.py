@@ -372,8 +372,9 @@ def cmd_sweep(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from rekv_jax import report, sweep
+    from rekv_jax.sweep_plan import QUICK_PRESETS, SWEEP_PRESETS
 
-    preset = (sweep.QUICK_PRESETS if args.quick else sweep.SWEEP_PRESETS)[args.preset]
+    preset = (QUICK_PRESETS if args.quick else SWEEP_PRESETS)[args.preset]
     if args.quick and args.reps == 30:  # the default: fewer reps for a short lease
         args.reps, args.warmup = 10, 2
     if args.link_gbps is None:
@@ -381,6 +382,10 @@ def cmd_sweep(args: argparse.Namespace) -> None:
                          "link); the gpu preset adds an unpaced block of its own")
     if args.link_gbps != PAPER_LINK:
         preset = dataclasses.replace(preset, link_gbps=args.link_gbps)
+    if args.dry_run:
+        return print(sweep.dry_run(args.preset, preset, args.reps, args.warmup, args.quick))
+    if args.out is None:
+        raise ValueError("rekv sweep needs --out (or --dry-run)")
     records, profiles = sweep.sweep(preset, Path(args.out), args.reps, args.warmup)
     errors = report.error_summary(report.prediction_rows(records, profiles))
     if args.json:
@@ -512,9 +517,12 @@ def _profile_flags(p: argparse.ArgumentParser) -> None:
 def _sweep_flags(p: argparse.ArgumentParser) -> None:
     p.set_defaults(link_gbps=PAPER_LINK)  # the preset's: 2.32 GB/s (gpu), calibrated (cpu)
     p.add_argument("--preset", choices=("cpu", "gpu"), default="cpu")
-    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--out", default=None, help="output folder (required unless --dry-run)")
     p.add_argument("--quick", action="store_true",
-                   help="fewer models, lengths and reps (10, unless --reps is given)")
+                   help="fewer models, lengths, cuts and reps (10, unless --reps is given)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan (pairs, experiments, handoffs, programs) and an "
+                        "estimate of its wall time, built from its parts; run nothing")
 
 
 @command("quality", cmd_quality, "output-quality gate of handoff actions (paper §2.4)",

@@ -40,7 +40,7 @@ from rekv_jax.planner import analytic_profile
 from rekv_jax.report import fig3_rows
 from rekv_jax.sizes import action_bytes
 from rekv_jax.summary import Rep, Summary
-from rekv_jax.sweep import prompt_experiment
+from rekv_jax.sweep_plan import prompt_experiment
 from rekv_jax.transport import LocalTransport, TransportError
 from rekv_jax.transport.launch import run_pair
 

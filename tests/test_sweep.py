@@ -12,7 +12,8 @@ from rekv_jax import costmodel as cm
 from rekv_jax import sweep as sweep_module
 from rekv_jax.costmodel import Profile
 from rekv_jax.summary import Summary, record_schedule
-from rekv_jax.sweep import (
+from rekv_jax.sweep import calibrate_link, sweep
+from rekv_jax.sweep_plan import (
     PAPER_LINK_TO_SUFFIX,
     QUICK_PRESETS,
     SWEEP_PRESETS,
@@ -20,8 +21,6 @@ from rekv_jax.sweep import (
     action_grid,
     balanced_grid,
     best_cut,
-    calibrate_link,
-    sweep,
 )
 
 TINY = ModelConfig.preset("tiny")
@@ -118,14 +117,23 @@ def test_a_sweep_needs_two_suffix_lengths():
                     link_gbps=None, crossover_factors=(1.0,))
 
 
-def test_mini_sweep_writes_every_output(tmp_path):
-    """The gpu preset's plumbing on tiny shapes, in one run: a start profile, the balanced grid,
-    a crossover link, paired Fig. 3 and batch 2, and every output file; and the fitted cost
-    model against the paced transfers it measured."""
+def test_mini_sweep_writes_every_output(monkeypatch, tmp_path):
+    """The gpu preset's plumbing on tiny shapes, in one run of one process pair: a start
+    profile, the balanced grid, a crossover link, paired Fig. 3 and batch 2, and every output
+    file; and the fitted cost model against the paced transfers it measured."""
     preset = SweepPreset(models=("tiny",), lengths=(32,), suffix_lens=(), transport="local",
                          link_gbps=0.001, crossover_factors=(1.0, 4.0),
                          cut_spread=0, prompt_length=32, batch_model="tiny", batches=(2,))
+    sessions = []
+
+    class Counted(sweep_module.CliSession):
+        def __init__(self, *args, **kw):
+            sessions.append(args)
+            super().__init__(*args, **kw)
+
+    monkeypatch.setattr(sweep_module, "CliSession", Counted)
     records, profiles = sweep(preset, tmp_path, reps=3, warmup=1)
+    assert len(sessions) == 1  # one pair ran all five experiments
     names = {p.name for p in tmp_path.iterdir()}
     assert {"sweep.jsonl", "sweep.csv", "table1.md", "table3.md", "predictions.md",
             "crossover.md", "fig3.md", "batch.md", "start_profiles.jsonl"} <= names
@@ -205,10 +213,26 @@ def _fake_run(exp, cache_dir=None, timeout=None) -> list[Summary]:
     return out
 
 
+class _FakePair:
+    """A `sweep.Pair` whose handoffs are `_fake_run`'s."""
+
+    def __init__(self, *args) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def run(self, exp) -> list[Summary]:
+        return _fake_run(exp)
+
+
 def test_sweep_without_a_fit_still_reports(monkeypatch, capsys, tmp_path):
     """An ill-posed fit (a start profile, a grid run) costs only its predictions: the sweep runs
     a fallback grid, writes every output and names each failure with its reason on stderr."""
-    monkeypatch.setattr(sweep_module, "run_experiment", _fake_run)
+    monkeypatch.setattr(sweep_module, "Pair", _FakePair)
     preset = SweepPreset(models=("tiny", "tiny-qwen3"), lengths=(32, 64), suffix_lens=(),
                          transport="local", link_gbps=0.002, crossover_factors=(1.0,),
                          cut_spread=0, prompt_length=32, batch_model="tiny", batches=(2,))
@@ -246,6 +270,48 @@ def test_sweep_without_a_fit_still_reports(monkeypatch, capsys, tmp_path):
     assert len(rows) == len(records)
     predictions = (tmp_path / "predictions.md").read_text()
     assert "| tiny | 64 |" in predictions and "| tiny | 32 |" not in predictions
+
+
+def test_one_pair_runs_a_sequence_of_experiments(monkeypatch):
+    """`run_session`: one pair runs experiments of other lengths, links, actions and batches one
+    after another over one transport, building the model once; each is checked like one run
+    alone, and its pacing is its own."""
+    from rekv_jax import experiment
+
+    loads = []
+    real = experiment.load_model
+    monkeypatch.setattr(experiment, "load_model", lambda *a: loads.append(a) or real(*a))
+    bf16, q8 = Action.parse("bf16:full", 6), Action.parse("q8:r=2", 6)
+    first = experiment.Experiment(seq_len=32, actions=(bf16,), transport="local", warmup=0,
+                                  reps=2, link_gbps=0.0005)
+    then = [dataclasses.replace(first, seq_len=16, actions=(q8,), link_gbps=None),
+            dataclasses.replace(first, batch=2, reps=1)]
+    records = []
+    experiment.run_local(first, records.append, more=iter(then))
+    assert loads == [("tiny", 0)] * 2  # once per side (both run in this process), not per run
+    got = [(r.seq_len, r.batch, str(r.action), r.link_gbps, len(r.reps_ms)) for r in records
+           if isinstance(r, Summary)]
+    assert got == [(32, 1, "bf16:full", 0.0005, 2), (16, 1, "q8:r=2", None, 2),
+                   (16, 1, "q8:r=2", None, 2), (32, 2, "bf16:full", 0.0005, 1)]
+    assert all(r.first_token_match and "MISMATCH" not in r.cache_check for r in records
+               if isinstance(r, Summary))
+    # each experiment's own link: BF16 at 32 tokens takes its bytes over the paced link
+    summaries = [r for r in records if isinstance(r, Summary)]
+    paced, unpaced = summaries[0], summaries[1]
+    # (0.5 MB/s: ~200 ms); the unpaced one is not paced to it (~50 ms for its bytes)
+    ms_at_link = 1e3 / 0.5e6  # per byte at 0.5 MB/s
+    assert min(paced.reps_ms) > sizes.action_bytes(TINY, bf16, 32)["total_bytes"] * ms_at_link
+    assert min(unpaced.reps_ms) < unpaced.sent_bytes * ms_at_link
+
+
+def test_a_pair_keeps_its_transport_and_devices():
+    from rekv_jax.experiment import Experiment, run_local
+
+    first = Experiment(seq_len=16, actions=(Action.parse("bf16:full", 6),), transport="local",
+                       warmup=0, reps=1, timeout=5.0)  # the prefill side's wait for the next
+    with pytest.raises(ValueError, match="transport 'transfer-server'"):
+        run_local(first, lambda r: None,
+                  more=[dataclasses.replace(first, transport="transfer-server")])
 
 
 def test_calibrate_link_paces_a_kv_layer_to_the_papers_ratio(monkeypatch):

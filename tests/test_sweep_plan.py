@@ -1,0 +1,80 @@
+"""The sweep's plan and the dry run's wall-time estimate (no handoff runs here)."""
+
+import pytest
+
+from rekv_jax import Action, ModelConfig
+from rekv_jax import costmodel as cm
+from rekv_jax.experiment import Experiment
+from rekv_jax.planner import PAPER_LINK_GBPS
+from rekv_jax.sweep_plan import (
+    COSTS,
+    QUICK_PRESETS,
+    SWEEP_PRESETS,
+    PairCosts,
+    PairPlan,
+    analytic_profile_of,
+    estimate,
+    plan_pairs,
+    programs,
+)
+
+TINY = ModelConfig.preset("tiny")
+
+
+def test_estimate_is_the_sum_of_its_parts():
+    """Start-ups x pairs, compiles x programs, and (warmup + reps) x (predicted median +
+    overhead) per action and schedule."""
+    bf16, q8 = Action.parse("bf16:full", 6), Action.parse("q8:r=2", 6)
+    exps = (Experiment(seq_len=32, actions=(bf16, q8), warmup=1, reps=4),  # q8: both schedules
+            Experiment(seq_len=32, actions=(q8,), schedules=("overlapped",), warmup=0, reps=2,
+                       link_gbps=0.5))
+    pair = PairPlan("tiny", exps)
+    # one prefill at (32, 1), prefix and suffix at cut 4, Q8 quantize and restore
+    assert programs(list(exps)) == {(32, 1, "prefill"), (32, 1, "prefix", 4),
+                                    (32, 1, "suffix", 4), (32, 1, "quantize", 8),
+                                    (32, 1, "restore", 8)}
+    assert (pair.programs, pair.handoffs) == (5, 5 * 3 + 2)
+    costs = PairCosts(startup_s=7.0, compile_s=2.0, handoff_overhead_ms=1.0, source="test")
+    links = []
+
+    def profile_of(m, s, b, lk):
+        links.append(lk)
+        return cm.Profile.for_config(
+            TINY, s, b, hardware="h", link="l", link_gbps=lk, source="analytic",
+            quantize_ms={16: 0.0, 8: 0.1}, restore_ms={16: 0.0, 8: 0.2}, suffix_layer_ms=0.3,
+            join_ms=0.05, message_ms=0.5)
+
+    est = estimate([pair, pair], costs, 0.25, profile_of)
+    assert links == [0.25, 0.5] * 2  # an unpaced experiment is priced at the sweep's link
+    p1, p2 = profile_of("tiny", 32, 1, 0.25), profile_of("tiny", 32, 1, 0.5)
+    first = 5 * (cm.predicted_ms(p1, bf16, "sequential") + cm.predicted_ms(p1, q8, "sequential")
+                 + cm.predicted_ms(p1, q8, "overlapped") + 3)
+    second = 2 * (cm.predicted_ms(p2, q8, "overlapped") + 1)
+    assert (est.pairs, est.experiments, est.handoffs, est.programs) == (2, 4, 34, 10)
+    assert est.startup_s == 14.0 and est.compile_s == 20.0
+    assert est.handoff_s == pytest.approx(2 * (first + second) / 1e3)
+    assert est.total_s == pytest.approx(34.0 + est.handoff_s)
+
+
+def test_quick_gpu_sweep_fits_eight_minutes_of_one_gpu():
+    """The quick GPU preset, at `--quick`'s 10 reps and 2 warmups, is estimated (assumed GPU
+    costs, analytic medians on the paper's link) within 480 s; the full one is not."""
+    quick, full, link = QUICK_PRESETS["gpu"], SWEEP_PRESETS["gpu"], PAPER_LINK_GBPS
+    pairs = plan_pairs(quick, link, 10, 2, analytic_profile_of())
+    est = estimate(pairs, COSTS["gpu"], link, analytic_profile_of())
+    assert est.pairs == len(quick.models) and est.total_s <= 480, est
+    full_pairs = plan_pairs(full, link, 30, 3, analytic_profile_of())
+    assert [p.model for p in full_pairs] == list(full.models)  # one pair per model
+    # per model: a start profile and a grid per length and link block, and its tail
+    assert sum(len(p.experiments) for p in full_pairs) == 45
+    assert estimate(full_pairs, COSTS["gpu"], link, analytic_profile_of()).total_s > 480
+
+
+def test_sweep_dry_run_prints_the_plan(capsys):
+    from rekv_jax import cli
+
+    cli.main(["sweep", "--preset", "gpu", "--quick", "--dry-run"])
+    out = capsys.readouterr().out
+    assert out.startswith("rekv sweep --preset gpu --quick: plan (10 reps, 2 warmup)")
+    assert "pair 1: qwen2.5-7b:" in out and "ASSUMED, never measured on a GPU" in out
+    assert "estimate: " in out and "analytic_profile" in out
