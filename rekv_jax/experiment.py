@@ -165,7 +165,7 @@ def run_session(role: Role, first: Experiment, transport: Transport, emit: Emit,
     """One side of a pair's experiments over one transport: `first` (which both sides were
     started with), then each of `more`, which only the decode side is given: it posts each to the
     prefill side through the transport's metadata, then a stop. Each experiment is agreed on as
-    one alone, its tags are its own (its index), its link is its own, and each model's weights
+    one alone, its tags are its own (`_tag_prefix`), its link is its own, and each model's weights
     are built once (`Weights`). `more` is consumed lazily: the next experiment may be decided
     from the records of the last (the sweep's start profiles decide its grid)."""
     weights = Weights()
@@ -175,15 +175,22 @@ def run_session(role: Role, first: Experiment, transport: Transport, emit: Emit,
             if n:
                 _check_same_pair(first, exp)
                 transport.send_meta(f"session/{n}", {"experiment": dataclasses.asdict(exp)})
-            run_role(role, exp, transport, emit, progress, f"{n}/", weights)
+            run_role(role, exp, transport, emit, progress, _tag_prefix(n), weights)
         transport.send_meta(f"session/{n + 1}", {"experiment": None})
         return
     exp, n = first, 0
     while exp is not None:
-        run_role(role, exp, transport, emit, progress, f"{n}/", weights)
+        run_role(role, exp, transport, emit, progress, _tag_prefix(n), weights)
         n += 1
         given = transport.recv_meta(f"session/{n}", exp.timeout)["experiment"]
         exp = None if given is None else Experiment(**given)
+
+
+def _tag_prefix(n: int) -> str:
+    """The prefix of experiment `n`'s tags in a session: none for the first, so a single run's
+    tags (and its messages, e.g. "runtime: prefill and decode disagree ...") are a plain run's;
+    the index for the others (no action's tag starts with a digit)."""
+    return f"{n}/" if n else ""
 
 
 def session_experiments(lines: TextIO, out: TextIO) -> Iterator[Experiment]:

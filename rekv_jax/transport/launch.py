@@ -250,6 +250,7 @@ class CliSession:
 
     def __init__(self, argv: list[str], what: str, env: Mapping[str, str] | None = None) -> None:
         self._what = what
+        self._error: Exception | None = None
         self._log = tempfile.TemporaryFile("w+")  # its stderr: native logs can be long
         self._proc = subprocess.Popen([sys.executable, "-m", "rekv_jax.cli", *argv],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -263,6 +264,10 @@ class CliSession:
         self._lines.put(None)  # it closed its stdout: it ended
 
     def ask(self, line: str, end: str, timeout: float) -> list[str]:
+        """Send `line`; the lines it answers before `end`, within `timeout` s. Once it failed,
+        every call raises that failure."""
+        if self._error is not None:
+            raise self._error
         deadline = time.monotonic() + timeout
         try:
             self._proc.stdin.write(line + "\n")
@@ -275,8 +280,9 @@ class CliSession:
                 got = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 self._kill()
-                raise TimeoutError(f"{self._what}: no answer after {timeout:g} s (killed)"
-                                   ) from None
+                self._error = TimeoutError(f"{self._what}: no answer after {timeout:g} s "
+                                           "(killed)")
+                raise self._error from None
             if got is None:
                 raise self._failure()
             if got == end:
@@ -284,7 +290,9 @@ class CliSession:
             out.append(got)
 
     def close(self, timeout: float = 60.0) -> None:
-        """End its input and wait for it; the error of a failed exit."""
+        """End its input and wait for it; the error of a failed exit not yet raised by `ask`."""
+        if self._error is not None:
+            return
         try:
             self._proc.stdin.close()
             self._proc.wait(timeout)
@@ -299,9 +307,12 @@ class CliSession:
         self._log.close()
 
     def _failure(self) -> Exception:
-        code = self._proc.wait()
-        self._log.seek(0)
-        return _cli_failure(self._what, code, self._log.read())
+        """Its error, once it ended (each later call: the same error)."""
+        if self._error is None:
+            code = self._proc.wait()
+            self._log.seek(0)
+            self._error = _cli_failure(self._what, code, self._log.read())
+        return self._error
 
     def _kill(self) -> None:
         if self._proc.poll() is None:
