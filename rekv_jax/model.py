@@ -32,6 +32,7 @@ from rekv_jax.kv import KVCache
 from rekv_jax.layers import (
     INIT,
     DecoderLayer,
+    Past,
     rms_norm,
     rope_tables,
     xla_attention,  # noqa: F401 (part of this module's API)
@@ -168,8 +169,8 @@ def _checked(cfg: ModelConfig, params: Params, tokens: jax.Array | None = None,
 # ---------------------------------------------------------------------------- the programs
 
 
-def _layer(cfg: ModelConfig, weights: dict, x: jax.Array, positions: jax.Array, past=None
-           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _layer(cfg: ModelConfig, weights: dict, x: jax.Array, positions: jax.Array,
+           past: Past | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One decoder layer on x [B, T, D] at positions [B, T] -> (x, k, v) (see DecoderLayer)."""
     with jax.named_scope("decoder_layer"):
         return nnx.merge(_layer_def(cfg), weights)(x, rope_tables(cfg, positions), past)

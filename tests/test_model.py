@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from rekv_jax import KVCache, ModelConfig
 from rekv_jax.config import Llama3RopeScaling
 from rekv_jax.model import (
+    attention_width,
     decode_step,
     extend,
     forward,
@@ -179,6 +180,29 @@ def test_extend_matches_prefill_of_longer_prompt():
     np.testing.assert_allclose(kv_all.k, full_kv.k, atol=1e-5)
     with pytest.raises(ValueError, match="capacity"):
         extend(cfg, params, kv, tokens[:, 20:], 20)
+
+
+def test_decode_step_writes_in_place_and_reads_only_its_bucket():
+    """A decode step donates each layer's cache and writes the new K/V into the same buffers;
+    attention reads the power-of-two bucket covering the sequence, never the positions past it
+    (NaNs there change nothing); greedy_decode leaves its caller's cache usable."""
+    assert [attention_width(n, 100) for n in (1, 2, 3, 17, 64, 65, 100)] == [1, 2, 4, 32, 64,
+                                                                             100, 100]
+    cfg = small_config("qwen2")
+    params = random_params(cfg, jnp.float32)
+    tokens = tokens_for(cfg, 2, 20)
+    kv, logits = prefill(cfg, params, tokens)
+    token = jnp.argmax(logits, -1)
+    want, _ = decode_step(cfg, params, kv.pad(64), token, 20)  # bucket 32 of 64
+    poisoned = kv.pad(64)
+    poisoned = KVCache(poisoned.keys, tuple(v.at[:, 32:].set(jnp.nan) for v in poisoned.values))
+    pointers = [v.unsafe_buffer_pointer() for v in poisoned.values]
+    got, grown = decode_step(cfg, params, poisoned, token, 20)
+    assert np.array_equal(got, want)
+    assert all(v.is_deleted() for v in poisoned.values)  # donated
+    assert [v.unsafe_buffer_pointer() for v in grown.values] == pointers  # written in place
+    greedy_decode(cfg, params, kv, logits, 3)
+    assert not any(k.is_deleted() for k in kv.keys)
 
 
 def test_repeat_layers_shares_one_layer():
