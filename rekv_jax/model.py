@@ -66,8 +66,17 @@ def _expected_shapes(cfg: ModelConfig) -> tuple[dict, dict]:
     return outer, _shapes(nnx.to_pure_dict(nnx.state(layer)))
 
 
+@functools.lru_cache(maxsize=64)
+def _expected_flat(cfg: ModelConfig) -> tuple[jax.tree_util.PyTreeDef, list[tuple[int, ...]]]:
+    leaves, treedef = jax.tree.flatten(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))
+    return treedef, [x.shape for x in leaves]
+
+
 def check_params(cfg: ModelConfig, params: Params) -> None:
     """Raise ValueError unless `params` has exactly the entries and shapes `cfg` implies."""
+    leaves, treedef = jax.tree.flatten(params)
+    if (treedef, [getattr(x, "shape", None) for x in leaves]) == _expected_flat(cfg):
+        return  # the common case, checked fast: every call (each decode step) runs this
     outer, layer = _expected_shapes(cfg)
     try:
         layers = params["layers"]
@@ -185,7 +194,9 @@ def _logits(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
 
 @jax.jit
 def _embed(embed: jax.Array, tokens: jax.Array) -> jax.Array:
-    return embed[tokens]  # [B, T, D]
+    """Token ids [B, T] (or a decode step's [B]) -> x [B, T, D] ([B, 1, D])."""
+    x = embed[tokens]
+    return x if tokens.ndim == 2 else x[:, None]
 
 
 # The one program of a layer in a prompt pass: every entry point runs layer l through it.
@@ -282,24 +293,28 @@ def attention_width(end: int, capacity: int) -> int:
 
 
 def _extend(cfg: ModelConfig, params: Params, kv: KVCache, tokens: jax.Array, start: int,
-            check_values: bool) -> tuple[jax.Array, KVCache]:
-    cfg = _checked(cfg, params, tokens, values=check_values)
+            step: bool) -> tuple[jax.Array, KVCache]:
+    """`extend` on tokens [B, T]; a decode `step` takes tokens [B] (values unchecked: no host
+    pull) and returns the logits [B, V], without an op outside the programs."""
+    if step and (tokens.ndim != 1 or not jnp.issubdtype(tokens.dtype, jnp.integer)):
+        raise ValueError(f"token must be integer ids [B], got {tokens.dtype}{tokens.shape}")
+    cfg = _checked(cfg, params, None if step else tokens)
     if kv.num_layers != cfg.num_layers:
         raise ValueError(f"cache holds {kv.num_layers} layers, the model has {cfg.num_layers}")
-    T, C = tokens.shape[1], kv.seq_len
+    T, C = 1 if step else tokens.shape[1], kv.seq_len
     concrete = isinstance(start, int | np.integer)
     if concrete and not 0 <= start <= C - T:
         raise ValueError(f"start={start} + {T} tokens does not fit a cache of capacity {C}; grow "
                          "it with KVCache.pad")
     width = attention_width(int(start) + T, C) if concrete else C
-    start = jnp.asarray(start, jnp.int32)
-    x = _embed(params["embed"], tokens)
+    start = np.int32(start) if concrete else start
+    x = _embed(params["embed"], tokens)  # [B, T, D]
     keys, vals = [], []
     for weights, k, v in zip(params["layers"], kv.keys, kv.values, strict=True):
         x, k, v = _cache_layer(cfg, weights, x, k, v, start, width=width)  # k, v [B, C, K, H]
         keys.append(k)
         vals.append(v)
-    return _head(cfg, _head_params(params), x, last=False), KVCache(tuple(keys), tuple(vals))
+    return _head(cfg, _head_params(params), x, last=step), KVCache(tuple(keys), tuple(vals))
 
 
 def extend(cfg: ModelConfig, params: Params, kv: KVCache, tokens: jax.Array, start: int
@@ -311,15 +326,14 @@ def extend(cfg: ModelConfig, params: Params, kv: KVCache, tokens: jax.Array, sta
     of `kv` at or after `start` are ignored (masked), so a cache padded with `KVCache.pad` can be
     reused step after step, one compiled program per attention bucket (`attention_width`).
     """
-    return _extend(cfg, params, kv, tokens, start, check_values=True)
+    return _extend(cfg, params, kv, tokens, start, step=False)
 
 
 def decode_step(cfg: ModelConfig, params: Params, kv: KVCache, token: jax.Array, position: int
                 ) -> tuple[jax.Array, KVCache]:
     """One autoregressive step: token [B] at `position` -> (logits [B, V] f32, updated cache).
     `kv` is donated (see `extend`); the token's value is not checked (no host pull per step)."""
-    logits, kv = _extend(cfg, params, kv, token[:, None], position, check_values=False)
-    return logits[:, 0], kv
+    return _extend(cfg, params, kv, token, position, step=True)
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
