@@ -121,10 +121,11 @@ def unpack_prefix(buffers: list[jax.Array], bits: int, dtype: jnp.dtype,
                   backend: str | None = None) -> KVCache:
     """Inverse of `pack_prefix`: the restored prefix KV [c, B, S, K, H] in `dtype`."""
     if bits == 16:
-        return KVCache(*buffers)
+        return KVCache.stacked(*buffers)
     kc, ks, vc, vs = buffers
-    return KVCache(dequantize(QuantizedTensor(kc, ks, bits, GROUP_SIZE, dtype), backend=backend),
-                   dequantize(QuantizedTensor(vc, vs, bits, GROUP_SIZE, dtype), backend=backend))
+    return KVCache.stacked(
+        dequantize(QuantizedTensor(kc, ks, bits, GROUP_SIZE, dtype), backend=backend),
+        dequantize(QuantizedTensor(vc, vs, bits, GROUP_SIZE, dtype), backend=backend))
 
 
 def prefix_specs(cfg: ModelConfig, action: Action, batch: int, seq_len: int, dtype: jnp.dtype,

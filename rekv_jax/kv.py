@@ -1,41 +1,106 @@
-"""The one KV layout shared by the model, the quantizer, the transports and the planner."""
+"""The one KV layout shared by the model, the quantizer, the transports and the planner.
+
+A cache holds one key and one value array per layer (`[B, S, K, H]` each), not a stacked
+`[L, ...]` array: the model's per-layer program writes each layer's K/V on its own (in place, by
+buffer donation, when decoding), so selecting and joining layer ranges (`layers`, `concat`) are
+free tuple operations and never compile a program per range. `k` / `v` stack on read.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+
+@jax.jit
+def _stack(arrays: tuple[jax.Array, ...]) -> jax.Array:
+    return jnp.stack(arrays)  # [n, B, S, K, H]
+
+
+@jax.jit
+def _unstack(stacked: jax.Array) -> tuple[jax.Array, ...]:
+    return tuple(jnp.unstack(stacked))  # n x [B, S, K, H]
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _pad(x: jax.Array, capacity: int) -> jax.Array:
+    # lax.pad, not jnp.pad: a new buffer even when nothing is added (jnp.pad would return `x`)
+    widths = [(0, 0, 0), (0, capacity - x.shape[1], 0), (0, 0, 0), (0, 0, 0)]
+    return jax.lax.pad(x, jnp.zeros((), x.dtype), widths)  # [B, C, K, H]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Keys (after RoPE) and values of a stack of layers: `k`, `v` are `[L, B, S, K, H]`."""
+    """Keys (after RoPE) and values of a range of layers, one `[B, S, K, H]` array per layer.
 
-    k: jax.Array  # [L, B, S, K, H]
-    v: jax.Array  # [L, B, S, K, H]
+    `empty` is the layer shape `[B, S, K, H]` and dtype of a cache that holds no layer (the cut-0
+    prefix, the cut-L suffix), so that it still knows its sequence length and stacked shape.
+    """
+
+    keys: tuple[jax.Array, ...]  # L x [B, S, K, H]
+    values: tuple[jax.Array, ...]  # L x [B, S, K, H]
+    empty: tuple[tuple[int, ...], np.dtype] | None = dataclasses.field(
+        default=None, metadata=dict(static=True))
+
+    @staticmethod
+    def stacked(k: jax.Array, v: jax.Array) -> KVCache:
+        """From stacked `k`, `v` `[L, B, S, K, H]` (a received payload, a reference cache)."""
+        if k.shape[0] == 0:
+            return KVCache((), (), (tuple(k.shape[1:]), np.dtype(k.dtype)))
+        return KVCache(_unstack(k), _unstack(v))
 
     @property
     def num_layers(self) -> int:
-        return self.k.shape[0]
+        return len(self.keys)
+
+    @property
+    def _layer_shape(self) -> tuple[tuple[int, ...], np.dtype]:
+        return self.empty if not self.keys else (self.keys[0].shape, np.dtype(self.keys[0].dtype))
 
     @property
     def seq_len(self) -> int:
-        return self.k.shape[2]
+        return self._layer_shape[0][1]
+
+    @property
+    def k(self) -> jax.Array:
+        """Keys stacked `[L, B, S, K, H]` (a copy)."""
+        return self._stack(self.keys)
+
+    @property
+    def v(self) -> jax.Array:
+        """Values stacked `[L, B, S, K, H]` (a copy)."""
+        return self._stack(self.values)
+
+    def _stack(self, arrays: tuple[jax.Array, ...]) -> jax.Array:
+        if arrays:
+            return _stack(arrays)
+        shape, dtype = self.empty
+        return jnp.zeros((0, *shape), dtype)
 
     def layers(self, start: int, stop: int) -> KVCache:
-        """Layers `start..stop-1` (a view-like slice along L)."""
-        return KVCache(self.k[start:stop], self.v[start:stop])
+        """Layers `start..stop-1` (the same arrays, nothing copied)."""
+        keys, values = self.keys[start:stop], self.values[start:stop]
+        return KVCache(keys, values, None if keys else self._layer_shape)
 
     def pad(self, capacity: int) -> KVCache:
-        """Zero-extend the sequence axis to `capacity` positions (room for decoding)."""
+        """Zero-extend the sequence axis to `capacity` positions (room for decoding); always
+        new buffers, so decoding (which donates them) leaves this cache intact."""
         if capacity < self.seq_len:
             raise ValueError(f"capacity {capacity} < current length {self.seq_len}")
-        widths = [(0, 0), (0, 0), (0, capacity - self.seq_len), (0, 0), (0, 0)]
-        return KVCache(jnp.pad(self.k, widths), jnp.pad(self.v, widths))
+        if not self.keys:
+            shape, dtype = self.empty
+            return KVCache((), (), ((shape[0], capacity, *shape[2:]), dtype))
+        return KVCache(tuple(_pad(k, capacity) for k in self.keys),
+                       tuple(_pad(v, capacity) for v in self.values))
 
     @staticmethod
     def concat(*parts: KVCache) -> KVCache:
         """Join layer ranges in order, e.g. a restored prefix and a recomputed suffix."""
-        return KVCache(jnp.concatenate([p.k for p in parts]), jnp.concatenate([p.v for p in parts]))
+        keys = tuple(k for p in parts for k in p.keys)
+        values = tuple(v for p in parts for v in p.values)
+        return KVCache(keys, values, None if keys else parts[0].empty)

@@ -23,7 +23,7 @@ from rekv_jax.config import ModelConfig
 from rekv_jax.model import Params, check_params
 
 # One row per tensor kind: (HF name, param path, variants of {x}, HF -> ours, ours -> HF).
-# `{i}` is the layer index (layer tensors are stacked along a leading L axis in params).
+# `{i}` is the layer index (params["layers"] is a list of per-layer dicts).
 _Reshape = Callable[[np.ndarray, ModelConfig], np.ndarray]
 _SAME: _Reshape = lambda w, c: w  # noqa: E731
 _T: _Reshape = lambda w, c: w.T  # noqa: E731
@@ -31,19 +31,19 @@ _HF_MAP: list[tuple[str, str, str, _Reshape, _Reshape]] = [
     ("model.embed_tokens.weight", "embed", "", _SAME, _SAME),
     ("model.norm.weight", "final_norm/weight", "", _SAME, _SAME),
     ("lm_head.weight", "lm_head", "", _T, _T),  # [V, D] <-> [D, V]
-    ("model.layers.{i}.self_attn.{x}_proj.weight", "layers/attn/{x}_proj", "q|k|v",
+    ("model.layers.{i}.self_attn.{x}_proj.weight", "layers/{i}/attn/{x}_proj", "q|k|v",
      lambda w, c: w.T.reshape(c.hidden_size, -1, c.head_dim),  # [n*H, D] -> [D, n, H]
      lambda w, c: w.reshape(c.hidden_size, -1).T),
-    ("model.layers.{i}.self_attn.{x}_proj.bias", "layers/attn/{x}_bias", "q|k|v",
+    ("model.layers.{i}.self_attn.{x}_proj.bias", "layers/{i}/attn/{x}_bias", "q|k|v",
      lambda w, c: w.reshape(-1, c.head_dim), lambda w, c: w.reshape(-1)),  # [n*H] <-> [n, H]
-    ("model.layers.{i}.self_attn.o_proj.weight", "layers/attn/o_proj", "",
+    ("model.layers.{i}.self_attn.o_proj.weight", "layers/{i}/attn/o_proj", "",
      lambda w, c: w.T.reshape(-1, c.head_dim, c.hidden_size),  # [D, N*H] -> [N, H, D]
      lambda w, c: w.reshape(-1, c.hidden_size).T),
-    ("model.layers.{i}.self_attn.{x}_norm.weight", "layers/attn/{x}_norm/weight", "q|k",
+    ("model.layers.{i}.self_attn.{x}_norm.weight", "layers/{i}/attn/{x}_norm/weight", "q|k",
      _SAME, _SAME),
-    ("model.layers.{i}.mlp.{x}_proj.weight", "layers/mlp/{x}_proj", "gate|up|down", _T, _T),
-    ("model.layers.{i}.input_layernorm.weight", "layers/input_norm/weight", "", _SAME, _SAME),
-    ("model.layers.{i}.post_attention_layernorm.weight", "layers/post_attn_norm/weight", "",
+    ("model.layers.{i}.mlp.{x}_proj.weight", "layers/{i}/mlp/{x}_proj", "gate|up|down", _T, _T),
+    ("model.layers.{i}.input_layernorm.weight", "layers/{i}/input_norm/weight", "", _SAME, _SAME),
+    ("model.layers.{i}.post_attention_layernorm.weight", "layers/{i}/post_attn_norm/weight", "",
      _SAME, _SAME),
 ]
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq")  # buffers some old checkpoints carry
@@ -65,9 +65,10 @@ def _match(name: str, column: int) -> tuple[re.Match, tuple] | None:
 
 
 def _set(tree: dict, path: str, value) -> None:
+    """Set `tree[a][b]... = value` for path "a/b/..."; a digit indexes the list of layers."""
     *parents, leaf = path.split("/")
     for p in parents:
-        tree = tree.setdefault(p, {})
+        tree = tree[int(p)] if p.isdigit() else tree.setdefault(p, {})
     tree[leaf] = value
 
 
@@ -95,8 +96,7 @@ def open_hf(path: str | Path) -> tuple[ModelConfig, list[Path]]:
 def load_hf(path: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> tuple[ModelConfig, Params]:
     """Read an HF checkpoint folder (config.json + safetensors, single or sharded) into params."""
     cfg, files = open_hf(path)
-    layers: dict[str, list] = {}  # param path -> per-layer arrays
-    params: Params = {}
+    params: Params = {"layers": [{} for _ in range(cfg.num_layers)]}
     for file in files:
         with safe_open(str(file), framework="numpy") as f:  # memory-mapped
             for name in f.keys():
@@ -106,21 +106,11 @@ def load_hf(path: str | Path, dtype: jnp.dtype = jnp.bfloat16) -> tuple[ModelCon
                 if found is None:
                     raise ValueError(f"{file.name}: tensor {name!r} has no place in {cfg.name}")
                 m, (_, target, _, to_ours, _) = found
-                target = target.format(x=m.groupdict().get("x"))
-                w = to_ours(f.get_tensor(name), cfg).astype(dtype)
-                if "i" in m.groupdict():
-                    if int(m["i"]) >= cfg.num_layers:
-                        raise ValueError(f"{file.name}: tensor {name!r} is past the "
-                                         f"{cfg.num_layers} layers of config.json")
-                    slots = layers.setdefault(target, [None] * cfg.num_layers)
-                    slots[int(m["i"])] = w
-                else:
-                    _set(params, target, jnp.asarray(w))
-    for target, slots in layers.items():
-        missing = [i for i, w in enumerate(slots) if w is None]
-        if missing:
-            raise ValueError(f"checkpoint lacks {target} for layers {missing}")
-        _set(params, target, jnp.asarray(np.stack(slots)))  # [L, ...]
+                if int(m.groupdict().get("i") or 0) >= cfg.num_layers:
+                    raise ValueError(f"{file.name}: tensor {name!r} is past the "
+                                     f"{cfg.num_layers} layers of config.json")
+                target = target.format(**m.groupdict())
+                _set(params, target, jnp.asarray(to_ours(f.get_tensor(name), cfg).astype(dtype)))
     check_params(cfg, params)
     return cfg, params
 
@@ -132,14 +122,7 @@ def save_hf(path: str | Path, cfg: ModelConfig, params: Params) -> None:
     for p, w in jax.tree_util.tree_leaves_with_path(params):
         key = jax.tree_util.keystr(p, simple=True, separator="/")
         m, (hf_name, *_, to_hf) = _match(key, 1)
-        x = m.groupdict().get("x")
-        w = np.asarray(w)
-        if key.startswith("layers/"):  # unstack [L, ...]; shared weights are written per layer
-            for i in range(cfg.num_layers):
-                layer_w = to_hf(w[i if w.shape[0] > 1 else 0], cfg)
-                tensors[hf_name.format(i=i, x=x)] = np.ascontiguousarray(layer_w)
-        else:
-            tensors[hf_name.format(x=x)] = np.ascontiguousarray(to_hf(w, cfg))
+        tensors[hf_name.format(**m.groupdict())] = np.ascontiguousarray(to_hf(np.asarray(w), cfg))
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"))
@@ -161,5 +144,15 @@ def restore_params(path: str | Path) -> tuple[ModelConfig, Params]:
     cfg = ModelConfig.from_dict(json.loads((path / "rekv_config.json").read_text()))
     with ocp.StandardCheckpointer() as ckpt:
         params = ckpt.restore(path / "params")
+    if isinstance(params["layers"], dict):  # the old stacked layout: leaves [L, ...] or [1, ...]
+        params["layers"] = unstack_layers(params["layers"], cfg.num_layers)
     check_params(cfg, params)
     return cfg, params
+
+
+def unstack_layers(stacked: dict, num_layers: int) -> list[dict]:
+    """A stacked layer dict (leaves `[L, ...]`, or `[1, ...]` shared by every layer) as the list
+    of per-layer dicts params hold; a shared layer becomes one dict at every index."""
+    if all(w.shape[0] == 1 for w in jax.tree.leaves(stacked)):
+        return [jax.tree.map(lambda w: w[0], stacked)] * num_layers
+    return [jax.tree.map(lambda w, i=i: w[i], stacked) for i in range(num_layers)]

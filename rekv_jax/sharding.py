@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Sequence
 
 import jax
@@ -63,25 +64,25 @@ class ShardingRules:
 
 RULES = ShardingRules()
 
-# Logical axes of every parameter (a layer-stack leaf has the leading `layers` axis).
+# Logical axes of every parameter; `layers/` entries are those of each per-layer dict.
 PARAM_AXES: dict[str, tuple[str, ...]] = {
     "embed": ("vocab", "embed"),
     "lm_head": ("embed", "vocab"),
     "final_norm/weight": ("embed",),
-    "layers/input_norm/weight": ("layers", "embed"),
-    "layers/post_attn_norm/weight": ("layers", "embed"),
-    "layers/attn/q_proj": ("layers", "embed", "heads", "head_dim"),
-    "layers/attn/k_proj": ("layers", "embed", "kv_heads", "head_dim"),
-    "layers/attn/v_proj": ("layers", "embed", "kv_heads", "head_dim"),
-    "layers/attn/o_proj": ("layers", "heads", "head_dim", "embed"),
-    "layers/attn/q_bias": ("layers", "heads", "head_dim"),
-    "layers/attn/k_bias": ("layers", "kv_heads", "head_dim"),
-    "layers/attn/v_bias": ("layers", "kv_heads", "head_dim"),
-    "layers/attn/q_norm/weight": ("layers", "head_dim"),
-    "layers/attn/k_norm/weight": ("layers", "head_dim"),
-    "layers/mlp/gate_proj": ("layers", "embed", "mlp"),
-    "layers/mlp/up_proj": ("layers", "embed", "mlp"),
-    "layers/mlp/down_proj": ("layers", "mlp", "embed"),
+    "layers/input_norm/weight": ("embed",),
+    "layers/post_attn_norm/weight": ("embed",),
+    "layers/attn/q_proj": ("embed", "heads", "head_dim"),
+    "layers/attn/k_proj": ("embed", "kv_heads", "head_dim"),
+    "layers/attn/v_proj": ("embed", "kv_heads", "head_dim"),
+    "layers/attn/o_proj": ("heads", "head_dim", "embed"),
+    "layers/attn/q_bias": ("heads", "head_dim"),
+    "layers/attn/k_bias": ("kv_heads", "head_dim"),
+    "layers/attn/v_bias": ("kv_heads", "head_dim"),
+    "layers/attn/q_norm/weight": ("head_dim",),
+    "layers/attn/k_norm/weight": ("head_dim",),
+    "layers/mlp/gate_proj": ("embed", "mlp"),
+    "layers/mlp/up_proj": ("embed", "mlp"),
+    "layers/mlp/down_proj": ("mlp", "embed"),
 }
 KV_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")  # [L, B, S, K, H]
 KV_AXIS = 3  # K in [L, B, S, K, H]: the axis the KV is sharded over
@@ -122,10 +123,17 @@ def named(mesh: Mesh, shape: tuple[int, ...], *logical: str | None,
 
 def shard_params(cfg: ModelConfig, params: Params, mesh: Mesh, rules: ShardingRules = RULES
                  ) -> Params:
-    """Place every parameter on `mesh` by its logical axes (`PARAM_AXES`, `rules`)."""
+    """Place every parameter on `mesh` by its logical axes (`PARAM_AXES`, `rules`). An array
+    shared by several layers (`init_params(repeat_layers=True)`) is placed once and stays shared."""
+    placed: dict[int, jax.Array] = {}
+
     def place(path, x):
-        name = jax.tree_util.keystr(path, simple=True, separator="/")
-        return jax.device_put(x, named(mesh, x.shape, *PARAM_AXES[name], rules=rules))
+        if id(x) not in placed:
+            name = re.sub(r"^layers/\d+/", "layers/",
+                          jax.tree_util.keystr(path, simple=True, separator="/"))
+            placed[id(x)] = jax.device_put(x, named(mesh, x.shape, *PARAM_AXES[name],
+                                                    rules=rules))
+        return placed[id(x)]
     return jax.tree_util.tree_map_with_path(place, params)
 
 
@@ -313,5 +321,6 @@ def split_reference(cfg: ModelConfig, params: Params, tokens: jax.Array, cut: in
     mesh = prefill_mesh if cut == cfg.num_layers else decode_mesh
     suffix, logits = run_suffix(cfg, shard_params(cfg, params, mesh),
                                 jax.device_put(h_c, replicated(mesh)), cut)
-    host = [KVCache(*map(np.asarray, (kv.k, kv.v))) for kv in (prefix, suffix)]
+    host = [KVCache(*(tuple(map(np.asarray, xs)) for xs in (kv.keys, kv.values)), kv.empty)
+            for kv in (prefix, suffix)]
     return KVCache.concat(*host), np.asarray(logits)

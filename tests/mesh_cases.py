@@ -59,10 +59,10 @@ def test_params_follow_the_logical_axes():
     mesh = sharding.make_mesh(cfg, 4)
     assert dict(mesh.shape) == {"dp": 1, "tp_kv": 2, "tp_q": 2}
     params = sharding.shard_params(cfg, init_params(cfg, jax.random.key(0)), mesh)
-    attn = params["layers"]["attn"]
-    assert attn["q_proj"].addressable_shards[0].data.shape == (6, 256, 1, 64)  # heads / 4
-    assert attn["k_proj"].addressable_shards[0].data.shape == (6, 256, 1, 64)  # KV heads / 2
-    assert params["layers"]["mlp"]["down_proj"].addressable_shards[0].data.shape == (6, 128, 256)
+    attn = params["layers"][5]["attn"]
+    assert attn["q_proj"].addressable_shards[0].data.shape == (256, 1, 64)  # heads / 4
+    assert attn["k_proj"].addressable_shards[0].data.shape == (256, 1, 64)  # KV heads / 2
+    assert params["layers"][0]["mlp"]["down_proj"].addressable_shards[0].data.shape == (128, 256)
     assert params["final_norm"]["weight"].sharding.is_fully_replicated
     with pytest.raises(ValueError, match="heads 4 do not split over tp=3"):
         sharding.make_mesh(cfg, 3)
@@ -99,10 +99,11 @@ def test_payload_crosses_meshes_in_pieces(sides, bits):
     n, m = sides
     cfg = ModelConfig(**{**ModelConfig.preset("tiny").to_dict(), "num_kv_heads": 4})
     shape = (2, 1, 8, 4, 64)  # [c, B, S, K, H]
-    kv = KVCache(*(jnp.asarray(np.random.default_rng(i).standard_normal(shape), jnp.bfloat16)
-                   for i in range(2)))
+    kv = KVCache.stacked(*(jnp.asarray(np.random.default_rng(i).standard_normal(shape),
+                                       jnp.bfloat16) for i in range(2)))
     src = sharding.make_mesh(cfg, n)
-    placed = KVCache(*(jax.device_put(x, sharding.kv_sharding(src, shape)) for x in (kv.k, kv.v)))
+    placed = KVCache.stacked(*(jax.device_put(x, sharding.kv_sharding(src, shape))
+                               for x in (kv.k, kv.v)))
     sent = pack_prefix(placed, bits)
     assert all(np.array_equal(a, b) for a, b in zip(sent, pack_prefix(kv, bits), strict=True))
     if bits != 16:

@@ -17,9 +17,18 @@ import jax.numpy as jnp
 import pytest
 from jax._src.cudnn import fused_attention_stablehlo
 
-from rekv_jax import ModelConfig, experiment
+from rekv_jax import KVCache, ModelConfig, experiment
 from rekv_jax.action import Action
-from rekv_jax.model import _run, attention_backend, choose_attention, init_params, prefill
+from rekv_jax.model import (
+    _cache_layer,
+    _prompt_layer,
+    attention_backend,
+    attention_width,
+    choose_attention,
+    init_params,
+    prefill,
+)
+from rekv_jax.transport.launch import RuntimeMismatch
 
 
 @pytest.mark.parametrize("platform, dtype, want", [
@@ -59,16 +68,25 @@ def test_attention_is_not_written_to_hf_config():
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
 
 
-def _lowered(cfg: ModelConfig, params, past, **kw) -> str:
-    """`_run` lowered for CUDA: the one jitted program every public function calls."""
-    tokens = jax.ShapeDtypeStruct((1, 1 if past else 256), jnp.int32)
-    return _run.trace(cfg, params, tokens, jax.ShapeDtypeStruct((), jnp.int32), past=past,
-                      **kw).lower(lowering_platforms=("cuda",)).as_text()
+def _lowered(cfg: ModelConfig, weights: dict, cache: KVCache | None) -> str:
+    """A layer's program lowered for CUDA: the prompt program (every prefill, prefix and suffix
+    runs it), or with a cache the decode step's program at its last position."""
+    cuda = ("cuda",)
+    if cache is None:
+        x = jax.ShapeDtypeStruct((1, 256, cfg.hidden_size), jnp.bfloat16)
+        positions = jax.ShapeDtypeStruct((1, 256), jnp.int32)
+        return _prompt_layer.trace(cfg, weights, x, positions).lower(
+            lowering_platforms=cuda).as_text()
+    x = jax.ShapeDtypeStruct((1, 1, cfg.hidden_size), jnp.bfloat16)
+    start = jax.ShapeDtypeStruct((), jnp.int32)
+    width = attention_width(cache.seq_len, cache.seq_len)
+    return _cache_layer.trace(cfg, weights, x, cache.keys[0], cache.values[0], start,
+                              width=width).lower(lowering_platforms=cuda).as_text()
 
 
 def test_cudnn_path_lowers_for_cuda(monkeypatch):
-    """Qwen3-8B-shaped heads (n_h 32, n_kv 8, H 128) on 2 layers: the causal prompt path becomes
-    cuDNN's fused causal softmax, the cache path its fused bias softmax (the mask)."""
+    """Qwen3-8B-shaped heads (n_h 32, n_kv 8, H 128): the causal prompt path becomes cuDNN's
+    fused causal softmax, the cache path its fused bias softmax (the mask)."""
     monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 90800)
     base = dataclasses.replace(ModelConfig.preset("qwen3-8b"), num_layers=2, hidden_size=512,
                                intermediate_size=256, vocab_size=256)
@@ -76,8 +94,8 @@ def test_cudnn_path_lowers_for_cuda(monkeypatch):
     cache = jax.eval_shape(lambda: prefill(base, params, jnp.zeros((1, 300), jnp.int32))[0])
     for attention in ("cudnn", "xla"):
         cfg = dataclasses.replace(base, attention=attention)
-        prompt = _lowered(cfg, params, None, first=0, stop=2, head="last")
-        step = _lowered(cfg, params, cache, first=0, stop=2, head="all")
+        prompt = _lowered(cfg, params["layers"][0], None)
+        step = _lowered(cfg, params["layers"][0], cache)
         assert ("__cudnn$fmhaSoftmax" in prompt) == (attention == "cudnn")
         assert ("__cudnn$fmhaScaleBiasSoftmax" in step) == (attention == "cudnn")
         assert "__cudnn$fmhaSoftmax" not in step  # the cache path never uses the causal type
@@ -89,5 +107,7 @@ def test_handoff_sides_must_agree_on_the_attention_backend(monkeypatch):
         "cudnn" if threading.current_thread().name == "rekv-prefill" else "xla"))
     exp = experiment.Experiment(seq_len=16, actions=(Action.parse("bf16:full", 6),),
                              transport="local", warmup=0, reps=1, timeout=30.0)
-    with pytest.raises(ValueError, match="disagree on attention .decode 'xla', prefill 'cudnn'"):
+    # a failed run (exit 1), not bad input: issue 18's runtime agreement
+    with pytest.raises(RuntimeMismatch, match="disagree on attention .decode 'xla', prefill "
+                                              "'cudnn'"):
         experiment.run_local(exp, lambda record: None)

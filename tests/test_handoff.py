@@ -280,8 +280,8 @@ def test_cache_check_does_not_trust_the_payload_code():
     q8 = restored(8)
     assert check(q8) == "suffix bitwise, prefix within the q8 error bound"
     assert check(reference.layers(0, 4)) == "suffix bitwise, prefix within the q8 error bound"
-    for bad in (KVCache(q8.k * 1.01, q8.v), KVCache(q8.v, q8.k), restored(4),
-                KVCache(q8.k.astype(jnp.float32), q8.v.astype(jnp.float32))):
+    for bad in (KVCache.stacked(q8.k * 1.01, q8.v), KVCache.stacked(q8.v, q8.k), restored(4),
+                KVCache.stacked(q8.k.astype(jnp.float32), q8.v.astype(jnp.float32))):
         assert check(bad).startswith("MISMATCH in prefix")  # (float32 promotes the suffix too)
 
 

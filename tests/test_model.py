@@ -5,6 +5,7 @@ only) on a GPU; elsewhere the cuDNN cases are skipped with a reason (`pytest -rs
 """
 
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 from rekv_jax import KVCache, ModelConfig
 from rekv_jax.config import Llama3RopeScaling
 from rekv_jax.model import (
+    attention_width,
     decode_step,
     extend,
     forward,
@@ -195,18 +197,80 @@ def test_extend_matches_prefill_of_longer_prompt():
         extend(cfg, params, kv, tokens[:, 20:], 20)
 
 
+def test_decode_step_writes_in_place_and_reads_only_its_bucket():
+    """A decode step donates each layer's cache and writes the new K/V into the same buffers;
+    attention reads the power-of-two bucket covering the sequence, never the positions past it
+    (NaNs there change nothing); greedy_decode leaves its caller's cache usable."""
+    assert [attention_width(n, 100) for n in (1, 2, 3, 17, 64, 65, 100)] == [1, 2, 4, 32, 64,
+                                                                             100, 100]
+    cfg = small_config("qwen2")
+    params = random_params(cfg, jnp.float32)
+    tokens = tokens_for(cfg, 2, 20)
+    kv, logits = prefill(cfg, params, tokens)
+    token = jnp.argmax(logits, -1)
+    want, _ = decode_step(cfg, params, kv.pad(64), token, 20)  # bucket 32 of 64
+    poisoned = kv.pad(64)
+    poisoned = KVCache(poisoned.keys, tuple(v.at[:, 32:].set(jnp.nan) for v in poisoned.values))
+    pointers = [v.unsafe_buffer_pointer() for v in poisoned.values]
+    got, grown = decode_step(cfg, params, poisoned, token, 20)
+    assert np.array_equal(got, want)
+    assert all(v.is_deleted() for v in poisoned.values)  # donated
+    assert [v.unsafe_buffer_pointer() for v in grown.values] == pointers  # written in place
+    greedy_decode(cfg, params, kv, logits, 3)
+    assert not any(k.is_deleted() for k in kv.keys)
+
+
 def test_repeat_layers_shares_one_layer():
     cfg = small_config("qwen2")
     shared = init_params(cfg, jax.random.key(0), jnp.float32, repeat_layers=True)
-    assert all(x.shape[0] == 1 for x in jax.tree.leaves(shared["layers"]))
-    stacked = {**shared, "layers": jax.tree.map(
-        lambda w: jnp.repeat(w, cfg.num_layers, axis=0), shared["layers"])}
+    assert all(layer is shared["layers"][0] for layer in shared["layers"])  # no extra memory
+    distinct = {**shared, "layers": [jax.tree.map(jnp.copy, w) for w in shared["layers"]]}
     tokens = tokens_for(cfg, 1, 16)
     kv_shared, logits_shared = prefill(cfg, shared, tokens)
-    kv_stacked, logits_stacked = prefill(cfg, stacked, tokens)
-    assert np.array_equal(kv_shared.k, kv_stacked.k)
-    assert np.array_equal(logits_shared, logits_stacked)
+    kv_distinct, logits_distinct = prefill(cfg, distinct, tokens)
+    assert np.array_equal(kv_shared.k, kv_distinct.k)
+    assert np.array_equal(logits_shared, logits_distinct)
     assert_split_equals_prefill(cfg, shared, tokens, 2)
+
+
+def test_cuts_reuse_the_prefill_programs():
+    """After a warm prefill, the prefix and suffix at every interior cut compile at most 2
+    programs in total: one program per layer shape and mode, none per cut (issue 18)."""
+    cfg = ModelConfig.preset("tiny")
+    params = init_params(cfg, jax.random.key(0))
+    tokens = tokens_for(cfg, 1, 64)
+    jax.block_until_ready(prefill(cfg, params, tokens))
+    compiled = []
+    handler = logging.Handler()
+    handler.emit = lambda record: compiled.append(record.getMessage())
+    logger = logging.getLogger("jax")
+    logger.addHandler(handler)
+    try:
+        with jax.log_compiles():
+            for cut in range(1, cfg.num_layers):
+                h_c, _ = run_prefix(cfg, params, tokens, cut)
+                jax.block_until_ready(run_suffix(cfg, params, h_c, cut))
+            jax.jit(lambda x: x + 1)(1.0)  # a compile the handler must see
+    finally:
+        logger.removeHandler(handler)
+    compiles = [m for m in compiled if m.startswith("Compiling ")]
+    assert "<lambda>" in compiles[-1]
+    assert len(compiles) - 1 <= 2, compiles
+
+
+def test_lowered_split_has_no_loop_and_no_weight_slicing():
+    """What run_prefix / run_suffix run, lowered: one call of the layer program per layer, each
+    taking that layer's own weights as arguments; no loop, no dynamic slice of a weight stack."""
+    cfg = small_config("qwen2", layers=4)
+    params = init_params(cfg, jax.random.key(0), jnp.float32)
+    tokens = tokens_for(cfg, 2, 8)
+    h_c = jnp.zeros((2, 8, cfg.hidden_size), jnp.float32)
+    for cut in (1, 3):
+        prefix = jax.jit(lambda p, t, c=cut: run_prefix(cfg, p, t, c)).lower(params, tokens)
+        suffix = jax.jit(lambda p, h, c=cut: run_suffix(cfg, p, h, c)).lower(params, h_c)
+        for text, layers in [(prefix.as_text(), cut), (suffix.as_text(), cfg.num_layers - cut)]:
+            assert text.count("call @_layer(") == layers
+            assert "while" not in text and "dynamic_slice" not in text
 
 
 def test_bad_input_raises_value_error():
@@ -242,5 +306,6 @@ def test_forward_is_differentiable():
     params = random_params(cfg, jnp.float32)
     tokens = tokens_for(cfg, 2, 12)
     grads = jax.grad(lambda p: forward(cfg, p, tokens).std())(params)
-    norms = {k: float(jnp.linalg.norm(g)) for k, g in grads["layers"]["attn"].items()}
+    norms = {(i, k): float(jnp.linalg.norm(g)) for i, layer in enumerate(grads["layers"])
+             for k, g in layer["attn"].items()}
     assert all(np.isfinite(n) and n > 0 for n in norms.values()), norms

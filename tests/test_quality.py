@@ -108,9 +108,12 @@ def shipped():
 
 
 def test_shipped_model_loads_from_both_formats_with_equal_logits(shipped):
+    """The shipped orbax checkpoint is in the older stacked-layer layout (leaves [L, ...]):
+    `restore_params` unstacks it into the per-layer list, equal to the safetensors' weights."""
     cfg, params, tok = shipped
     hf_cfg, hf_params = load_hf(SHIPPED_MODEL)
     assert hf_cfg.to_hf() == cfg.to_hf()
+    jax.tree.map(np.testing.assert_array_equal, params, hf_params)
     tokens = jnp.asarray(data.encode(tok, " The lobster is a species of crustacean .")[None])
     assert np.array_equal(np.asarray(forward(cfg, params, tokens)),
                           np.asarray(forward(hf_cfg, hf_params, tokens)))
@@ -161,7 +164,7 @@ def test_corrupted_prefix_is_rejected(shipped, small_eval):
     def corrupted(tokens):  # a q8:r=2 handoff whose prefix keys arrive scrambled
         kv, logits = quality.reconstruct_cache(cfg, params, tokens, Action(8, 2, cfg.num_layers))
         k = kv.k.at[:2].set(jax.random.permutation(jax.random.key(0), kv.k[:2], axis=2))
-        return KVCache(k, kv.v), logits
+        return KVCache.stacked(k, kv.v), logits
 
     ref = quality.run_outputs(cfg, params, lambda t: prefill(cfg, params, t), small_eval)
     bad = quality.run_outputs(cfg, params, corrupted, small_eval)

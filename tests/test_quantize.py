@@ -166,8 +166,8 @@ def test_serialized_prefix_equals_byte_formula(bits, cut):
     B, S = 2, 96
     k1, k2, k3 = jax.random.split(jax.random.key(cut), 3)
     kv_shape = (cfg.num_layers, B, S, cfg.num_kv_heads, cfg.head_dim)
-    kv = KVCache(jax.random.normal(k1, kv_shape, jnp.bfloat16),
-                 jax.random.normal(k2, kv_shape, jnp.bfloat16))
+    kv = KVCache.stacked(jax.random.normal(k1, kv_shape, jnp.bfloat16),
+                         jax.random.normal(k2, kv_shape, jnp.bfloat16))
     h_c = jax.random.normal(k3, (B, S, cfg.hidden_size), jnp.bfloat16)
     prefix = kv.layers(0, cut)
     if bits == 16:
