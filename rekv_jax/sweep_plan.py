@@ -84,7 +84,7 @@ SWEEP_PRESETS = {
 
 # `--quick`: the same study on fewer models, lengths and cuts (use with fewer reps). The GPU
 # one is sized by the dry run's estimate to fit 8 minutes of one GPU (tests/test_sweep_plan.py):
-# with Qwen2.5-3B too, the estimate was 708 s (compiles, two programs per cut, are most of it).
+# with Qwen2.5-3B too, the estimate was 513 s.
 QUICK_PRESETS = {
     "cpu": dataclasses.replace(SWEEP_PRESETS["cpu"], models=("tiny",), lengths=(128,),
                                crossover_factors=(1.0, 4.0)),
@@ -246,7 +246,8 @@ class PairCosts:
     """The parts of a sweep's wall time besides its timed handoffs, and where each comes from."""
 
     startup_s: float  # one pair: both processes, JAX, jax.distributed, the weights
-    compile_s: float  # one program
+    compile_s: float  # one model program (`MODEL_PROGRAMS`)
+    small_compile_s: float  # one small program (checksums, packing, quantize; `programs`)
     handoff_overhead_ms: float  # per handoff, beyond its timed interval (checks, messages)
     source: str
 
@@ -254,16 +255,18 @@ class PairCosts:
 COSTS = {
     # One `rekv handoff` of tiny at 128 tokens, one action, one rep, unpaced, took 52 s wall on
     # this 2-core machine while other work kept its load at ~6; a tiny program compiled there in
-    # 2.4-3.3 s (first call minus second of `prefill` and `run_prefix`), so ~40 s of the 52 s
-    # is the pair's start-up and ~4 compiles. Inflated by that load: an idle machine is faster.
-    "cpu": PairCosts(40.0, 3.0, 20.0, "start-up and compile measured on this 2-core machine "
-                     "under load ~6 (one-action handoff run: 52 s; a tiny program: 2.4-3.3 s); "
-                     "20 ms per handoff beyond its timed interval: assumed"),
+    # 2.4-3.3 s (first call minus second of `prefill` and `run_prefix`, before the per-layer
+    # model core), so ~40 s of the 52 s is the pair's start-up. Inflated by that load.
+    "cpu": PairCosts(40.0, 3.0, 0.3, 20.0, "start-up and model-program compile measured on "
+                     "this 2-core machine under load ~6 (one-action handoff run: 52 s; a tiny "
+                     "prefill program, before the per-layer model core: 2.4-3.3 s); 0.3 s per "
+                     "small program and 20 ms per handoff beyond its timed interval: assumed"),
     # Never measured: no GPU has run this code. Guesses for an H100/H200 with autotuning off
     # (`transport.launch.GPU_XLA_FLAGS`) and the shared compile cache.
-    "gpu": PairCosts(60.0, 10.0, 20.0, "ASSUMED, never measured on a GPU: 60 s per pair "
-                     "start-up (CUDA, jax.distributed, synthetic weights), 10 s per program "
-                     "compile, 20 ms per handoff beyond its timed interval"),
+    "gpu": PairCosts(60.0, 10.0, 1.0, 20.0, "ASSUMED, never measured on a GPU: 60 s per pair "
+                     "start-up (CUDA, jax.distributed, synthetic weights), 10 s per model "
+                     "program and 1 s per small program to compile, 20 ms per handoff beyond "
+                     "its timed interval"),
 }
 
 
@@ -271,21 +274,24 @@ COSTS = {
 CPU_MEMORY_GBPS = 10.0
 
 
-def programs(experiments: list[Experiment]) -> set[tuple]:
-    """The programs one pair compiles, as today's model core compiles them: per prompt shape
-    (length, batch), one `prefill`, a prefix and a suffix program per interior cut
-    (`run_prefix`/`run_suffix` compile per cut: issue 18, point 2), and a quantize and a
-    restore program per quantized precision."""
-    out = set()
+# The model core's programs per prompt shape, whatever the cut (`model.py`)
+MODEL_PROGRAMS = ("embed", "layer", "head")
+# Small programs (checksums, packing, quantize and restore of a phase's buffers) new to each
+# action: measured on this machine with `jax_log_compiles` (tiny at 64 tokens, after a first
+# handoff): 14 for four more BF16 cuts, 12 for two Q8 cuts, then 12 for two more.
+SMALL_PROGRAMS_PER_ACTION = 5
+
+
+def programs(experiments: list[Experiment]) -> tuple[set[tuple], set[tuple]]:
+    """(model programs, small programs) one pair compiles: per prompt shape (length, batch),
+    `MODEL_PROGRAMS`; per distinct action at a shape, SMALL_PROGRAMS_PER_ACTION."""
+    model, small = set(), set()
     for e in experiments:
         shape = (e.seq_len, e.batch)
-        out.add((*shape, "prefill"))
-        for a in e.actions:
-            if 0 < a.cut < a.num_layers:
-                out |= {(*shape, "prefix", a.cut), (*shape, "suffix", a.cut)}
-            if a.bits < 16:
-                out |= {(*shape, "quantize", a.bits), (*shape, "restore", a.bits)}
-    return out
+        model |= {(*shape, p) for p in MODEL_PROGRAMS}
+        small |= {(*shape, a.bits, a.cut, i) for a in e.actions
+                  for i in range(SMALL_PROGRAMS_PER_ACTION)}
+    return model, small
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,8 +306,10 @@ class PairPlan:
         return sum(total_handoffs(e) for e in self.experiments)
 
     @property
-    def programs(self) -> int:
-        return len(programs(list(self.experiments)))
+    def programs(self) -> tuple[int, int]:
+        """(model programs, small programs) it compiles."""
+        model, small = programs(list(self.experiments))
+        return len(model), len(small)
 
 
 def plan_pairs(preset: SweepPreset, link: float, reps: int, warmup: int, profile_of: ProfileOf
@@ -327,9 +335,9 @@ class Estimate:
     pairs: int
     experiments: int
     handoffs: int
-    programs: int
+    programs: tuple[int, int]  # model programs, small programs
     startup_s: float  # pairs x start-up
-    compile_s: float  # programs x compile time
+    compile_s: float  # programs x their compile times
     handoff_s: float  # sum of (warmup + reps) x (predicted median + overhead), per action
 
     @property
@@ -348,10 +356,11 @@ def estimate(pairs: list[PairPlan], costs: PairCosts, link: float, profile_of: P
             handoff_ms += (e.warmup + e.reps) * sum(
                 costmodel.predicted_ms(prof, a, s, e.interval, e.prefill)
                 + costs.handoff_overhead_ms for a in e.actions for s in e.schedules_of(a))
-    n_programs = sum(p.programs for p in pairs)
+    model = sum(p.programs[0] for p in pairs)
+    small = sum(p.programs[1] for p in pairs)
     return Estimate(len(pairs), sum(len(p.experiments) for p in pairs),
-                    sum(p.handoffs for p in pairs), n_programs, len(pairs) * costs.startup_s,
-                    n_programs * costs.compile_s, handoff_ms / 1e3)
+                    sum(p.handoffs for p in pairs), (model, small), len(pairs) * costs.startup_s,
+                    model * costs.compile_s + small * costs.small_compile_s, handoff_ms / 1e3)
 
 
 def analytic_profile_of(**rates: float) -> ProfileOf:
@@ -366,12 +375,15 @@ def estimate_text(title: str, pairs: list[PairPlan], est: Estimate, costs: PairC
     parts; what is measured and what is assumed (`unpaced`: how an unpaced block is priced)."""
     lines = [title]
     lines += [f"  pair {i}: {p.model}: {len(p.experiments)} experiments, {p.handoffs} handoffs, "
-              f"{p.programs} programs to compile" for i, p in enumerate(pairs, 1)]
+              f"{p.programs[0]} model + {p.programs[1]} small programs to compile"
+              for i, p in enumerate(pairs, 1)]
+    (model, small) = est.programs
     lines += [f"total: {est.pairs} pairs, {est.experiments} experiments, {est.handoffs} "
-              f"handoffs, {est.programs} programs",
+              f"handoffs, {model} model + {small} small programs",
               f"estimate: {est.total_s:.0f} s ({est.total_s / 60:.1f} min) = {est.pairs} pairs x "
-              f"{costs.startup_s:g} s start-up ({est.startup_s:.0f} s) + {est.programs} programs "
-              f"x {costs.compile_s:g} s compile ({est.compile_s:.0f} s) + handoffs "
+              f"{costs.startup_s:g} s start-up ({est.startup_s:.0f} s) + compiles "
+              f"({est.compile_s:.0f} s: {model} x {costs.compile_s:g} s + {small} x "
+              f"{costs.small_compile_s:g} s) + handoffs "
               f"({est.handoff_s:.0f} s: (warmup + reps) x predicted median + "
               f"{costs.handoff_overhead_ms:g} ms, per action and schedule)",
               f"  costs: {costs.source}", f"  predicted medians: {profile_note}",

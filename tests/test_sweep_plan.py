@@ -8,7 +8,9 @@ from rekv_jax.experiment import Experiment
 from rekv_jax.planner import PAPER_LINK_GBPS
 from rekv_jax.sweep_plan import (
     COSTS,
+    MODEL_PROGRAMS,
     QUICK_PRESETS,
+    SMALL_PROGRAMS_PER_ACTION,
     SWEEP_PRESETS,
     PairCosts,
     PairPlan,
@@ -29,12 +31,13 @@ def test_estimate_is_the_sum_of_its_parts():
             Experiment(seq_len=32, actions=(q8,), schedules=("overlapped",), warmup=0, reps=2,
                        link_gbps=0.5))
     pair = PairPlan("tiny", exps)
-    # one prefill at (32, 1), prefix and suffix at cut 4, Q8 quantize and restore
-    assert programs(list(exps)) == {(32, 1, "prefill"), (32, 1, "prefix", 4),
-                                    (32, 1, "suffix", 4), (32, 1, "quantize", 8),
-                                    (32, 1, "restore", 8)}
-    assert (pair.programs, pair.handoffs) == (5, 5 * 3 + 2)
-    costs = PairCosts(startup_s=7.0, compile_s=2.0, handoff_overhead_ms=1.0, source="test")
+    # the model core's programs of one shape, (32, 1); the small ones of two distinct actions
+    model, small = programs(list(exps))
+    assert model == {(32, 1, p) for p in MODEL_PROGRAMS}
+    assert len(small) == 2 * SMALL_PROGRAMS_PER_ACTION
+    assert (pair.programs, pair.handoffs) == ((3, 2 * SMALL_PROGRAMS_PER_ACTION), 5 * 3 + 2)
+    costs = PairCosts(startup_s=7.0, compile_s=2.0, small_compile_s=0.5,
+                      handoff_overhead_ms=1.0, source="test")
     links = []
 
     def profile_of(m, s, b, lk):
@@ -50,10 +53,11 @@ def test_estimate_is_the_sum_of_its_parts():
     first = 5 * (cm.predicted_ms(p1, bf16, "sequential") + cm.predicted_ms(p1, q8, "sequential")
                  + cm.predicted_ms(p1, q8, "overlapped") + 3)
     second = 2 * (cm.predicted_ms(p2, q8, "overlapped") + 1)
-    assert (est.pairs, est.experiments, est.handoffs, est.programs) == (2, 4, 34, 10)
-    assert est.startup_s == 14.0 and est.compile_s == 20.0
+    n_small = 2 * 2 * SMALL_PROGRAMS_PER_ACTION
+    assert (est.pairs, est.experiments, est.handoffs, est.programs) == (2, 4, 34, (6, n_small))
+    assert est.startup_s == 14.0 and est.compile_s == pytest.approx(6 * 2.0 + n_small * 0.5)
     assert est.handoff_s == pytest.approx(2 * (first + second) / 1e3)
-    assert est.total_s == pytest.approx(34.0 + est.handoff_s)
+    assert est.total_s == pytest.approx(14.0 + est.compile_s + est.handoff_s)
 
 
 def test_quick_gpu_sweep_fits_eight_minutes_of_one_gpu():
