@@ -9,13 +9,16 @@ Messages of one phase (each control message is a key-value-store round trip betw
 0.2-0.5 ms on a loaded CPU host, so the protocol keeps them few and off the critical path):
 
   prefill                                          decode
-  push buffers + their checksums (held for pull)
+  push buffers + checksums (the link holds them)
   put  TAG/header (buffer specs)  --------------->  get  TAG/header  (compare specs)
-  get  TAG/ready  <- only `go_ahead` transports --  put  TAG/ready   (the collective)
-  push buffers + their checksums  --------------->  pull them, checksum the buffers on device
-                 (the collective: after the go-ahead, not before the header)
+                                                    pull buffers + checksums, checksum the
+                                                    buffers on device, compare
   get  TAG/ack (at the end)  <--------------------  post TAG/ack     ("ok", "mismatch: ...",
                                                                     "error: ...")
+
+A `go_ahead` transport (the collective: both sides must enter its program, and mismatched specs
+must never reach it) pushes after the header instead, once the decode side's `put TAG/ready`
+said the specs matched; it is the only one with a message the sender waits for mid-phase.
 
 The checksums are computed on the sender's device and travel as one more buffer beside the ones
 they check, so the sender never waits for them and no message carries them. `post` is a put
@@ -147,14 +150,17 @@ def _checksums_spec(specs: Sequence[jax.ShapeDtypeStruct]) -> jax.ShapeDtypeStru
                                 else jax.sharding.SingleDeviceSharding(_first_device(sharding)))
 
 
-def verdict_dispatch(arrays: Sequence[jax.Array], sent: jax.Array) -> list:
+Dispatched = tuple[list[list[int]], list[jax.Array]]  # buffer indices per device, checksums
+
+
+def verdict_dispatch(arrays: Sequence[jax.Array], sent: jax.Array) -> Dispatched:
     """Receiver: start checksumming received buffers (queued behind them if they are still
     landing); `verdict_collect` waits for the result."""
     pending = _checksums_dispatch(list(arrays))
-    return [[idx for idx, _ in pending], [sums for _, sums in pending] + [sent]]
+    return [idx for idx, _ in pending], [sums for _, sums in pending] + [sent]
 
 
-def verdict_collect(dispatched: list) -> tuple[list[int], list[int]]:
+def verdict_collect(dispatched: Dispatched) -> tuple[list[int], list[int]]:
     """(the checksums computed here, the checksums sent with the buffers), both fetched to the
     host in one transfer."""
     groups, device_sums = dispatched
