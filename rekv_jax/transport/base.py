@@ -329,10 +329,11 @@ class Transport:
                 self._channel.put(f"{tag}/ready", "mismatch: " + msg)
             self._channel.post(f"{tag}/ack", "mismatch: " + msg)
             raise ValueError(msg)
+        wire = [*specs, _checksums_spec(specs)]  # what crosses: the buffers, then checksums
         if self.go_ahead:  # put, not post: the sender is waiting for it
-            self._channel.put(f"{tag}/ready", self._ready(specs))
+            self._channel.put(f"{tag}/ready", self._ready(wire))
         try:
-            *arrays, sums = self._pull(tag, [*specs, _checksums_spec(specs)], deadline)
+            *arrays, sums = self._pull(tag, wire, deadline)
             got, want = self._landed_verdict(tag, arrays, sums, deadline)
             bad = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
             if bad:
