@@ -30,11 +30,13 @@ transport waits on are created with it (`Worker`), never per message.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import json
 import queue
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol, TypeVar
@@ -199,12 +201,15 @@ class Worker:
     def __init__(self, name: str) -> None:
         self._name = name
         self._jobs: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
         self._start()
+        _workers.add(self)
 
     def _start(self) -> None:
         self._jobs = queue.SimpleQueue()
-        threading.Thread(target=self._serve, args=(self._jobs,), name=self._name,
-                         daemon=True).start()
+        self._thread = threading.Thread(target=self._serve, args=(self._jobs,), name=self._name,
+                                        daemon=True)
+        self._thread.start()
 
     @staticmethod
     def _serve(jobs: queue.SimpleQueue) -> None:
@@ -233,6 +238,22 @@ class Worker:
         if self._jobs is not None:
             self._jobs.put(None)
             self._jobs = None
+
+
+_workers: weakref.WeakSet[Worker] = weakref.WeakSet()
+
+
+@atexit.register
+def _end_workers(timeout: float = 1.0) -> None:
+    """At exit, end the workers' threads before the interpreter finalizes: a daemon thread that
+    wakes during finalization is killed inside whatever call it returns from, and a C++ frame
+    there turns that into an abort. Threads still busy (stuck on a dead peer) get `timeout` s in
+    all."""
+    deadline = time.monotonic() + timeout
+    for worker in list(_workers):
+        worker.close()
+        if worker._thread is not None:
+            worker._thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def wait_for(future: concurrent.futures.Future[T], deadline: float,
