@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -293,9 +292,11 @@ def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, acti
     prefix = suffix = logits = sent_first = h_c = None
     t_boundary = t_prefix = time.perf_counter()
     fell_back = False
-    pool = ThreadPoolExecutor(1, thread_name_prefix="rekv-prefix")
+    # the prefix is received beside this thread only where something runs meanwhile (the split
+    # stream arrives during the boundary wait; the overlapped suffix), on the transport's
+    # persistent background thread
+    pending = transport.background.submit(restore_prefix) if split and c > 0 else None
     try:
-        pending = pool.submit(restore_prefix) if split and c > 0 else None
         if specs:
             boundary = transport.recv(f"{tag}/boundary", specs, timeout)
             if not split:
@@ -306,10 +307,12 @@ def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, acti
         if action.kind == "recompute":
             suffix, logits, t_start, t_suffix = run_suffix_now("recompute")
         else:
-            pending = pending or pool.submit(restore_prefix)  # transfer + restore ...
-            if action.kind == "joint" and schedule == "overlapped":
+            overlapped = action.kind == "joint" and schedule == "overlapped"
+            if overlapped and pending is None:  # transfer + restore ...
+                pending = transport.background.submit(restore_prefix)
+            if overlapped:
                 suffix, logits, t_start, t_suffix = run_suffix_now("suffix")  # ... meanwhile
-            prefix, t_prefix = pending.result()
+            prefix, t_prefix = pending.result() if pending is not None else restore_prefix()
             if action.kind == "joint" and schedule == "sequential":
                 suffix, logits, t_start, t_suffix = run_suffix_now("suffix")
             elif action.kind == "transfer":
@@ -320,7 +323,8 @@ def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, acti
         fell_back, prefix, t_prefix = True, None, t_boundary
         suffix, logits, t_start, t_suffix = run_suffix_now("recompute")
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        if pending is not None and not pending.done():  # left running (a failure here): its
+            transport.background.abandon()  # recv ends by its timeout; later handoffs don't wait
 
     kv = suffix if prefix is None else prefix if suffix is None else KVCache.concat(prefix, suffix)
     first = sent_first if logits is None else jnp.argmax(logits, axis=-1).astype(jnp.int32)

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -96,12 +97,13 @@ def main(kind: str, role: str, coordinator: str, scenario: str) -> None:
     elif scenario == "kill-prefill":  # the prefill side dies once the decode side is receiving
         if role == "prefill":
             def die(tag: str, arrays: list, deadline: float) -> None:
-                t._channel.get(f"{tag}/ready", TIMEOUT)
-                time.sleep(0.2)
-                os.kill(os.getpid(), signal.SIGKILL)
+                # the buffers never leave; once `send` has posted the header, the decode side
+                # (already in `recv`) pulls or enters the collective program, then we die
+                threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
 
             t._push = die
             t.send("doomed", send, timeout=TIMEOUT)
+            time.sleep(TIMEOUT)
         else:
             step("recv", lambda: recv_phase("doomed", expected, background=True))
     elif scenario == "kill-decode":  # the decode side dies after reading the header

@@ -2,17 +2,24 @@
 
 A handoff phase (the BF16 boundary h_c [B, S, D] or the token ids [B, S], then the prefix payload,
 e.g. quantized values [2, c, B, S, K, H] and fp16 scales) moves as one `send` of a few contiguous
-device buffers, never one per layer. Every phase carries the buffers' specs (before the data)
-and their on-device checksums (after); the decode side verifies both and acknowledges, so
-mismatched shapes raise ValueError and corrupted or lost payloads raise TransportError on *both*
-sides. Every wait has a timeout. `link_gbps` paces receives to emulate a link of that bandwidth
+device buffers, never one per layer. Every phase carries the buffers' specs (a header, before the
+data) and their on-device checksums (one more buffer beside the data); the decode side verifies
+both and acknowledges, so mismatched shapes raise ValueError and corrupted or lost payloads raise
+TransportError on *both* sides. Every wait has a timeout and blocks (no sleep-polling), checking
+every 0.5 s that the peer is alive. `link_gbps` paces receives to emulate a link of that bandwidth
 (FIFO: a transfer of n bytes completes no earlier than n / W after it, and the previous one,
 started).
+
+Fixed cost per phase (base.py has the sequence): one control message before the data (the
+header), plus the go-ahead for the collective only, whose program both sides must enter; the
+decode side posts its ack without waiting and the sender collects the acks at the end. Threads
+that waits use (a transfer-server pull, a collective program, posted acks, the decode side's
+background receive) are made with the transport, not per message (scripts/bench_messages.py).
 
   prefill side                               decode side
   t.agree("run", {...})                      t.agree("run", {...})   # both raise if they differ
   t.send("r0/boundary", [h_c])               h_c, = t.recv("r0/boundary", [spec])
-  t.send("r0/prefix", [q, scales])           fut = pool.submit(t.recv, "r0/prefix", specs)
+  t.send("r0/prefix", [q, scales])           fut = t.background.submit(t.recv, "r0/prefix", specs)
   t.wait_ack("r0/prefix")                    ... suffix layers run here ...; q, s = fut.result()
   t.close()                                  t.close()
 

@@ -4,16 +4,42 @@ A transport moves one *phase* (a tag: the boundary, the prefix payload, ...) as 
 from the prefill side to the decode side. Small JSON control messages (headers, acks, metadata) go
 through a `Channel`; each transport subclass only says how the buffers themselves move
 (`_push` on the prefill side, `_pull` on the decode side).
+
+Messages of one phase (each control message is a key-value-store round trip between processes,
+0.2-0.5 ms on a loaded CPU host, so the protocol keeps them few and off the critical path):
+
+  prefill                                          decode
+  push buffers + checksums (the link holds them)
+  put  TAG/header (buffer specs)  --------------->  get  TAG/header  (compare specs)
+                                                    pull buffers + checksums, checksum the
+                                                    buffers on device, compare
+  get  TAG/ack (at the end)  <--------------------  post TAG/ack     ("ok", "mismatch: ...",
+                                                                    "error: ...")
+
+A `go_ahead` transport (the collective: both sides must enter its program, and mismatched specs
+must never reach it) pushes after the header instead, once the decode side's `put TAG/ready`
+said the specs matched; it is the only one with a message the sender waits for mid-phase.
+
+The checksums are computed on the sender's device and travel as one more buffer beside the ones
+they check, so the sender never waits for them and no message carries them. `post` is a put
+that does not wait for the store (the decode side's thread goes on at once). Every wait blocks
+(no sleep-polling) in slices of `LIVENESS_S`, checking between slices that the peer is alive, so
+a dead peer is reported within about a heartbeat and no wait outlives its timeout. The threads a
+transport waits on are created with it (`Worker`), never per message.
 """
 
 from __future__ import annotations
 
+import atexit
+import concurrent.futures
 import json
+import queue
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +47,8 @@ import numpy as np
 
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, Role] = ("prefill", "decode")
+T = TypeVar("T")
+LIVENESS_S = 0.5  # how often a blocked wait checks that the peer is alive
 
 
 class TransportError(RuntimeError):
@@ -35,6 +63,11 @@ class Channel(Protocol):
     """Control plane between the two processes: small string values under write-once keys."""
 
     def put(self, key: str, value: str) -> None: ...
+
+    def post(self, key: str, value: str) -> None:
+        """`put` without waiting for it to land (in order with the other posts). A post that
+        fails is dropped: the peer's wait for it then times out or finds this side gone."""
+        ...
 
     def get(self, key: str, timeout: float) -> str:
         """The value under `key`; TransportTimeout after `timeout` s, TransportError if the peer is
@@ -95,6 +128,49 @@ def checksums(arrays: Sequence[jax.Array]) -> list[int]:
     return _checksums_collect(_checksums_dispatch(list(arrays)))
 
 
+def _first_device(x: jax.Array | jax.sharding.Sharding) -> jax.Device:
+    devices = x.devices() if isinstance(x, jax.Array) else x.device_set
+    return min(devices, key=lambda d: d.id)
+
+
+def _checksums_buffer(arrays: list[jax.Array]) -> jax.Array:
+    """Sender: the buffers' checksums as one uint32 [n] array on the first buffer's device,
+    dispatched (not waited for)."""
+    pending = _checksums_dispatch(arrays)
+    if len(pending) == 1:
+        return pending[0][1]
+    device = _first_device(arrays[0])
+    order = np.argsort([i for idx, _ in pending for i in idx])
+    return jnp.concatenate([jax.device_put(sums, device) for _, sums in pending])[order]
+
+
+def _checksums_spec(specs: Sequence[jax.ShapeDtypeStruct]) -> jax.ShapeDtypeStruct:
+    """Receiver: the spec of the checksums buffer that comes with `specs` (on the first buffer's
+    device where the specs name devices)."""
+    sharding = specs[0].sharding
+    return jax.ShapeDtypeStruct((len(specs),), jnp.uint32, sharding=None if sharding is None
+                                else jax.sharding.SingleDeviceSharding(_first_device(sharding)))
+
+
+Dispatched = tuple[list[list[int]], list[jax.Array]]  # buffer indices per device, checksums
+
+
+def verdict_dispatch(arrays: Sequence[jax.Array], sent: jax.Array) -> Dispatched:
+    """Receiver: start checksumming received buffers (queued behind them if they are still
+    landing); `verdict_collect` waits for the result."""
+    pending = _checksums_dispatch(list(arrays))
+    return [idx for idx, _ in pending], [sums for _, sums in pending] + [sent]
+
+
+def verdict_collect(dispatched: Dispatched) -> tuple[list[int], list[int]]:
+    """(the checksums computed here, the checksums sent with the buffers), both fetched to the
+    host in one transfer."""
+    groups, device_sums = dispatched
+    *got, want = jax.device_get(device_sums)
+    return (_checksums_collect(list(zip(groups, got, strict=True))),
+            np.asarray(want).tolist())
+
+
 class LinkPacer:
     """Emulates a FIFO link of `gbps` GB/s: a transfer of n bytes that starts at t completes no
     earlier than max(t, end of the previous transfer) + n / gbps."""
@@ -114,22 +190,86 @@ class LinkPacer:
         time.sleep(max(0.0, done - time.monotonic()))
 
 
-def poll_until(done: Callable[[], bool], deadline: float, peer_alive: Callable[[], bool],
-               what: str) -> None:
-    """Poll `done()` until it holds; TransportTimeout after `deadline` (time.monotonic),
-    TransportError once the peer is known to be gone. Polling, unlike a blocking wait inside the
-    runtime, stays bounded when the peer vanishes."""
-    delay, next_check = 1e-4, time.monotonic() + 0.5
-    while not done():
-        now = time.monotonic()
-        if now > deadline:
+class Worker:
+    """One persistent daemon thread that runs submitted jobs in order.
+
+    Made with its owner (a transport, a channel), so no thread is started inside a timed interval;
+    a daemon, so a job stuck on a dead peer never holds up the process's exit. `abandon()` leaves
+    a stuck job to its thread, which ends after it, and gives later jobs a fresh thread: at most
+    one thread per worker serves new jobs."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._jobs: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
+        self._start()
+        _workers.add(self)
+
+    def _start(self) -> None:
+        self._jobs = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, args=(self._jobs,), name=self._name,
+                                        daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _serve(jobs: queue.SimpleQueue) -> None:
+        while (job := jobs.get()) is not None:
+            future, fn, args = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # handed to whoever waits on the future
+                    future.set_exception(e)
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        if self._jobs is None:
+            raise TransportError(f"{self._name}: worker is closed")
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def abandon(self) -> None:
+        """Leave the current thread to the jobs it holds; later jobs run on a new thread."""
+        self.close()
+        self._start()
+
+    def close(self) -> None:
+        """The thread ends once its queued jobs are done (it is not waited for)."""
+        if self._jobs is not None:
+            self._jobs.put(None)
+            self._jobs = None
+
+
+_workers: weakref.WeakSet[Worker] = weakref.WeakSet()
+
+
+@atexit.register
+def _end_workers(timeout: float = 1.0) -> None:
+    """At exit, end the workers' threads before the interpreter finalizes: a daemon thread that
+    wakes during finalization is killed inside whatever call it returns from, and a C++ frame
+    there turns that into an abort. Threads still busy (stuck on a dead peer) get `timeout` s in
+    all."""
+    deadline = time.monotonic() + timeout
+    for worker in list(_workers):
+        worker.close()
+        if worker._thread is not None:
+            worker._thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def wait_for(future: concurrent.futures.Future[T], deadline: float,
+             peer_alive: Callable[[], bool], what: str) -> T:
+    """The future's result (or its exception, raised), blocking until it is done; TransportTimeout
+    after `deadline` (time.monotonic), TransportError once the peer is known to be gone (checked
+    every `LIVENESS_S`: a blocking wait inside the runtime would not return if the peer died)."""
+    while True:
+        remaining = deadline - time.monotonic()
+        done, _ = concurrent.futures.wait([future], timeout=max(0.0, min(LIVENESS_S, remaining)))
+        if done:
+            return future.result()
+        if time.monotonic() >= deadline:
             raise TransportTimeout(f"{what}: payload did not arrive before the timeout")
-        if now > next_check:
-            if not peer_alive():
-                raise TransportError(f"{what}: the peer process is gone (mid-transfer)")
-            next_check = now + 0.5
-        time.sleep(delay)
-        delay = min(2 * delay, 2e-3)
+        if not peer_alive():
+            raise TransportError(f"{what}: the peer process is gone (mid-transfer)")
 
 
 class Transport:
@@ -137,12 +277,16 @@ class Transport:
 
     Prefill side: `send(tag, arrays)`, then `wait_ack(tag)` to learn whether it arrived intact.
     Decode side: `recv(tag, specs, timeout)`, which blocks its thread only (a caller that computes
-    meanwhile runs it on a thread of its own, as the overlapped schedule does). Tags are unique
+    meanwhile runs it on `background`, as the overlapped schedule does). Tags are unique
     strings per phase (e.g. "rep3/boundary"); the collective transport needs them received in the
     order they were sent.
     """
 
     kind: str = ""  # its name in TRANSPORTS and on the command line
+    # whether the sender waits for the decode side's go-ahead (`TAG/ready`) before it pushes: a
+    # transport whose buffers move only when both sides act together (the collective) must not
+    # start a program the decode side would not join
+    go_ahead: bool = False
 
     def __init__(self, role: Role, channel: Channel, link_gbps: float | None = None) -> None:
         self.role = role
@@ -151,6 +295,10 @@ class Transport:
         self.set_link(link_gbps)
         self._closed = False
         self.sent_bytes = 0  # prefill side: bytes of every buffer handed to the link so far
+        self._outgoing: dict[str, jax.Array] = {}  # tag -> checksums of the buffers being pushed
+        # work beside the caller's own thread (the decode side's background receive); one
+        # persistent thread per end, stopped by `close`
+        self.background = Worker(f"rekv-{role}-background")
 
     def set_link(self, link_gbps: float | None) -> None:
         """Pace later receives to a link of `link_gbps` GB/s (None: unpaced): each experiment of
@@ -160,13 +308,15 @@ class Transport:
     # -- buffers -------------------------------------------------------------------------------
 
     def send(self, tag: str, arrays: Sequence[jax.Array], timeout: float = 60.0) -> None:
-        """Prefill side: post the header (buffer specs), hand the buffers to the link, then post
-        their checksums (computed on device while the link works).
+        """Prefill side: post the header (buffer specs) and hand the buffers to the link with
+        their checksums (computed on device meanwhile, sent as one more buffer): the buffers
+        first where the link holds them until the decode side pulls (so the pull the header
+        triggers finds them there), the header first for a `go_ahead` transport.
 
         Returns once the transport holds the buffers (transfer-server: registered for pull; the
         collective returns when the exchange is done), and adds their bytes to `sent_bytes`
-        (the JSON control messages are not counted). Errors of the decode side surface here
-        (collective) or in `wait_ack`."""
+        (the checksums and the JSON control messages are not counted). Errors of the decode side
+        surface here (collective) or in `wait_ack`."""
         self._require("prefill", "send")
         arrays = list(arrays)
         if not arrays:
@@ -174,18 +324,26 @@ class Transport:
         for i, a in enumerate(arrays):
             if a.ndim < 1:
                 raise ValueError(f"{tag}: buffer {i} must have at least one dimension")
-        sums = _checksums_dispatch(arrays)  # dispatched asynchronously
-        self._channel.put(f"{tag}/header", json.dumps([spec_of(a) for a in arrays]))
-        self._push(tag, arrays, time.monotonic() + timeout)
+        deadline = time.monotonic() + timeout
+        sums = _checksums_buffer(arrays)  # computed on device meanwhile
+        header = json.dumps([spec_of(a) for a in arrays])
+        if self.go_ahead:  # the push waits for the go-ahead, which the header brings about
+            self._channel.put(f"{tag}/header", header)
+            self._outgoing[tag] = sums  # taken by `_with_checksums`
+            self._push(tag, arrays, deadline)
+        else:  # the buffers wait at the link for the pull the header brings about
+            self._outgoing[tag] = sums
+            self._push(tag, arrays, deadline)
+            self._channel.put(f"{tag}/header", header)
         self.sent_bytes += sum(a.nbytes for a in arrays)
-        self._channel.put(f"{tag}/checksums", json.dumps(_checksums_collect(sums)))
 
     def recv(self, tag: str, specs: Sequence[jax.ShapeDtypeStruct], timeout: float = 60.0
              ) -> list[jax.Array]:
         """Decode side: block until the buffers of `tag` are on the local device and verified.
 
         Raises ValueError if the sender's buffers do not match `specs` (the sender raises too),
-        TransportError if the payload is corrupted or the peer died, TransportTimeout."""
+        TransportError if the payload is corrupted or the peer died, TransportTimeout. The ack
+        is posted, not waited for: the sender collects it at the end (`wait_ack`)."""
         self._require("decode", "recv")
         deadline = time.monotonic() + timeout
         sent = json.loads(self._channel.get(f"{tag}/header", timeout))
@@ -193,23 +351,24 @@ class Transport:
         expected = [spec_of(s) for s in specs]
         if sent != expected:
             msg = f"{tag}: prefill sent buffers {sent}, decode expects {expected}"
-            self._channel.put(f"{tag}/ready", "mismatch: " + msg)
-            self._channel.put(f"{tag}/ack", "mismatch: " + msg)
+            if self.go_ahead:
+                self._channel.put(f"{tag}/ready", "mismatch: " + msg)
+            self._channel.post(f"{tag}/ack", "mismatch: " + msg)
             raise ValueError(msg)
-        self._channel.put(f"{tag}/ready", self._ready(specs))
+        wire = [*specs, _checksums_spec(specs)]  # what crosses: the buffers, then checksums
+        if self.go_ahead:  # put, not post: the sender is waiting for it
+            self._channel.put(f"{tag}/ready", self._ready(wire))
         try:
-            arrays = self._pull(tag, list(specs), deadline)
-            got = checksums(arrays)
-            want = json.loads(self._channel.get(f"{tag}/checksums",
-                                                max(0.0, deadline - time.monotonic())))
+            *arrays, sums = self._pull(tag, wire, deadline)
+            got, want = self._landed_verdict(tag, arrays, sums, deadline)
             bad = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
             if bad:
                 raise TransportError(f"{tag}: checksum mismatch in buffer(s) {bad}: "
                                      "corrupted payload")
         except TransportError as e:
-            self._channel.put(f"{tag}/ack", f"error: {e}")
+            self._channel.post(f"{tag}/ack", f"error: {e}")
             raise
-        self._channel.put(f"{tag}/ack", "ok")
+        self._channel.post(f"{tag}/ack", "ok")
         if self._pacer is not None:  # one link per receiving device (sharded sides)
             per_device: Counter[frozenset] = Counter()
             for a in arrays:
@@ -251,9 +410,10 @@ class Transport:
             raise ValueError(f"{tag}: prefill and decode disagree on {detail}")
 
     def close(self, timeout: float = 10.0) -> None:
-        """Release the link (idempotent, bounded by `timeout`)."""
+        """Release the link and stop this end's threads (idempotent, bounded by `timeout`)."""
         if not self._closed:
             self._closed = True
+            self.background.close()
             self._close(timeout)
 
     def __enter__(self) -> Transport:
@@ -265,16 +425,29 @@ class Transport:
     # -- per transport -------------------------------------------------------------------------
 
     def _push(self, tag: str, arrays: list[jax.Array], deadline: float) -> None:
-        """Prefill side: move the buffers (header already posted)."""
+        """Prefill side: move the buffers (header already posted) and, after them, their
+        checksums (`_with_checksums`)."""
         raise NotImplementedError
+
+    def _with_checksums(self, tag: str, arrays: list[jax.Array]) -> list[jax.Array]:
+        """`arrays` and then the checksums `send` computed for `tag`: from the buffers it was
+        given, so that whatever happens to them after (on the wire) is caught."""
+        return [*arrays, self._outgoing.pop(tag)]
 
     def _pull(self, tag: str, specs: list[jax.ShapeDtypeStruct], deadline: float
               ) -> list[jax.Array]:
-        """Decode side: the buffers of `tag` on the local device, materialized."""
+        """Decode side: the buffers of `tag` on the local device, the checksums buffer last (they
+        may still be landing if the transport's `_landed_verdict` waits for them)."""
         raise NotImplementedError
 
+    def _landed_verdict(self, tag: str, arrays: list[jax.Array], sums: jax.Array,
+                        deadline: float) -> tuple[list[int], list[int]]:
+        """Decode side: (computed, sent) checksums of pulled buffers, once they landed. Here: on
+        this thread, for transports whose `_pull` returns materialized buffers."""
+        return verdict_collect(verdict_dispatch(arrays, sums))
+
     def _ready(self, specs: Sequence[jax.ShapeDtypeStruct]) -> str:
-        """Decode side: the go-ahead for the sender once the header matched."""
+        """Decode side (`go_ahead` transports): the go-ahead once the header matched."""
         return "ok"
 
     def _acked(self, tag: str) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from rekv_jax.transport import distributed
-from rekv_jax.transport.base import Role, Transport, TransportError, poll_until
+from rekv_jax.transport.base import Role, Transport, TransportError, Worker, wait_for
 
 
 def _devices_by_id() -> dict[int, jax.Device]:
@@ -35,10 +34,11 @@ def _device_of(spec: jax.ShapeDtypeStruct) -> jax.Device:
 class CollectiveTransport(Transport):
     """Each buffer [n, ...] becomes the local block of a global [2n, ...] array sharded over the
     process axis; the program moves the prefill block to the decode device (the decode side
-    contributes a cached zero block). The decode side confirms the header before either side
-    enters the program, so mismatched shapes never reach the collective."""
+    contributes a cached zero block). The decode side confirms the header (`go_ahead`) before
+    either side enters the program, so mismatched shapes never reach the collective."""
 
     kind = "collective"
+    go_ahead = True
 
     def __init__(self, role: Role, channel: distributed.KVChannel,
                  link_gbps: float | None = None) -> None:
@@ -56,12 +56,13 @@ class CollectiveTransport(Transport):
             mesh=mesh, in_specs=P("p"), out_specs=P("p")))
         # The program blocks its calling thread until the peer joins: run it on a worker thread
         # so that every wait stays bounded. One worker keeps the programs in call order.
-        self._runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rekv-collective")
+        self._runner = Worker("rekv-collective")
         self._blanks: dict[tuple, jax.Array] = {}
         self._placed: dict[tuple, tuple] = {}  # (devices, pairs) -> (sharding, program)
         self._broken: str | None = None
 
     def _push(self, tag: str, arrays: list[jax.Array], deadline: float) -> None:
+        arrays = self._with_checksums(tag, arrays)
         ready = self._channel.get(f"{tag}/ready", max(0.0, deadline - time.monotonic()))
         if ready.startswith("mismatch: "):
             raise ValueError(ready.removeprefix("mismatch: "))
@@ -148,10 +149,8 @@ class CollectiveTransport(Transport):
         once a program got stuck (the next would queue behind it on the one worker)."""
         if self._broken:
             raise TransportError(f"{tag}: collective link unusable after {self._broken}")
-        future = self._runner.submit(run)
         try:
-            poll_until(future.done, deadline, self._channel.peer_alive, tag)
-            return future.result()
+            return wait_for(self._runner.submit(run), deadline, self._channel.peer_alive, tag)
         except TransportError:  # timed out or the peer died before joining: the worker is stuck
             self._broken = f"{tag} did not complete"
             raise
@@ -160,5 +159,5 @@ class CollectiveTransport(Transport):
             raise TransportError(f"{tag}: collective failed (peer died?): {e}") from e
 
     def _close(self, timeout: float) -> None:
-        self._runner.shutdown(wait=False, cancel_futures=True)
+        self._runner.close()
         distributed.shutdown(self._channel, timeout)

@@ -20,6 +20,7 @@ lost later is reported by `KVChannel` like any other dead peer. A prefill side f
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import socket
 import threading
@@ -29,12 +30,11 @@ from collections.abc import Iterator
 import jax
 from jax._src import distributed as _jax_distributed  # private: the KV-store client
 
-from rekv_jax.transport.base import Role, TransportError, TransportTimeout
+from rekv_jax.transport.base import LIVENESS_S, Role, TransportError, TransportTimeout, Worker
 
 # The decode side hosts the coordination service so that it survives the prefill side's death.
 DEFAULT_PROCESS_ID: dict[Role, int] = {"decode": 0, "prefill": 1}
 _PREFIX = "rekv/"
-_SLICE_S = 0.5  # how often a blocked wait re-checks that the peer is alive
 
 
 _client_error: list[str] = []  # what JAX's client reported (set from its own threads)
@@ -145,7 +145,8 @@ class KVChannel:
     Liveness: each side bumps its own `beat` key every `stale_s / 5` s from a daemon thread; the
     peer counts as gone once its beat has not changed for `stale_s`. (`get_live_nodes` cannot
     serve: it is a barrier that returns only once every live task has called it.) Waits are
-    sliced so that a dead peer is reported instead of waited out."""
+    sliced so that a dead peer is reported instead of waited out. `post` hands the put to a
+    persistent poster thread, so that a caller that need not wait for the store does not."""
 
     def __init__(self, stale_s: float = 10.0) -> None:
         self._client = _jax_distributed.global_state.client
@@ -159,6 +160,7 @@ class KVChannel:
         self._stop = threading.Event()
         self._beater = threading.Thread(target=self._beat, name="rekv-beat", daemon=True)
         self._beater.start()
+        self._poster = Worker("rekv-post")
 
     def put(self, key: str, value: str) -> None:
         try:
@@ -168,10 +170,18 @@ class KVChannel:
                 raise ValueError(f"{key!r} was already posted (tags must be unique)") from e
             raise TransportError(f"control channel failed posting {key!r}: {e}") from e
 
+    def post(self, key: str, value: str) -> None:
+        self._poster.submit(self.put, key, value)
+
+    def flush(self, timeout: float) -> None:
+        """Wait (at most `timeout` s) until every post has landed or failed; stop the poster."""
+        concurrent.futures.wait([self._poster.submit(lambda: None)], timeout)
+        self._poster.close()
+
     def get(self, key: str, timeout: float) -> str:
         deadline = time.monotonic() + timeout
         while True:
-            slice_ms = max(1, int(1000 * min(_SLICE_S, deadline - time.monotonic())))
+            slice_ms = max(1, int(1000 * min(LIVENESS_S, deadline - time.monotonic())))
             try:
                 return self._client.blocking_key_value_get(_PREFIX + key, slice_ms)
             except jax.errors.JaxRuntimeError as e:
@@ -227,9 +237,10 @@ def shutdown(channel: KVChannel, timeout: float) -> None:
     """Leave in order: both post 'close'; process 1 disconnects first, process 0 waits (bounded)
     until it has, since a JAX client whose coordinator vanishes aborts its process."""
     deadline = time.monotonic() + timeout
+    channel.flush(timeout)  # acks first: the peer may still be waiting for them
     try:
         channel.put(f"close/{channel.process_id}", "1")
-        channel.get(f"close/{channel.peer_id}", timeout)
+        channel.get(f"close/{channel.peer_id}", max(0.0, deadline - time.monotonic()))
     except TransportError:
         pass  # the peer is gone or stuck: leave anyway
     channel.stop_beating()

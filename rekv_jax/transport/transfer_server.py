@@ -1,5 +1,6 @@
 """Transport (b): `jax.experimental.transfer` (a TCP pull of device buffers). The prefill side
-registers the buffers with `await_pull` and returns; the decode side pulls them by uuid. A uuid
+registers the buffers with `await_pull` and returns; the decode side pulls them by uuid as soon as
+the header matched (no go-ahead: a pull that comes before the registration waits for it). A uuid
 is keyed by a per-run secret, so a process that can reach the transfer server but not the
 coordinator cannot name a buffer (see the README's threat model)."""
 
@@ -13,7 +14,15 @@ from jax.experimental import transfer
 from jax.sharding import SingleDeviceSharding
 
 from rekv_jax.transport import distributed
-from rekv_jax.transport.base import Role, Transport, TransportError, poll_until
+from rekv_jax.transport.base import (
+    Role,
+    Transport,
+    TransportError,
+    Worker,
+    verdict_collect,
+    verdict_dispatch,
+    wait_for,
+)
 
 SECRET_BYTES = 16
 
@@ -50,9 +59,12 @@ class TransferServerTransport(Transport):
         if role == "decode":
             self._connection = self._server.connect(channel.get("transfer-server/prefill", timeout))
         self._pending: dict[str, list[jax.Array]] = {}  # sent, not yet acknowledged
+        # a pull returns at once and its buffers fill in from the server's threads: the decode
+        # side blocks on them here, bounded, instead of polling `is_ready`
+        self._waiter = Worker("rekv-pull")
 
     def _push(self, tag: str, arrays: list[jax.Array], deadline: float) -> None:
-        self._pending[tag] = arrays
+        self._pending[tag] = arrays = self._with_checksums(tag, arrays)
         self._server.await_pull(_uuid(tag, self._secret), arrays)
 
     def _pull(self, tag: str, specs: list[jax.ShapeDtypeStruct], deadline: float
@@ -62,13 +74,21 @@ class TransferServerTransport(Transport):
                  for s in specs]
         try:
             # returns at once, fills in later
-            arrays = self._connection.pull(_uuid(tag, self._secret), avals)
+            return self._connection.pull(_uuid(tag, self._secret), avals)
         except jax.errors.JaxRuntimeError as e:
             raise TransportError(f"{tag}: pull failed: {e}") from e
-        poll_until(lambda: all(a.is_ready() for a in arrays), deadline, self._channel.peer_alive,
-                   tag)
+
+    def _landed_verdict(self, tag: str, arrays: list[jax.Array], sums: jax.Array,
+                        deadline: float) -> tuple[list[int], list[int]]:
+        """The checksum program is queued here behind the pulled bytes, so one blocking wait (on
+        the waiter thread, which wakes while the bytes are in flight; bounded) covers both the
+        transfer and the checksums."""
         try:
-            return jax.block_until_ready(arrays)
+            return wait_for(self._waiter.submit(verdict_collect, verdict_dispatch(arrays, sums)),
+                            deadline, self._channel.peer_alive, tag)
+        except TransportError:  # timed out or the peer died: the waiter is stuck on the pull
+            self._waiter.abandon()
+            raise
         except jax.errors.JaxRuntimeError as e:  # a failed pull materializes as an error buffer
             raise TransportError(f"{tag}: transfer failed: {e}") from e
 
@@ -77,4 +97,5 @@ class TransferServerTransport(Transport):
 
     def _close(self, timeout: float) -> None:
         self._pending.clear()
+        self._waiter.close()
         distributed.shutdown(self._channel, timeout)

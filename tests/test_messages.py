@@ -1,0 +1,173 @@
+"""The fixed cost per message stays down: the control messages of one phase are counted, waits
+do not sleep-poll, and no thread is started per handoff. (How fast that is, is measured by
+scripts/bench_messages.py, not asserted here.)"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rekv_jax import init_params
+from rekv_jax.action import Action
+from rekv_jax.config import ModelConfig
+from rekv_jax.handoff import prepare, receive_handoff, send_handoff
+from rekv_jax.transport import LocalTransport, TransportError, TransportTimeout, distributed
+from rekv_jax.transport.base import Worker, wait_for
+from rekv_jax.transport.local import Board
+from rekv_jax.transport.transfer_server import TransferServerTransport
+
+# one phase, both sides: the header, then the ack posted by the decode side and collected at
+# the end; no go-ahead, no separate checksums (they travel with the buffers)
+ONE_PHASE = {"put header": 1, "get header": 1, "post ack": 1, "get ack": 1}
+
+
+class CountingBoard(Board):
+    """A Board that counts each operation on a phase's control keys by (operation, last part)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def _count(self, op: str, key: str) -> None:
+        if key.startswith("p/") and not key.endswith("/payload"):  # payload: LocalTransport's data
+            self.counts[f"{op} {key.rsplit('/', 1)[1]}"] += 1
+
+    def put(self, key, value):
+        self._count("put", key)
+        super().put(key, value)
+
+    def post(self, key, value):
+        self._count("post", key)
+        super().put(key, value)
+
+    def get(self, key, timeout):
+        self._count("get", key)
+        return super().get(key, timeout)
+
+
+def payload(rows: int = 8) -> list[jax.Array]:
+    rng = np.random.default_rng(0)
+    return [jnp.asarray(rng.standard_normal((2, rows, 16)), jnp.bfloat16),
+            jnp.asarray(rng.integers(0, 256, (3, rows, 4)), jnp.uint8)]
+
+
+def specs(arrays):
+    return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+
+
+def local_pair(board: Board) -> tuple[LocalTransport, LocalTransport]:
+    return LocalTransport("prefill", board), LocalTransport("decode", board)
+
+
+def transfer_server_pair(board: Board, monkeypatch) -> tuple[TransferServerTransport, ...]:
+    """Both ends of a real transfer server in this process, with a Board as their channel."""
+    monkeypatch.setattr(distributed, "local_ip", lambda: "127.0.0.1")
+    prefill = TransferServerTransport("prefill", board)
+    return prefill, TransferServerTransport("decode", board)
+
+
+def no_sleeping(*_):
+    raise AssertionError("a transport wait slept (sleep-polling is back)")
+
+
+@pytest.mark.parametrize("make", [local_pair, transfer_server_pair])
+def test_a_phase_is_one_header_and_one_posted_ack_and_no_wait_sleeps(make, monkeypatch):
+    board = CountingBoard()
+    prefill, decode = make(board, monkeypatch) if make is transfer_server_pair else make(board)
+    sent = payload()
+    monkeypatch.setattr(time, "sleep", no_sleeping)
+    prefill.send("p", sent)
+    got = decode.recv("p", specs(sent), timeout=30)
+    prefill.wait_ack("p", timeout=30)
+    for g, s in zip(got, sent, strict=True):
+        assert np.array_equal(np.asarray(g), np.asarray(s))
+    assert board.counts == ONE_PHASE
+
+
+@pytest.mark.parametrize("make", [local_pair, transfer_server_pair])
+def test_failed_phases_cost_no_extra_message(make, monkeypatch):
+    board = CountingBoard()
+    prefill, decode = make(board, monkeypatch) if make is transfer_server_pair else make(board)
+    prefill.send("p", payload(rows=7))  # mismatched specs
+    with pytest.raises(ValueError, match="decode expects"):
+        decode.recv("p", specs(payload()), timeout=30)
+    with pytest.raises(ValueError, match="decode expects"):
+        prefill.wait_ack("p", timeout=30)
+    assert board.counts == ONE_PHASE
+
+    board.counts.clear()
+    original = prefill._push
+
+    def corrupt(tag, arrays, deadline):
+        host = np.array(arrays[1])
+        host.reshape(-1)[3] ^= 1
+        original(tag, [arrays[0], jnp.asarray(host)], deadline)
+
+    prefill._push = corrupt
+    prefill.send("p/2", payload())
+    with pytest.raises(TransportError, match=r"checksum mismatch in buffer\(s\) \[1\]"):
+        decode.recv("p/2", specs(payload()), timeout=30)
+    with pytest.raises(TransportError, match="checksum mismatch"):
+        prefill.wait_ack("p/2", timeout=30)
+    assert board.counts == ONE_PHASE
+
+
+def test_the_receive_thread_is_made_once_per_transport_not_per_handoff(monkeypatch):
+    cfg = ModelConfig.preset("tiny")
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (1, 16), 0, cfg.vocab_size, jnp.int32)
+    action = Action.parse("bf16:r=2", cfg.num_layers)  # joint: the prefix arrives beside the suffix
+    prefill, decode = LocalTransport.pair()
+    state = prepare(cfg, params, tokens, action)
+    reps = 4
+    sender = threading.Thread(target=lambda: [
+        send_handoff(prefill, state, action, f"h{i}", timeout=60) for i in range(reps)])
+    sender.start()
+    receive_handoff(decode, cfg, params, action, 1, 16, "h0", "overlapped", timeout=60)  # warm
+
+    receivers = []
+    recv = decode.recv
+
+    def recording(tag, *args, **kwargs):
+        receivers.append((tag, threading.current_thread()))
+        return recv(tag, *args, **kwargs)
+
+    def no_new_threads(self):
+        raise AssertionError(f"thread {self.name} started inside a handoff")
+
+    monkeypatch.setattr(decode, "recv", recording)
+    monkeypatch.setattr(threading.Thread, "start", no_new_threads)
+    for i in range(1, reps):
+        receive_handoff(decode, cfg, params, action, 1, 16, f"h{i}", "overlapped", timeout=60)
+    monkeypatch.undo()
+    sender.join(60)
+    prefix = [thread for tag, thread in receivers if tag.endswith("/prefix")]
+    assert len(prefix) == reps - 1
+    (thread,) = set(prefix)  # one persistent thread served every handoff ...
+    assert thread is not threading.main_thread()  # ... beside the suffix on this one
+    decode.close()
+    thread.join(10)
+    assert not thread.is_alive()  # and `close` ends it
+
+
+def test_a_stuck_job_is_abandoned_and_later_jobs_still_run():
+    worker = Worker("test")
+    release = threading.Event()
+    stuck = worker.submit(release.wait)
+    with pytest.raises(TransportTimeout):
+        wait_for(stuck, time.monotonic() + 0.2, lambda: True, "stuck")
+    with pytest.raises(TransportError, match="peer process is gone"):
+        wait_for(stuck, time.monotonic() + 30, lambda: False, "stuck")
+    worker.abandon()
+    assert wait_for(worker.submit(lambda: 7), time.monotonic() + 30, lambda: True, "next") == 7
+    release.set()
+    assert stuck.result(timeout=10) is True
+    worker.close()
+    with pytest.raises(TransportError, match="closed"):
+        worker.submit(lambda: None)
