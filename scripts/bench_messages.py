@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from rekv_jax.transport import LocalTransport, Transport, connect
-from rekv_jax.transport.launch import run_pair
+from rekv_jax.transport.launch import pair_record
 
 TIMEOUT = 60.0
 WARMUP = 10
@@ -139,14 +139,9 @@ def main() -> None:
         if kind == "local":
             print(json.dumps(run_local(args.kb, args.reps)), flush=True)
             continue
-        out = run_pair(lambda role, coord, kind=kind: [
+        print(pair_record(lambda role, coord, kind=kind: [
             sys.executable, __file__, "--worker", kind, role, coord, "--kb", str(args.kb),
-            "--reps", str(args.reps)], timeout=600)
-        for role, done in out.items():
-            if done.returncode:
-                raise SystemExit(f"{kind} {role} failed:\n{done.stderr[-3000:]}")
-        print(next(line for line in out["decode"].stdout.splitlines()
-                   if line.startswith("{")), flush=True)
+            "--reps", str(args.reps)], kind), flush=True)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from rekv_jax.transport import LocalTransport, Transport, checksums, connect
-from rekv_jax.transport.launch import run_pair
+from rekv_jax.transport.launch import pair_record
 
 TIMEOUT = 120.0
 
@@ -129,15 +129,10 @@ def main() -> None:
             if kind == "local":
                 print(json.dumps(run_local(args.mb, gbps, args.reps, args.delay_ms)), flush=True)
                 continue
-            out = run_pair(lambda role, coord, kind=kind, gbps=gbps: [
+            print(pair_record(lambda role, coord, kind=kind, gbps=gbps: [
                 sys.executable, __file__, "--worker", kind, role, coord, "--mb", str(args.mb),
                 "--gbps", str(gbps), "--reps", str(args.reps), "--delay-ms", str(args.delay_ms)],
-                timeout=600)
-            for role, done in out.items():
-                if done.returncode:
-                    raise SystemExit(f"{kind} {role} failed:\n{done.stderr[-3000:]}")
-            print(next(line for line in out["decode"].stdout.splitlines()
-                       if line.startswith("{")), flush=True)
+                kind), flush=True)
 
 
 if __name__ == "__main__":

@@ -405,3 +405,13 @@ def run_pair(argv: Callable[[Role, str], list[str]], timeout: float,
                            for r, c in done.items())
         raise TimeoutError(f"{late} still running after {timeout:g}s (killed)\n{detail}")
     return done
+
+
+def pair_record(argv: Callable[[Role, str], list[str]], what: str, timeout: float = 600.0) -> str:
+    """Run both sides of a benchmark script (`run_pair`) and return the first JSON line the
+    decode side printed; a side that failed is a TransportError naming it, with its stderr."""
+    done = run_pair(argv, timeout)
+    for role, proc in done.items():
+        if proc.returncode:
+            raise TransportError(f"{what} {role} failed:\n{proc.stderr[-3000:]}")
+    return next(line for line in done["decode"].stdout.splitlines() if line.startswith("{"))
