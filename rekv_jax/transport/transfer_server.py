@@ -48,16 +48,16 @@ class TransferServerTransport(Transport):
         address = f"[{ip}]:0" if ":" in ip else f"{ip}:0"
         self._server = transfer.start_transfer_server(self._device.client, address, [address])
         channel.put(f"transfer-server/{role}", self._server.address())
-        # the run's secret: made by the decode side, read by the prefill side through the
-        # coordinator's key-value store
-        if role == "decode":
+        # the run's secret: made by the prefill side (the side that serves buffers), read by the
+        # decode side through the coordinator's key-value store, where it already waits for the
+        # prefill side's address; the prefill side waits for nothing here
+        self._connection = None
+        if role == "prefill":
             self._secret = secrets.token_bytes(SECRET_BYTES)
             channel.put("transfer-server/secret", self._secret.hex())
         else:
-            self._secret = bytes.fromhex(channel.get("transfer-server/secret", timeout))
-        self._connection = None
-        if role == "decode":
             self._connection = self._server.connect(channel.get("transfer-server/prefill", timeout))
+            self._secret = bytes.fromhex(channel.get("transfer-server/secret", timeout))
         self._pending: dict[str, list[jax.Array]] = {}  # sent, not yet acknowledged
         # a pull returns at once and its buffers fill in from the server's threads: the decode
         # side blocks on them here, bounded, instead of polling `is_ready`
