@@ -59,9 +59,9 @@ from rekv_jax.transport.base import (
     Transport,
     TransportError,
     TransportTimeout,
-    checksums,
     peer_of,
 )
+from rekv_jax.transport.checksums import checksums
 from rekv_jax.transport.collective import CollectiveTransport
 from rekv_jax.transport.local import LocalTransport
 from rekv_jax.transport.transfer_server import TransferServerTransport

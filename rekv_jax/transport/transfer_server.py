@@ -14,15 +14,8 @@ from jax.experimental import transfer
 from jax.sharding import SingleDeviceSharding
 
 from rekv_jax.transport import distributed
-from rekv_jax.transport.base import (
-    Role,
-    Transport,
-    TransportError,
-    Worker,
-    verdict_collect,
-    verdict_dispatch,
-    wait_for,
-)
+from rekv_jax.transport.base import Role, Transport, TransportError, Worker, wait_for
+from rekv_jax.transport.checksums import verdict_collect, verdict_dispatch
 
 SECRET_BYTES = 16
 

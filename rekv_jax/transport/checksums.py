@@ -1,0 +1,93 @@
+"""On-device checksums of the buffers a transport moves: one uint32 per buffer, computed where
+the buffer lives, and the sender's checksums travelling as one more buffer beside the data (see
+`rekv_jax.transport.base` for the protocol)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _checksum(x: jax.Array) -> jax.Array:
+    """Position-weighted sum of the buffer's 32-bit words, `sum_i w_i * (2i + 1) mod 2**32`.
+
+    The weights are odd, so any change of one byte (or one word) always changes the sum; weights
+    differ per position, so reordered words are caught too (barring rare coincidences)."""
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    b = jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)  # [bytes]
+    b = jnp.pad(b, (0, -b.size % 4))
+    w = jax.lax.bitcast_convert_type(b.reshape(-1, 4), jnp.uint32)  # [words]
+    i = jax.lax.iota(jnp.uint32, w.size)
+    return jnp.sum(w * (2 * i + 1), dtype=jnp.uint32)
+
+
+@jax.jit
+def _checksums_device(arrays: list[jax.Array]) -> jax.Array:
+    return jnp.stack([_checksum(x) for x in arrays])  # [n] uint32
+
+
+def _checksums_dispatch(arrays: Sequence[jax.Array]) -> list[tuple[list[int], jax.Array]]:
+    """Start one jitted checksum call per device holding some of the buffers (one call when they
+    share a device, as on a single-device side): (buffer indices, their checksums)."""
+    groups: dict[frozenset, list[int]] = {}
+    for i, a in enumerate(arrays):
+        groups.setdefault(frozenset(a.devices()), []).append(i)
+    return [(idx, _checksums_device([arrays[i] for i in idx])) for idx in groups.values()]
+
+
+def _checksums_collect(pending: list[tuple[list[int], jax.Array]]) -> list[int]:
+    sums = {i: s for idx, device_sums in pending
+            for i, s in zip(idx, np.asarray(device_sums).tolist(), strict=True)}
+    return [sums[i] for i in range(len(sums))]
+
+
+def checksums(arrays: Sequence[jax.Array]) -> list[int]:
+    """One uint32 checksum per buffer, computed on the buffers' devices."""
+    return _checksums_collect(_checksums_dispatch(list(arrays)))
+
+
+def _first_device(x: jax.Array | jax.sharding.Sharding) -> jax.Device:
+    devices = x.devices() if isinstance(x, jax.Array) else x.device_set
+    return min(devices, key=lambda d: d.id)
+
+
+def checksums_buffer(arrays: list[jax.Array]) -> jax.Array:
+    """Sender: the buffers' checksums as one uint32 [n] array on the first buffer's device,
+    dispatched (not waited for)."""
+    pending = _checksums_dispatch(arrays)
+    if len(pending) == 1:
+        return pending[0][1]
+    device = _first_device(arrays[0])
+    order = np.argsort([i for idx, _ in pending for i in idx])
+    return jnp.concatenate([jax.device_put(sums, device) for _, sums in pending])[order]
+
+
+def checksums_spec(specs: Sequence[jax.ShapeDtypeStruct]) -> jax.ShapeDtypeStruct:
+    """Receiver: the spec of the checksums buffer that comes with `specs` (on the first buffer's
+    device where the specs name devices)."""
+    sharding = specs[0].sharding
+    return jax.ShapeDtypeStruct((len(specs),), jnp.uint32, sharding=None if sharding is None
+                                else jax.sharding.SingleDeviceSharding(_first_device(sharding)))
+
+
+Dispatched = tuple[list[list[int]], list[jax.Array]]  # buffer indices per device, checksums
+
+
+def verdict_dispatch(arrays: Sequence[jax.Array], sent: jax.Array) -> Dispatched:
+    """Receiver: start checksumming received buffers (queued behind them if they are still
+    landing); `verdict_collect` waits for the result."""
+    pending = _checksums_dispatch(list(arrays))
+    return [idx for idx, _ in pending], [sums for _, sums in pending] + [sent]
+
+
+def verdict_collect(dispatched: Dispatched) -> tuple[list[int], list[int]]:
+    """(the checksums computed here, the checksums sent with the buffers), both fetched to the
+    host in one transfer."""
+    groups, device_sums = dispatched
+    *got, want = jax.device_get(device_sums)
+    return (_checksums_collect(list(zip(groups, got, strict=True))),
+            np.asarray(want).tolist())
