@@ -87,7 +87,7 @@ class Attention(nnx.Module):
         elif past is None:  # causal prompt: cuDNN's CAUSAL mask type, never a materialized mask
             out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
         else:  # cuDNN adds the [T, W] mask as a bias (flash-capable): its causal mask is top-left
-            # aligned, so it cannot express the offset `start` (see the README)
+            # aligned, so it cannot express the offset `start` (see docs/gpu.md)
             out = jax.nn.dot_product_attention(q, seen_k, seen_v, mask=mask[None, None],
                                                implementation="cudnn")
         return jnp.einsum("btnh,nhd->btd", out, self.o_proj[...]), k, v  # [B, T, D]

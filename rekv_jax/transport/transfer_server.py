@@ -2,7 +2,7 @@
 registers the buffers with `await_pull` and returns; the decode side pulls them by uuid as soon as
 the header matched (no go-ahead: a pull that comes before the registration waits for it). A uuid
 is keyed by a per-run secret, so a process that can reach the transfer server but not the
-coordinator cannot name a buffer (see the README's threat model)."""
+coordinator cannot name a buffer (see the threat model in docs/reliability.md)."""
 
 from __future__ import annotations
 
