@@ -44,6 +44,34 @@ same kind of device, so a prompt layer costs `γ` too and a call `r0`; `E` is th
   at zero, split is never slower than full (tested): it skips the prefill's `(L - c) γ` and hides
   all but one layer's quantize and transfer under the prompt's compute. Transfer-only (`c = L`)
   sends the first token in place of `h_c`; full recomputation (`c = 0`) sends only the ids.
+
+Token chunks (`chunks` N; a joint action). Under a linear per-layer-per-token model with causal
+attention, a layer on chunk i of N costs `γ_i = γ ((1 - s)/N + s (2i + 1)/N²) + [i > 0] κ`:
+`s` is the attention's share of γ (`sizes.attention_share`; chunk i's queries see (i + 1/2) S/N
+keys on average), and κ the fitted cost each extra chunk adds per layer (one more pass over the
+weights; `Σ_i γ_i = γ + (N - 1) κ`). A chunk call costs `r0` plus its layers; each extra message
+costs `m`.
+* Chunked boundary, ready interval (`schedule="chunked"`): after Q, the ids leave with the first
+  of N pieces of `h_c` and the prefix follows on the FIFO link. Piece i arrives at
+      A_i = Q + h0 + B_tok / W + (i+1) B_H / (N W) + i m
+  and the decode side runs chunk i through layers c..L-1 (`R_i = r0 + (L - c) γ_i`) once it has
+  arrived and chunk i-1 is done, so the suffix ends at F = max_k (A_k + Σ_{i>=k} R_i) (a flow
+  line) and the prefix at A_{N-1} + X:
+      T_chunked = max(A_{N-1} + X, F) + J
+  N = 1 is T_ov. With Σ R_i = R + (N - 1)(r0 + (L - c) κ), T_chunked <= T_ov + (N - 1)(m + r0
+  + (L - c) κ); the gain is up to (N - 1)/N of the boundary's transfer, hidden under the suffix.
+  Transfer-only and full recomputation have no boundary to chunk: T_ov.
+* Pipelined prefill, prompt interval (`prefill="pipelined"`): the prefill side runs chunk i
+  through layers 0..c-1 in one call (`g_i = E/N + r0 + c γ_i`), hands its piece of `h_c` to the
+  link, quantizes its prefix (`a = q0 + c α_b / N`) and sends it (`m + x0_b + c β_b / N`); the
+  decode side runs chunk i through c..L-1 when its piece has arrived. On the FIFO link (ids, then
+  per chunk its `h_c` piece and its prefix):
+      C_i = P_{i-1} + g_i,  P_i = C_i + a   (P_{-1} = 0)
+      D^H_i = max(C_i, D^P_{i-1}) + m + B_H / (N W),  D^P_i = max(P_i, D^H_i) + m + x0_b + c β_b/N
+      F_i = max(F_{i-1}, D^H_i) + R_i   (D^P_{-1} = τ, F_{-1} = 0)
+      T_pipelined = max(D^P_{N-1}, F_{N-1}) + J   (sequential: D^P_{N-1} + Σ R_i + J)
+  a three-stage pipeline (prefill compute -> link -> decode compute). N = 1 with c = 1 is T_split.
+  Transfer-only sends the first token after the last chunk is computed; c = 0 is T_split.
 """
 
 from __future__ import annotations
@@ -51,12 +79,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-import numpy as np
-from scipy.optimize import nnls  # scipy: a dependency of jax
 
 from rekv_jax import sizes
 from rekv_jax.action import ACTION_KINDS, Action
@@ -65,18 +89,36 @@ from rekv_jax.config import ModelConfig
 PHASES = ("quantize", "boundary", "prefix", "suffix", "join")
 PROMPT_PHASES = ("prefill", *PHASES)  # a measured handoff also reports the prefill's own compute
 INTERVALS = ("ready", "prompt")  # timed from the prefill state being ready, or from the prompt
-PREFILL_MODES = ("full", "split")  # the prefill side runs all L layers, or only 0..c-1
+PIPELINED = "pipelined"  # token chunks through 0..c-1, each streamed as computed
+PREFILL_MODES = ("full", "split", PIPELINED)  # all L layers, only 0..c-1, or 0..c-1 in chunks
+CHUNKED = "chunked"  # the boundary in token chunks, each run through c..L-1 as it arrives
+SCHEDULES = ("overlapped", "sequential", CHUNKED)  # what the model predicts (handoff runs them)
 _BITS_FIELDS = ("kv_layer_bytes", "quantize_ms", "restore_ms")  # dicts keyed by bits
 
 
 def check_modes(interval: str, prefill_mode: str) -> None:
-    """ValueError unless (interval, prefill mode) is a valid pair (split needs the prompt)."""
+    """ValueError unless (interval, prefill mode) is a valid pair (split, pipelined need the
+    prompt)."""
     if interval not in INTERVALS or prefill_mode not in PREFILL_MODES:
         raise ValueError(f"interval must be one of {INTERVALS} and prefill one of "
                          f"{PREFILL_MODES}, got {interval!r}, {prefill_mode!r}")
-    if prefill_mode == "split" and interval != "prompt":
-        raise ValueError("a split prefill streams while it computes, so its interval starts at "
-                         "the prompt: use interval 'prompt'")
+    if prefill_mode != "full" and interval != "prompt":
+        raise ValueError(f"a {prefill_mode} prefill streams while it computes, so its interval "
+                         "starts at the prompt: use interval 'prompt'")
+
+
+def check_chunks(schedule: str, prefill_mode: str, chunks: int, seq_len: int) -> None:
+    """ValueError unless `chunks` suits the schedule: N > 1 only for the chunked schedule or a
+    pipelined prefill (not with a split one), and at most one chunk per token."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or not 1 <= chunks <= seq_len:
+        raise ValueError(f"chunks must be an integer in 1..{seq_len} (the tokens), got {chunks!r}")
+    if schedule == CHUNKED and prefill_mode == "split":
+        raise ValueError("a split prefill streams per layer; chunk the boundary with a full "
+                         "prefill, or use prefill 'pipelined'")
+    if chunks > 1 and schedule != CHUNKED and prefill_mode != PIPELINED:
+        raise ValueError(f"{chunks} chunks need schedule {CHUNKED!r} or prefill {PIPELINED!r}")
 
 
 def transfer_ms(nbytes: float, link_gbps: float) -> float:
@@ -158,6 +200,8 @@ class Profile:
     suffix_fixed_ms: float = 0.0  # r0: per suffix call
     # bits -> x0_b: per restore call (dequantize dispatch); missing bits are 0
     restore_fixed_ms: dict[int, float] = dataclasses.field(default_factory=dict)
+    chunk_layer_ms: float = 0.0  # κ: per layer of each token chunk after the first
+    attention_share: float = 0.0  # s: causal attention's share of γ (0: linear in tokens)
 
     def __post_init__(self) -> None:
         if not self.link_gbps > 0:
@@ -181,6 +225,9 @@ class Profile:
             values = v.values() if isinstance(v, dict) else [v]
             if f.name.endswith("_ms") and any(x < 0 for x in values):
                 raise ValueError(f"profile {f.name} must be >= 0, got {v}")
+        if not 0 <= self.attention_share <= 1:
+            raise ValueError(f"profile attention_share must be in [0, 1], got "
+                             f"{self.attention_share}")
 
     @classmethod
     def for_config(cls, cfg: ModelConfig, seq_len: int, batch: int = 1, prefill_devices: int = 1,
@@ -218,6 +265,12 @@ class Profile:
         offset = self.suffix_fixed_ms - self.prefix_ms(bits, 0)  # r0 - X_b(0)
         return balanced_cut(self.num_layers, self.quantize_ms[bits], self.beta(bits),
                             self.suffix_layer_ms, offset)
+
+    def chunk_layer(self, chunk: int, chunks: int) -> float:
+        """γ_i: one layer's compute of token chunk `chunk` of `chunks` (module docstring)."""
+        s, n = self.attention_share, chunks
+        share = (1 - s) / n + s * (2 * chunk + 1) / n**2
+        return self.suffix_layer_ms * share + (chunk > 0) * self.chunk_layer_ms
 
     def _check_bits(self, bits: int) -> None:
         if bits not in self.quantize_ms:
@@ -304,18 +357,62 @@ def predict(profile: Profile, action: Action) -> dict[str, Any]:
 
 
 def predicted_ms(profile: Profile, action: Action, schedule: str = "overlapped",
-                 interval: str = "ready", prefill: str = "full") -> float:
-    """The predicted total of `action` under a schedule (`overlapped` or `sequential`), timed
-    from the prefill state (`ready`) or from the prompt (`prompt`, with a `full` or `split`
-    prefill; see the module docstring)."""
-    key = {"overlapped": "t_ov_ms", "sequential": "t_seq_ms"}.get(schedule)
-    if key is None:
-        raise ValueError(f"schedule must be 'overlapped' or 'sequential', got {schedule!r}")
+                 interval: str = "ready", prefill: str = "full", chunks: int = 1) -> float:
+    """The predicted total of `action` under a schedule (`SCHEDULES`), timed from the prefill
+    state (`ready`) or from the prompt (`prompt`, with a `full`, `split` or `pipelined`
+    prefill), in `chunks` token chunks (see the module docstring)."""
     check_modes(interval, prefill)
+    check_chunks(schedule, prefill, chunks, profile.seq_len)
+    if prefill == PIPELINED:
+        return pipelined_ms(profile, action, chunks, schedule)
     if prefill == "split":
         return streamed_ms(profile, action, schedule)
-    ready = predict(profile, action)[key]
+    if schedule == CHUNKED:
+        ready = chunked_ms(profile, action, chunks)
+    else:
+        ready = predict(profile, action)["t_seq_ms" if schedule == "sequential" else "t_ov_ms"]
     return ready + (prompt_compute_ms(profile, profile.num_layers) if interval == "prompt" else 0)
+
+
+def chunked_ms(profile: Profile, action: Action, chunks: int) -> float:
+    """T_chunked of `action` (ready interval): the flow line of the module docstring."""
+    p, ph = profile, phase_ms(profile, action)
+    c, L = action.cut, p.num_layers
+    if not 0 < c < L:  # no boundary to chunk
+        return t_ov(*(ph[k] for k in PHASES))
+    start = ph["quantize"] + p.boundary_fixed_ms + transfer_ms(p.token_bytes, p.link_gbps)
+    piece = transfer_ms(p.boundary_bytes, p.link_gbps) / chunks
+    arrive = [start + (i + 1) * piece + i * p.message_ms for i in range(chunks)]  # A_i
+    run = [p.suffix_fixed_ms + (L - c) * p.chunk_layer(i, chunks) for i in range(chunks)]  # R_i
+    suffix_done = max(arrive[k] + sum(run[k:]) for k in range(chunks))  # F
+    return max(arrive[-1] + ph["prefix"], suffix_done) + ph["join"]
+
+
+def pipelined_ms(profile: Profile, action: Action, chunks: int, schedule: str = "overlapped"
+                 ) -> float:
+    """T_pipelined of `action` (ms from the prompt's arrival): the recursion of the module
+    docstring (`chunked` and `overlapped` alike run each chunk as it arrives)."""
+    p = profile
+    phase_ms(p, action)  # validates the action against the profile
+    c, L, b, n = action.cut, p.num_layers, action.bits, chunks
+    if c == 0:  # only the ids cross
+        return streamed_ms(p, action, schedule)
+    quantize = p.quantize_fixed_ms + c * p.quantize_ms[b] / n if b < 16 else 0  # a
+    payload = p.message_ms + p.restore_fixed_ms[b] + c * p.beta(b) / n
+    piece = p.message_ms + (transfer_ms(p.boundary_bytes, p.link_gbps) / n if c < L else 0)
+    link = p.boundary_fixed_ms + transfer_ms(p.token_bytes, p.link_gbps)  # τ: when it is free
+    ready = suffix_done = runs = 0  # P_{i-1}, F_{i-1}, Σ R_i
+    for i in range(n):
+        computed = ready + p.embed_ms / n + p.suffix_fixed_ms + c * p.chunk_layer(i, n)  # C_i
+        if c < L or i == n - 1:  # the piece of h_c (transfer-only: the first token, once)
+            link = max(computed, link) + piece  # D^H_i
+        if c < L:
+            run = p.suffix_fixed_ms + (L - c) * p.chunk_layer(i, n)  # R_i
+            suffix_done, runs = max(suffix_done, link) + run, runs + run
+        ready = computed + quantize
+        link = max(ready, link) + payload  # D^P_i
+    done = link + runs if schedule == "sequential" else max(link, suffix_done)
+    return done + p.join_ms[action.kind]
 
 
 def prompt_compute_ms(profile: Profile, layers: int) -> float:
@@ -345,78 +442,3 @@ def streamed_ms(profile: Profile, action: Action, schedule: str = "overlapped") 
     if schedule == "sequential":
         return at_prefix + suffix + p.join_ms[action.kind]
     return max(at_prefix, at_boundary + suffix) + p.join_ms[action.kind]
-
-
-def fit_profile(cfg: ModelConfig, records: Sequence[dict[str, Any]], hardware: str, link: str
-                ) -> Profile:
-    """Least-squares profile from measured summary records of one model, length and batch.
-
-    Each record gives `bits`, `cut` and the phase medians `phases_ms`. Transfer terms are fitted
-    jointly over the boundary and prefix phases (`h0`, `m`, `1 / W`, `restore_b`, `x0_b`; BF16
-    needs no restore), so `W` is the bandwidth the link actually delivered. Pass records
-    measured without contention (the sequential schedule) for per-phase costs that add up. `J`
-    is the median join per action kind (over all records for a kind that has none). Every
-    unknown is a cost (or 1 / W), so the fits are nonnegative least squares.
-    """
-    if not records:
-        raise ValueError("fit_profile needs at least one record")
-    models = {r.get("model", cfg.name) for r in records}
-    if models != {cfg.name}:
-        raise ValueError(f"records are for {sorted(models)}, the config is {cfg.name!r}")
-    keys = {(r["seq_len"], r["batch"]) for r in records}
-    if len(keys) != 1:
-        raise ValueError(f"records span several (seq_len, batch): {sorted(keys)}")
-    (seq_len, batch), L = keys.pop(), cfg.num_layers
-    low = sorted({r["bits"] for r in records if 0 < r["cut"] and r["bits"] < 16}, reverse=True)
-    b_h, b_tok = sizes.boundary_bytes(cfg, seq_len, batch), sizes.token_bytes(seq_len, batch)
-    # Messages: unknowns [h0, m, 1/W, restore_b and x0_b for b in low]. The boundary phase holds
-    # the token IDs, plus h_c for a joint action; the prefix phase the prefix and its restore.
-    rows, ys = [], []
-    for r in records:
-        c, ph = r["cut"], r["phases_ms"]
-        joint = 0 < c < L
-        rows.append([1.0, 0.0, b_tok + joint * b_h] + [0.0] * 2 * len(low))
-        ys.append(ph["boundary"])
-        if c > 0:
-            per_bits = [float(r["bits"] == b) for b in low]
-            rows.append([0.0, 1.0, c * sizes.kv_layer_bytes(cfg, seq_len, batch, r["bits"])]
-                        + [c * x for x in per_bits] + per_bits)
-            ys.append(ph["prefix"])
-    h0, m, inv_w, *rest = _lstsq(rows, ys, "boundary and prefix times")
-    restore, restore_fixed = rest[:len(low)], rest[len(low):]
-    if not inv_w > 0:
-        raise ValueError("cannot fit a link bandwidth: transfer time does not grow with bytes")
-    # Quantize: [q0, α_b for b in low]; suffix: [r0, γ, embed].
-    quant = [r for r in records if r["bits"] < 16 and r["cut"] > 0]
-    q0, *alpha = (_lstsq([[1.0] + [float(r["cut"]) if r["bits"] == b else 0.0 for b in low]
-                          for r in quant], [r["phases_ms"]["quantize"] for r in quant],
-                         "quantize times") if low else [0.0])
-    suf = [r for r in records if r["cut"] < L]
-    has_embed = any(r["cut"] == 0 for r in suf)
-    r0, gamma, *embed = _lstsq([[1.0, float(L - r["cut"])] + ([float(r["cut"] == 0)]
-                                                              if has_embed else []) for r in suf],
-                               [r["phases_ms"]["suffix"] for r in suf], "suffix times")
-    joins = {k: [r["phases_ms"]["join"] for r in records
-                 if Action(r["bits"], r["cut"], L).kind == k] for k in ACTION_KINDS}
-    everything = [t for ts in joins.values() for t in ts]  # for a kind without records
-    join = {k: float(np.median(ts or everything)) for k, ts in joins.items()}
-    return Profile.for_config(
-        cfg, seq_len, batch, hardware=hardware, link=link, link_gbps=1e-6 / inv_w,
-        source="fitted",
-        quantize_ms={16: 0.0} | dict(zip(low, alpha, strict=True)),
-        restore_ms={16: 0.0} | dict(zip(low, restore, strict=True)),
-        restore_fixed_ms=dict(zip(low, restore_fixed, strict=True)),
-        suffix_layer_ms=gamma, join_ms=join, embed_ms=embed[0] if embed else 0.0,
-        quantize_fixed_ms=q0, boundary_fixed_ms=h0, message_ms=m, suffix_fixed_ms=r0)
-
-
-def _lstsq(rows: list[list[float]], ys: list[float], what: str) -> list[float]:
-    """Nonnegative least squares. Clipping an unconstrained fit instead would keep the partner
-    of a clipped term (a restore's per-call cost of its per-layer one) fitted to the negative
-    value: noise in 2 reps of one cut mispredicted a Q4 transfer by +390% that way."""
-    a = np.asarray(rows, dtype=np.float64)
-    if a.size == 0 or np.linalg.matrix_rank(a) < a.shape[1]:
-        raise ValueError(f"not enough distinct cuts/precisions in the records to fit {what}")
-    scale = np.abs(a).max(axis=0)  # column scaling: bytes and layer counts differ by 1e9
-    coef = nnls(a / scale, np.asarray(ys, dtype=np.float64))[0] / scale
-    return [float(v) for v in coef]

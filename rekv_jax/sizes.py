@@ -147,6 +147,12 @@ def layer_flops(cfg: ModelConfig, seq_len: int, batch: int = 1, past: int = 0) -
     return batch * (2 * seq_len * layer_weight_count(cfg) + attention)
 
 
+def attention_share(cfg: ModelConfig, seq_len: int) -> float:
+    """The causal attention's share of a prompt layer's FLOPs (`layer_flops`, no past): the part
+    of a layer whose cost per token grows with the token's position."""
+    return 1 - 2 * seq_len * layer_weight_count(cfg) / layer_flops(cfg, seq_len)
+
+
 def head_flops(cfg: ModelConfig, positions: int = 1, batch: int = 1) -> float:
     """FLOPs of the LM head on `positions` positions per prompt."""
     return 2 * batch * positions * head_weight_count(cfg)

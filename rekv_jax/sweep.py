@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from rekv_jax import costmodel, report, sizes
+from rekv_jax import costmodel, profile_fit, report, sizes
 from rekv_jax.config import ModelConfig
 from rekv_jax.experiment import SESSION_DONE, Experiment
 from rekv_jax.loader import load_config, load_model
@@ -138,7 +138,7 @@ def fit(cfg: ModelConfig, records: list[Summary]) -> costmodel.Profile:
     uncontended = [r for r in records if r.schedule != "overlapped"]
     first = uncontended[0]
     link = f"{first.transport} {report.link_label(first.link_gbps)}"
-    return costmodel.fit_profile(cfg, [r.to_json() for r in uncontended], first.hardware, link)
+    return profile_fit.fit_profile(cfg, [r.to_json() for r in uncontended], first.hardware, link)
 
 
 def profile(model: str, seq_len: int, transport: str, link_gbps: float | None,

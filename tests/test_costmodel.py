@@ -13,6 +13,7 @@ from rekv_jax import costmodel as cm
 from rekv_jax import sizes
 from rekv_jax.action import ACTION_KINDS, Action, action_space
 from rekv_jax.config import ModelConfig
+from rekv_jax.profile_fit import fit_profile
 
 TINY = ModelConfig.preset("tiny")
 SETTINGS = settings(max_examples=200, deadline=None)
@@ -155,11 +156,12 @@ def test_fit_profile_recovers_the_generating_profile():
     actions = [a for a in action_space(L) if a.cut in (0, 1, 3, 5, L)]
     records = [{"model": TINY.name, "seq_len": 256, "batch": 2, "bits": a.bits, "cut": a.cut,
                 "phases_ms": cm.phase_ms(truth, a)} for a in actions]
-    fit = cm.fit_profile(TINY, records, hardware="test", link="test link")
-    assert fit.source == "fitted"
+    fit = fit_profile(TINY, records, hardware="test", link="test link")
+    assert fit.source == "fitted" and fit.chunk_layer_ms == 0.0  # no chunked records
+    assert fit.attention_share == sizes.attention_share(TINY, 256)
     for f in dataclasses.fields(cm.Profile):
         got, want = getattr(fit, f.name), getattr(truth, f.name)
-        if f.name == "source":
+        if f.name in ("source", "attention_share"):  # assumed from FLOPs, not fitted
             continue
         if isinstance(want, str):  # labels (model, hardware, link): pytest 9 rejects approx here
             assert got == want, f.name
@@ -177,7 +179,7 @@ def test_fit_profile_one_noisy_point_does_not_skew_the_rest():
                 "phases_ms": cm.phase_ms(truth, a)} for a in actions]
     noisy = next(r for r in records if (r["bits"], r["cut"]) == (4, 1))
     noisy["phases_ms"] = noisy["phases_ms"] | {"prefix": noisy["phases_ms"]["prefix"] + 30.0}
-    fit = cm.fit_profile(TINY, records, hardware="test", link="test link")
+    fit = fit_profile(TINY, records, hardware="test", link="test link")
     full = Action(4, L, L)
     assert abs(cm.phase_ms(fit, full)["prefix"] - cm.phase_ms(truth, full)["prefix"]) < 30.0
     assert fit.link_gbps == pytest.approx(0.002, rel=0.01)
@@ -190,11 +192,11 @@ def test_fit_profile_needs_enough_distinct_points():
             "hardware", "link", "link_gbps", "source", "quantize_ms", "restore_ms",
             "suffix_layer_ms", "join_ms")}), a)}
     with pytest.raises(ValueError, match="not enough distinct"):
-        cm.fit_profile(TINY, [rec], "test", "test link")
+        fit_profile(TINY, [rec], "test", "test link")
     with pytest.raises(ValueError, match="records are for"):
-        cm.fit_profile(TINY, [{**rec, "model": "qwen2.5-7b"}], "test", "test link")
+        fit_profile(TINY, [{**rec, "model": "qwen2.5-7b"}], "test", "test link")
     with pytest.raises(ValueError, match="at least one record"):
-        cm.fit_profile(TINY, [], "test", "test link")
+        fit_profile(TINY, [], "test", "test link")
 
 
 @pytest.mark.parametrize("call, match", [
@@ -285,3 +287,125 @@ def test_split_prefill_never_slower_when_the_link_keeps_up(L, alpha, restore, ga
             assert cm.streamed_ms(p, action) <= cm.streamed_ms(p, action, "sequential")
     with pytest.raises(ValueError, match="split prefill streams"):
         cm.predicted_ms(p, Action(8, 1, L), "overlapped", "ready", "split")
+
+
+# -- token chunks: the chunked boundary (ready interval) and the pipelined prefill (prompt) ----
+
+share = st.fractions(min_value=0, max_value=1, max_denominator=20)
+CHUNKED = dict(PROFILES, L=st.integers(2, 8), kappa=small, share=share, chunks=st.integers(1, 5))
+CHUNK_SETTINGS = settings(max_examples=40, deadline=None)  # exact rationals over N chunks: slow
+
+
+def _chunk_profile(L, alpha, restore, gamma, gbps, embed, join, fixed, kappa, share
+                   ) -> cm.Profile:
+    return dataclasses.replace(_stream_profile(L, alpha, restore, gamma, gbps, embed, join, fixed),
+                               chunk_layer_ms=kappa, attention_share=share)
+
+
+def test_chunk_layer_costs_add_up_to_gamma_and_grow_with_the_chunk():
+    p = _chunk_profile(6, 0, 0, Fraction(3), 1, 0, 0, (0,) * 5, Fraction(1, 7), Fraction(2, 5))
+    for n in range(1, 9):
+        costs = [p.chunk_layer(i, n) for i in range(n)]
+        assert sum(costs) == p.suffix_layer_ms + (n - 1) * p.chunk_layer_ms
+        assert costs[1:] == sorted(costs[1:])  # a later chunk's queries see more keys
+    assert p.chunk_layer(0, 1) == p.suffix_layer_ms
+
+
+@CHUNK_SETTINGS
+@given(**CHUNKED)
+def test_chunked_schedule_flow_line(L, alpha, restore, gamma, gbps, embed, join, fixed, kappa,
+                                    share, chunks):
+    """T_chunked: the closed form equals the chunk-by-chunk recursion, N = 1 is T_ov, and the
+    bounds of the module docstring hold (exact rationals)."""
+    p = _chunk_profile(L, alpha, restore, gamma, gbps, embed, join, fixed, kappa, share)
+    q0, h0, m, r0, x0 = fixed
+    n = chunks
+    for a in action_space(L, (8,)):  # exact: BF16's absent quantize phase is the float 0.0
+        ph, t_ov = cm.phase_ms(p, a), cm.predict(p, a)["t_ov_ms"]
+        got = cm.predicted_ms(p, a, "chunked", chunks=n)
+        if a.kind != "joint":
+            assert got == t_ov
+            continue
+        tau = h0 + cm.transfer_ms(p.token_bytes, gbps)
+        piece = cm.transfer_ms(p.boundary_bytes, gbps) / n
+        arrive = [ph["quantize"] + tau + (i + 1) * piece + i * m for i in range(n)]
+        runs = [r0 + (L - a.cut) * p.chunk_layer(i, n) for i in range(n)]
+        done = 0
+        for at, run in zip(arrive, runs, strict=True):  # chunk i runs once it is here
+            done = max(done, at) + run
+        assert got == max(arrive[-1] + ph["prefix"], done) + ph["join"]
+        if n == 1:
+            assert got == t_ov
+        assert got <= t_ov + (n - 1) * (m + r0 + (L - a.cut) * kappa)
+        assert got >= arrive[0] + sum(runs) + ph["join"]
+        if (m, r0, kappa) == (0, 0, 0):  # per-chunk costs nil: chunking never hurts
+            assert got <= t_ov
+        assert cm.predicted_ms(p, a, "chunked", "prompt", chunks=n) == got + embed + r0 + L * gamma
+
+
+@CHUNK_SETTINGS
+@given(**CHUNKED)
+def test_pipelined_prefill(L, alpha, restore, gamma, gbps, embed, join, fixed, kappa, share,
+                           chunks):
+    """T_pipelined: one chunk of one prefix layer is the split stream; overlapped <= sequential;
+    without per-call and per-chunk costs more chunks never hurt, nor does pipelining beat a full
+    prefill by less than nothing."""
+    p = _chunk_profile(L, alpha, restore, gamma, gbps, embed, join, fixed, kappa, share)
+    for a in action_space(L, (16, 8)):
+        for schedule in ("overlapped", "sequential"):
+            got = cm.predicted_ms(p, a, schedule, "prompt", "pipelined", chunks)
+            if a.cut <= 1:
+                one = cm.predicted_ms(p, a, schedule, "prompt", "pipelined", 1)
+                assert one == cm.predicted_ms(p, a, schedule, "prompt", "split")
+        assert cm.pipelined_ms(p, a, chunks, "chunked") == cm.pipelined_ms(p, a, chunks) <= got
+    free = _chunk_profile(L, alpha, restore, gamma, gbps, embed, join, (0,) * 5, 0, share)
+    for a in action_space(L, (16, 8)):
+        many = cm.pipelined_ms(free, a, chunks)
+        assert many <= cm.pipelined_ms(free, a, 1)
+        full = cm.predicted_ms(free, a, "overlapped", "prompt", "full")  # a float for BF16
+        assert many <= full * (1 + 1e-12) + 1e-12
+
+
+@CHUNK_SETTINGS
+@given(**CHUNKED, faster=st.fractions(min_value=1, max_value=10, max_denominator=10))
+def test_chunked_schedules_never_slower_on_a_faster_link(L, alpha, restore, gamma, gbps, embed,
+                                                         join, fixed, kappa, share, chunks, faster):
+    p = _chunk_profile(L, alpha, restore, gamma, gbps, embed, join, fixed, kappa, share)
+    q = p.at_link(gbps * faster, "faster")
+    for a in action_space(L, (8,)):  # exact rationals (BF16 has a float 0.0 phase)
+        for args in (("chunked", "ready", "full"), ("overlapped", "prompt", "pipelined"),
+                     ("sequential", "prompt", "pipelined")):
+            assert cm.predicted_ms(q, a, *args, chunks) <= cm.predicted_ms(p, a, *args, chunks)
+
+
+@pytest.mark.parametrize("args, match", [
+    (("overlapped", "ready", "full", 2), "chunks need schedule"),
+    (("chunked", "prompt", "split", 2), "split prefill streams per layer"),
+    (("chunked", "ready", "full", 0), "chunks must be an integer in 1..256"),
+    (("chunked", "ready", "full", 257), "1..256"),
+    (("overlapped", "ready", "pipelined", 2), "pipelined prefill streams"),
+    (("both", "ready", "full", 1), "schedule must be one of"),
+])
+def test_bad_chunks_raise(args, match):
+    with pytest.raises(ValueError, match=match):
+        cm.predicted_ms(_profile(), Action(8, 3, 6), *args)
+    with pytest.raises(ValueError, match="attention_share"):
+        _profile(attention_share=1.5)
+
+
+def test_fit_profile_recovers_the_per_chunk_terms():
+    """Chunked records (boundary: ids and N pieces of h_c; suffix: the N chunk calls) give κ;
+    the per-message cost m is fitted from the prefix and the extra boundary pieces together."""
+    truth, L = _profile(chunk_layer_ms=0.03, attention_share=sizes.attention_share(TINY, 256)), 6
+    records = []
+    for a in (a for a in action_space(L) if a.cut in (0, 1, 3, 5, L)):
+        for n in (1, 4) if a.kind == "joint" else (1,):
+            ph = cm.phase_ms(truth, a)
+            ph["boundary"] += (n - 1) * truth.message_ms
+            ph["suffix"] += (n - 1) * (truth.suffix_fixed_ms + (L - a.cut) * truth.chunk_layer_ms)
+            records.append({"model": TINY.name, "seq_len": 256, "batch": 2, "bits": a.bits,
+                            "cut": a.cut, "chunks": n, "phases_ms": ph})
+    fit = fit_profile(TINY, records, hardware="test", link="test link")
+    for f in ("chunk_layer_ms", "message_ms", "suffix_fixed_ms", "suffix_layer_ms", "link_gbps",
+              "boundary_fixed_ms", "embed_ms"):
+        assert getattr(fit, f) == pytest.approx(getattr(truth, f), rel=1e-6, abs=1e-9), f

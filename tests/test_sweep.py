@@ -11,6 +11,7 @@ from rekv_jax import Action, ModelConfig, report, sizes
 from rekv_jax import costmodel as cm
 from rekv_jax import sweep as sweep_module
 from rekv_jax.costmodel import Profile
+from rekv_jax.profile_fit import fit_profile
 from rekv_jax.summary import Summary, record_schedule
 from rekv_jax.sweep import calibrate_link, sweep
 from rekv_jax.sweep_plan import (
@@ -93,14 +94,14 @@ def test_balanced_grid_of_one_cut_still_fits(suffix_layer_ms, cut, near):
     grid = balanced_grid(truth, (8, 4), spread=0)
     assert len({a.cut for a in grid if a.kind == "joint"}) >= 2
     assert sorted(a.cut for a in grid if a.bits == 16) == sorted([0, cut, near, 6])
-    fit = cm.fit_profile(TINY, _records(truth, grid), "test", "test link")
+    fit = fit_profile(TINY, _records(truth, grid), "test", "test link")
     assert fit.suffix_layer_ms == pytest.approx(suffix_layer_ms, rel=1e-6)
     assert fit.link_gbps == pytest.approx(truth.link_gbps, rel=1e-6)
     assert fit.restore_ms == pytest.approx(truth.restore_ms, rel=1e-6)
     # without the neighbour, the suffix's fixed and per-layer costs cannot be told apart
     lone = [a for a in grid if a.bits != 16 or a.cut in (0, cut, 6)]
     with pytest.raises(ValueError, match="suffix times"):
-        cm.fit_profile(TINY, _records(truth, lone), "test", "test link")
+        fit_profile(TINY, _records(truth, lone), "test", "test link")
 
 
 def test_gpu_preset_is_the_papers_study():
