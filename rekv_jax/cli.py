@@ -187,29 +187,12 @@ def cmd_bytes(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from rekv_jax.action import action_space, parse_actions
-    from rekv_jax.costmodel import load_profiles
-    from rekv_jax.loader import load_config
-    from rekv_jax.planner import PAPER_LINK_GBPS, plan, plan_text, select_profile
+    from rekv_jax import plan_cli
+    from rekv_jax.planner import PAPER_LINK_GBPS
 
-    cfg = load_config(args.model)
     if args.link_gbps == PAPER_LINK:
         args.link_gbps = PAPER_LINK_GBPS  # the paper's H100 path
-    profile = None
-    if args.profile:
-        profile = select_profile(load_profiles(args.profile), cfg, args.seq_len, args.batch)
-    if args.actions:
-        actions = parse_actions(args.actions, cfg.num_layers)
-    else:
-        bits = sorted(profile.quantize_ms if profile else (16, 8, 4), reverse=True)
-        if args.plan_bits:
-            bits = [int(b) for b in args.plan_bits.split(",")]
-        actions = list(action_space(cfg.num_layers, bits))
-    result = plan(cfg, args.seq_len, profile, args.link_gbps, actions, args.batch, args.schedule,
-                  args.interval, args.prefill)
-    if args.json:
-        return _emit_json([result])
-    print(plan_text(result))
+    plan_cli.cmd_plan(args)
 
 
 def _handoff_experiment(args: argparse.Namespace):
@@ -482,14 +465,12 @@ def _bytes_flags(p: argparse.ArgumentParser) -> None:
                    help="first recomputed layer c: L = transfer-only (default), 0 = recompute")
 
 
-@command("plan", cmd_plan, "predicted latency of every action and the best one",
-         ("model", "seq_len", "batch", "actions", "link", "schedule", "modes", "json"))
+@command("plan", cmd_plan, "predicted latency of every action and schedule, and the best",
+         ("model", "seq_len", "batch", "actions", "link", "json"))
 def _plan_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--profile", default=None,
-                   help="profile JSON/JSONL (e.g. from `rekv profile` on a GPU); default: analytic")
-    p.add_argument("--bits", dest="plan_bits", default=None,
-                   help="precisions to consider, e.g. 16,8 (default all)")
-    p.set_defaults(schedule="overlapped")
+    from rekv_jax.plan_cli import add_flags
+
+    add_flags(p)
 
 
 @command("handoff", cmd_handoff, "timed handoffs between a prefill and a decode process",

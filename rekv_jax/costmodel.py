@@ -79,6 +79,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -384,7 +385,8 @@ def chunked_ms(profile: Profile, action: Action, chunks: int) -> float:
     piece = transfer_ms(p.boundary_bytes, p.link_gbps) / chunks
     arrive = [start + (i + 1) * piece + i * p.message_ms for i in range(chunks)]  # A_i
     run = [p.suffix_fixed_ms + (L - c) * p.chunk_layer(i, chunks) for i in range(chunks)]  # R_i
-    suffix_done = max(arrive[k] + sum(run[k:]) for k in range(chunks))  # F
+    tails = list(accumulate(reversed(run)))[::-1]  # Σ_{i>=k} R_i
+    suffix_done = max(a + t for a, t in zip(arrive, tails, strict=True))  # F
     return max(arrive[-1] + ph["prefix"], suffix_done) + ph["join"]
 
 

@@ -6,17 +6,32 @@ another link), or, without one, an *analytic* profile: a roofline estimate of an
 cross-node TCP path (`PAPER_LINK_GBPS`). The analytic profile is an assumption, not a measurement,
 and every plan made from it says so. As the paper notes (§2.3), the model guides the cut sweep;
 the final choice is made on measured latency.
+
+A plan ranks every (action, schedule, prefill mode, token chunks) for one interval. Output quality
+is not the cost model's: given the quality gate's results (`rekv quality --json`), a plan chooses
+among the eligible actions only; without them it marks every candidate's quality unchecked.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from rekv_jax import sizes
 from rekv_jax.action import Action, action_space
 from rekv_jax.config import ModelConfig
-from rekv_jax.costmodel import Profile, predict, predicted_ms
+from rekv_jax.costmodel import (
+    CHUNKED,
+    PIPELINED,
+    PREFILL_MODES,
+    SCHEDULES,
+    Profile,
+    phase_ms,
+    predicted_ms,
+)
+from rekv_jax.summary import read_jsonl
 
 # The paper's H100 TCP path moves the 8K Qwen2.5-7B BF16 cache (448 MiB) in 202.13 ms (§4.4).
 PAPER_LINK_GBPS = 448 * sizes.MIB / 202.13e-3 / 1e9  # ~2.32 GB/s
@@ -47,7 +62,10 @@ def analytic_profile(cfg: ModelConfig, seq_len: int, batch: int = 1,
         # the first token: LM head of the last position (transfer-only receives it with the KV)
         join_ms={"transfer": 0.0} | dict.fromkeys(("recompute", "joint"), roofline(
             sizes.head_flops(cfg, 1, batch), sizes.head_weight_count(cfg) * sizes.WEIGHT_BYTES)),
-        embed_ms=roofline(0, sizes.boundary_bytes(cfg, seq_len, batch)))  # writes [B, S, D] BF16
+        embed_ms=roofline(0, sizes.boundary_bytes(cfg, seq_len, batch)),  # writes [B, S, D] BF16
+        # each extra token chunk reads a layer's weights once more; attention grows per chunk
+        chunk_layer_ms=roofline(0, sizes.layer_weight_count(cfg) * sizes.WEIGHT_BYTES),
+        attention_share=sizes.attention_share(cfg, seq_len))
 
 
 def select_profile(profiles: Sequence[Profile], cfg: ModelConfig, seq_len: int, batch: int = 1
@@ -62,13 +80,129 @@ def select_profile(profiles: Sequence[Profile], cfg: ModelConfig, seq_len: int, 
                      f"have (model, seq_len, batch) {have}")
 
 
+CHUNK_CHOICES = (2, 4, 8, 16)  # token chunks the planner tries for the chunked schedules
+QUALITY = ("eligible", "ineligible", "unchecked")  # a candidate's standing at the gate (§2.4)
+
+
+@dataclasses.dataclass(frozen=True)
+class GateResult:
+    """One action's verdict at the quality gate: a row of `rekv quality --json`."""
+
+    model: str
+    seq_len: int
+    action: str  # Action in its text form, e.g. "q8:r=13"
+    eligible: bool
+    chunks: int = 1  # the token chunks of the scored cache (1: unchunked)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> GateResult:
+        try:
+            return cls(d["model"], int(d["seq_len"]), d["action"], bool(d["eligible"]),
+                       int(d.get("chunks", 1)))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a quality gate result ({e!r} in {sorted(d)})") from None
+
+
+def load_gate(path: str | Path) -> list[GateResult]:
+    """The gate results of a `rekv quality --json` file."""
+    try:
+        return [GateResult.from_json(d) for d in read_jsonl(path)]
+    except ValueError as e:
+        raise ValueError(f"quality {path}: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One way to hand off: action, schedule, prefill mode and token chunks, with its prediction."""
+
+    action: Action
+    schedule: str  # costmodel.SCHEDULES
+    prefill: str  # costmodel.PREFILL_MODES
+    chunks: int  # token chunks (1: unchunked)
+    predicted_ms: float  # the total for the plan's interval
+    phases_ms: dict[str, float]  # the action's unchunked ready-interval phases (costmodel.PHASES)
+    payload_bytes: int
+    quality: str  # QUALITY
+    gated_chunks: int | None = None  # the chunks of the gate result used (None: unchecked)
+
+    @property
+    def label(self) -> str:
+        """e.g. `q8:r=13 chunked x4`, `q8:r=13 pipelined x8 overlapped`."""
+        how = {"full": self.schedule + (f" x{self.chunks}" if self.chunks > 1 else ""),
+               "split": f"split {self.schedule}"}.get(
+            self.prefill, f"{self.prefill} x{self.chunks} {self.schedule}")
+        return f"{self.action} {how}"
+
+    def to_json(self) -> dict[str, Any]:
+        a = self.action
+        return {"action": str(a), "kind": a.kind, "bits": a.bits, "cut": a.cut,
+                "suffix_len": a.suffix_len, "schedule": self.schedule, "prefill": self.prefill,
+                "chunks": self.chunks, "predicted_ms": self.predicted_ms,
+                "phases_ms": self.phases_ms, "payload_bytes": self.payload_bytes,
+                "quality": self.quality, "gated_chunks": self.gated_chunks}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Every candidate with its prediction and quality, and the chosen one."""
+
+    model: str
+    seq_len: int
+    batch: int
+    interval: str
+    profile: Profile
+    candidates: tuple[Candidate, ...]
+    best: Candidate  # the fastest eligible candidate (with a gate), else the fastest
+    balanced_cut: dict[str, dict[str, Any]]  # precision -> Prop. 2's c*, cuts, suffix lengths
+    quality_file: str | None  # the gate results the choice respected (None: unchecked)
+
+    @property
+    def note(self) -> str | None:
+        """What to know about the profile (an analytic one is an assumption)."""
+        p = self.profile
+        if p.source != "analytic":
+            return None
+        return (f"analytic profile: {p.hardware} on a {p.link_gbps:g} GB/s link; assumed rates, "
+                "not a measurement")
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"kind": "plan", "model": self.model, "seq_len": self.seq_len, "batch": self.batch,
+               "interval": self.interval, "quality_file": self.quality_file,
+               "profile": {k: v for k, v in self.profile.to_json().items() if k != "kind"},
+               "best": self.best.to_json(), "balanced_cut": self.balanced_cut,
+               "candidates": [c.to_json() for c in self.candidates]}
+        return out | ({"note": self.note} if self.note else {})
+
+
+def ways(action: Action, interval: str, schedules: Sequence[str], prefills: Sequence[str],
+         chunks: Sequence[int]) -> list[tuple[str, str, int]]:
+    """The distinct (schedule, prefill, chunks) to try for `action`: chunks only where they
+    change something (a joint action's boundary; a pipelined prefill of some layers), and one
+    schedule for an action without a suffix to overlap (transfer-only, full recomputation)."""
+    out = []
+    for prefill in prefills if interval == "prompt" else ("full",):
+        if prefill == PIPELINED:  # runs each chunk as it arrives: overlapped is chunked
+            if action.cut > 0:
+                out += [(s, prefill, n) for s in schedules if s != CHUNKED for n in (1, *chunks)]
+        elif action.kind != "joint":
+            out.append((schedules[0], prefill, 1))
+        else:
+            for schedule in schedules:
+                if schedule != CHUNKED:
+                    out.append((schedule, prefill, 1))
+                elif prefill == "full":
+                    out += [(schedule, prefill, n) for n in chunks]
+    return out
+
+
 def plan(cfg: ModelConfig, seq_len: int, profile: Profile | None = None,
          link_gbps: float | None = None, actions: Sequence[Action] | None = None,
-         batch: int = 1, schedule: str = "overlapped", interval: str = "ready",
-         prefill: str = "full") -> dict[str, Any]:
-    """Every candidate action with its predicted latency (ms), the predicted best, and Prop. 2's
-    balanced cut per precision. `link_gbps` re-targets the profile's transfer terms; `interval`
-    and `prefill` choose the timed interval (the best is then the cut for that interval)."""
+         batch: int = 1, schedules: Sequence[str] = SCHEDULES, interval: str = "ready",
+         prefills: Sequence[str] = PREFILL_MODES, chunks: Sequence[int] = CHUNK_CHOICES,
+         gate: Sequence[GateResult] | None = None, gate_file: str | None = None) -> Plan:
+    """Predict every (action, schedule, prefill, chunks) and choose the fastest; with `gate`
+    (the quality gate's results), the fastest eligible one. `link_gbps` re-targets the profile's
+    transfer terms; `interval` chooses the timed interval (prefill modes count for `prompt`)."""
     if profile is None:
         profile = analytic_profile(cfg, seq_len, batch,
                                    PAPER_LINK_GBPS if link_gbps is None else link_gbps)
@@ -78,31 +212,51 @@ def plan(cfg: ModelConfig, seq_len: int, profile: Profile | None = None,
             profile = profile.at_link(link_gbps)
     if actions is None:
         actions = list(action_space(cfg.num_layers, sorted(profile.quantize_ms, reverse=True)))
-    if not actions:
-        raise ValueError("no candidate actions")
+    chunks = sorted({n for n in chunks if 1 < n <= seq_len})
+    verdicts = _verdicts(gate, cfg.name, seq_len) if gate is not None else None
     candidates = []
     for a in actions:
-        pred = predict(profile, a)
-        candidates.append({
-            "action": str(a), "kind": a.kind, "bits": a.bits, "cut": a.cut,
-            "suffix_len": a.suffix_len,
-            "payload_bytes": sizes.action_bytes(cfg, a, seq_len, batch)["total_bytes"],
-            "predicted_ms": predicted_ms(profile, a, schedule, interval, prefill),
-            "t_seq_ms": pred["t_seq_ms"], "t_ov_ms": pred["t_ov_ms"],
-            "phases_ms": pred["phases_ms"]})
-    best = min(candidates, key=lambda c: c["predicted_ms"])
-    out: dict[str, Any] = {
-        "model": cfg.name, "seq_len": seq_len, "batch": batch, "schedule": schedule,
-        "interval": interval, "prefill": prefill,
-        "profile": {k: v for k, v in profile.to_json().items() if k != "kind"},
-        "best": {k: best[k] for k in ("action", "predicted_ms", "kind", "bits", "cut")},
-        "balanced_cut": _balanced_cuts(profile) if cfg.num_layers >= 2 else {},
-        "candidates": candidates,
-    }
-    if profile.source == "analytic":
-        out["note"] = (f"analytic profile: {profile.hardware} on a {profile.link_gbps:g} GB/s "
-                       "link; assumed rates, not a measurement")
-    return out
+        phases = phase_ms(profile, a)
+        payload = sizes.action_bytes(cfg, a, seq_len, batch)["total_bytes"]
+        for schedule, prefill, n in ways(a, interval, schedules, prefills, chunks):
+            quality, gated = _standing(verdicts, a, n)
+            candidates.append(Candidate(
+                a, schedule, prefill, n, predicted_ms(profile, a, schedule, interval, prefill, n),
+                phases, payload, quality, gated))
+    if not candidates:
+        raise ValueError("no candidate: no action, or no schedule and prefill mode that suit "
+                         f"the {interval} interval")
+    pool = [c for c in candidates if c.quality == "eligible"] if gate is not None else candidates
+    if not pool:
+        raise ValueError(f"no eligible candidate: the gate results for {cfg.name} at {seq_len} "
+                         f"tokens pass none of the {len(candidates)} candidates' actions")
+    return Plan(cfg.name, seq_len, batch, interval, profile, tuple(candidates),
+                min(pool, key=lambda c: c.predicted_ms),
+                _balanced_cuts(profile) if cfg.num_layers >= 2 else {},
+                gate_file if gate is not None else None)
+
+
+def _verdicts(gate: Sequence[GateResult], model: str, seq_len: int
+              ) -> dict[tuple[str, int], bool]:
+    """(action text, chunks) -> eligible, from the gate results of this model and length."""
+    mine = {(g.action, g.chunks): g.eligible for g in gate
+            if (g.model, g.seq_len) == (model, seq_len)}
+    if not mine:
+        have = sorted({(g.model, g.seq_len) for g in gate})
+        raise ValueError(f"the quality gate results have none for model {model!r} at {seq_len} "
+                         f"tokens; they have (model, seq_len) {have}")
+    return mine
+
+
+def _standing(verdicts: dict[tuple[str, int], bool] | None, action: Action, chunks: int
+              ) -> tuple[str, int | None]:
+    """A candidate's quality and the chunks of the gate result it rests on: its own chunking's,
+    else the unchunked cache's (chunking reorders only the suffix's sums; the gate judges the
+    quantized prefix)."""
+    for n in dict.fromkeys((chunks, 1)):
+        if verdicts is not None and (str(action), n) in verdicts:
+            return ("eligible" if verdicts[str(action), n] else "ineligible"), n
+    return "unchecked", None
 
 
 def _balanced_cuts(profile: Profile) -> dict[str, dict[str, Any]]:
@@ -136,27 +290,54 @@ def crossovers(by_link: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             for a, b in zip(by_link, by_link[1:], strict=False) if a["best"] != b["best"]]
 
 
-def plan_text(result: dict[str, Any], top: int = 12) -> str:
-    """The readable form of a `plan` result: the profile, Prop. 2's cut per precision, the `top`
-    fastest candidates and the fastest of each precision and kind."""
-    prof = result["profile"]
-    c = sorted(result["candidates"], key=lambda c: c["predicted_ms"])
-    best_of = {}
-    for cand in c:  # fastest per (precision, kind), beyond the top rows
-        best_of.setdefault((cand["bits"], cand["kind"]), cand)
-    shown = c[:top] + [x for x in best_of.values() if x not in c[:top]]
-    lines = [f"{result['model']}, {result['seq_len']} tokens, batch {result['batch']}, "
-             f"{result['schedule']} schedule; {prof['source']} profile: {prof['hardware']}, "
-             f"link {prof['link_gbps']:.3g} GB/s",
-             f"predicted best: {result['best']['action']} at {result['best']['predicted_ms']:.2f} "
-             "ms"]
+def plan_text(result: Plan, top: int = 12) -> str:
+    """The readable form of a `Plan`: the profile, the choice and its quality, the fastest per
+    schedule, Prop. 2's cut per precision, and the `top` fastest candidates with the fastest of
+    each precision and kind."""
+    prof, best, cands = result.profile, result.best, sorted(result.candidates,
+                                                          key=lambda c: c.predicted_ms)
+    gated = result.quality_file is not None
+    lines = [f"{result.model}, {result.seq_len} tokens, batch {result.batch}, {result.interval} "
+             f"interval; {prof.source} profile: {prof.hardware}, link {prof.link_gbps:.3g} GB/s",
+             f"predicted best{' eligible' if gated else ''}: {best.label} at "
+             f"{best.predicted_ms:.2f} ms (quality: {best.quality})"]
+    counts = {q: len({str(c.action) for c in cands if c.quality == q}) for q in QUALITY}
+    if gated:
+        worse = next((c for c in cands if c.quality != "eligible"), None)
+        lines.append(f"quality: gate results from {result.quality_file}: {counts['eligible']} "
+                     f"actions eligible, {counts['ineligible']} ineligible, {counts['unchecked']} "
+                     "unchecked (only eligible ones are chosen)"
+                     + (f"; the fastest excluded: {worse.label} at {worse.predicted_ms:.2f} ms "
+                        f"({worse.quality})" if worse and worse.predicted_ms < best.predicted_ms
+                        else ""))
+    else:
+        lossless = next((c for c in cands if c.action.bits == 16), None)
+        lines.append("quality: unchecked for every action (no --quality FILE of `rekv quality "
+                     "--json`); a low-bit prefix can fail the gate (paper §2.4: Qwen2.5-7B "
+                     "joint Q4 at 8K)" + (f"; fastest with a BF16 prefix: {lossless.label} at "
+                                          f"{lossless.predicted_ms:.2f} ms" if lossless else ""))
+    fastest_way: dict[tuple[str, str], Candidate] = {}
+    for c in cands:
+        if c.quality == "eligible" or not gated:
+            fastest_way.setdefault((c.prefill, c.schedule), c)
+    lines.append("fastest per schedule: " + "; ".join(
+        f"{c.label} {c.predicted_ms:.2f} ms" for c in fastest_way.values()))
     lines += [f"balanced cut c* (Prop. 2), {prec}: {b['c_star']:.2f} -> cut(s) {b['cuts']} "
-              f"(suffix {b['suffix_lens']})" for prec, b in result["balanced_cut"].items()]
-    lines += ["", f"{'action':<16}{'predicted ms':>13}{'T_seq':>10}{'T_ov':>10}{'MiB':>10}"]
-    lines += [f"{x['action']:<16}{x['predicted_ms']:>13.2f}{x['t_seq_ms']:>10.2f}"
-              f"{x['t_ov_ms']:>10.2f}{x['payload_bytes'] / sizes.MIB:>10.2f}" for x in shown]
-    lines.append(f"({len(shown)} of {len(c)} candidates: the {top} fastest and the fastest of "
-                 "each precision and kind; --json for all, with phases)")
-    if "note" in result:
-        lines.append(result["note"])
+              f"(suffix {b['suffix_lens']})" for prec, b in result.balanced_cut.items()]
+    rows: dict[tuple[Action, str, str], Candidate] = {}
+    for c in cands:  # one row per action and schedule: its fastest (fewest) chunks
+        rows.setdefault((c.action, c.prefill, c.schedule), c)
+    ranked = list(rows.values())
+    best_of: dict[tuple[int, str], Candidate] = {}
+    for c in ranked:  # fastest per (precision, kind), beyond the top rows
+        best_of.setdefault((c.action.bits, c.action.kind), c)
+    shown = ranked[:top] + [c for c in best_of.values() if c not in ranked[:top]]
+    lines += ["", f"{'action':<16}{'schedule':<28}{'predicted ms':>13}{'MiB':>10}  quality"]
+    lines += [f"{str(c.action):<16}{c.label.split(' ', 1)[1]:<28}{c.predicted_ms:>13.2f}"
+              f"{c.payload_bytes / sizes.MIB:>10.2f}  {c.quality}" for c in shown]
+    lines.append(f"({len(shown)} of {len(cands)} candidates: the {top} fastest action-schedule "
+                 "pairs, each at its best chunk count, and the fastest of each precision and "
+                 "kind; --json for all, with phases)")
+    if result.note:
+        lines.append(result.note)
     return "\n".join(lines)

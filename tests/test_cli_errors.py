@@ -23,6 +23,8 @@ def _folders(tmp_path):
     unreadable = tmp_path / "unreadable"  # a config.json no one can read, even root
     (unreadable / "config.json").mkdir(parents=True)
     (tmp_path / "empty.json").write_text("{}")
+    (tmp_path / "gate.jsonl").write_text(json.dumps(  # a quality gate result of another model
+        {"model": "other", "seq_len": 8192, "action": "q8:full", "eligible": True}) + "\n")
     return tmp_path
 
 
@@ -53,6 +55,11 @@ CASES = [
     (["profile", "--reps", "0"], ["reps", "positive"]),
     (["sweep", "--out", "{tmp}/s", "--link-gbps", "unpaced"], ["paced", "unpaced block"]),
     (["plan", "--schedule", "both"], ["schedule", "both"]),
+    (["plan", "--chunks", "0"], ["--chunks", "positive"]),
+    (["plan", "--prefill", "streamed"], ["--prefill", "streamed"]),
+    (["plan", "--quality", "/missing.jsonl"], ["/missing.jsonl", "cannot read"]),
+    (["plan", "--quality", "{tmp}/empty.json"], ["empty.json", "not a quality gate result"]),
+    (["plan", "--quality", "{tmp}/gate.jsonl"], ["none for model 'tiny' at 8192", "other"]),
 ]
 
 

@@ -1,5 +1,7 @@
-"""Planner: every action predicted, the best is the argmin, Prop. 2 agrees, links shift plans."""
+"""Planner: every action predicted, the best is the argmin, Prop. 2 agrees, links shift plans,
+the quality gate bounds the choice."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -15,35 +17,42 @@ QWEN7B = ModelConfig.preset("qwen2.5-7b")
 TINY = ModelConfig.preset("tiny")
 
 
+def _by_action(out: planner.Plan, **way) -> dict[str, planner.Candidate]:
+    """The candidates of one (schedule, prefill, chunks), keyed by action text."""
+    return {str(c.action): c for c in out.candidates
+            if all(getattr(c, k) == v for k, v in way.items())}
+
+
 def test_analytic_plan_is_labelled_and_consistent():
-    out = planner.plan(QWEN7B, 8192)
-    assert "analytic" in out["note"] and out["profile"]["source"] == "analytic"
+    out = planner.plan(QWEN7B, 8192, schedules=("overlapped",))
+    assert "analytic" in out.note and out.profile.source == "analytic"
     L = QWEN7B.num_layers
     # the transfer terms use the profile's link: full BF16 sends L layers of 2 S K H bf16 bytes
     # (16 MiB per layer, as the paper's §2.2 states for Qwen2.5-7B at 8K)
     layer_bytes = 2 * 8192 * QWEN7B.num_kv_heads * QWEN7B.head_dim * 2
     assert layer_bytes == 16 * 2**20
-    full = next(c for c in out["candidates"] if c["action"] == str(Action(16, L, L)))
-    assert full["phases_ms"]["prefix"] == pytest.approx(
-        L * layer_bytes / (out["profile"]["link_gbps"] * 1e6))
-    assert [c["action"] for c in out["candidates"]] == [str(a) for a in action_space(L)]
-    best = min(out["candidates"], key=lambda c: c["predicted_ms"])
-    assert out["best"]["action"] == best["action"]
-    for c in out["candidates"]:
-        assert c["predicted_ms"] == c["t_ov_ms"] <= c["t_seq_ms"]
-    for prec, bc in out["balanced_cut"].items():  # Prop. 2 finds the best interior cut
-        interior = [c for c in out["candidates"]
-                    if c["action"].startswith(prec) and 0 < c["cut"] < L]
-        fastest = min(c["predicted_ms"] for c in interior)
-        assert min(c["predicted_ms"] for c in interior if c["cut"] in bc["cuts"]) == fastest
+    full = _by_action(out)[str(Action(16, L, L))]
+    assert full.phases_ms["prefix"] == pytest.approx(
+        L * layer_bytes / (out.profile.link_gbps * 1e6))
+    assert [str(c.action) for c in out.candidates] == [str(a) for a in action_space(L)]
+    assert out.best == min(out.candidates, key=lambda c: c.predicted_ms)
+    for c in out.candidates:
+        assert c.predicted_ms == cm.predict(out.profile, c.action)["t_ov_ms"]
+        assert (c.schedule, c.prefill, c.chunks, c.quality) == ("overlapped", "full", 1,
+                                                                 "unchecked")
+    for prec, bc in out.balanced_cut.items():  # Prop. 2 finds the best interior cut
+        interior = [c for c in out.candidates
+                    if c.action.precision == prec and 0 < c.action.cut < L]
+        fastest = min(c.predicted_ms for c in interior)
+        assert min(c.predicted_ms for c in interior if c.action.cut in bc["cuts"]) == fastest
         assert bc["suffix_lens"] == [L - c for c in bc["cuts"]]
 
 
 def test_analytic_bf16_transfer_is_the_papers_link_time():
     # §4.4: 448 MiB in 202.13 ms on the H100 TCP path defines the default link.
-    bf16 = planner.plan(QWEN7B, 8192, actions=[Action(16, 28, 28)])["candidates"][0]
-    assert bf16["phases_ms"]["prefix"] == pytest.approx(202.13)
-    assert bf16["payload_bytes"] == 448 * 2**20
+    (bf16,) = planner.plan(QWEN7B, 8192, actions=[Action(16, 28, 28)]).candidates
+    assert bf16.phases_ms["prefix"] == pytest.approx(202.13)
+    assert bf16.payload_bytes == 448 * 2**20
 
 
 def test_faster_link_moves_the_cut_toward_transfer():
@@ -51,23 +60,87 @@ def test_faster_link_moves_the_cut_toward_transfer():
     for bits in (16, 8, 4):
         stars = [profile.at_link(w).balanced_cut(bits)[0] for w in (0.5, 2, 8, 32)]
         assert stars == sorted(stars) and stars[0] < stars[-1]
-    slow = planner.plan(QWEN7B, 8192, profile, link_gbps=0.01)["best"]
-    fast = planner.plan(QWEN7B, 8192, profile, link_gbps=1000)["best"]
-    assert slow["kind"] == "recompute" and fast["kind"] == "transfer"
+    slow = planner.plan(QWEN7B, 8192, profile, link_gbps=0.01).best
+    fast = planner.plan(QWEN7B, 8192, profile, link_gbps=1000).best
+    assert slow.action.kind == "recompute" and fast.action.kind == "transfer"
 
 
 def test_sequential_schedule_and_restricted_actions():
     acts = [Action(8, c, TINY.num_layers) for c in (2, 4)]
-    out = planner.plan(TINY, 256, actions=acts, schedule="sequential")
-    assert [c["action"] for c in out["candidates"]] == ["q8:r=4", "q8:r=2"]
-    assert all(c["predicted_ms"] == c["t_seq_ms"] for c in out["candidates"])
+    out = planner.plan(TINY, 256, actions=acts, schedules=("sequential",))
+    assert [str(c.action) for c in out.candidates] == ["q8:r=4", "q8:r=2"]
+    assert all(c.predicted_ms == cm.predict(out.profile, c.action)["t_seq_ms"]
+               for c in out.candidates)
+
+
+def test_plan_tries_every_schedule_and_chunk_count_where_they_matter():
+    L = QWEN7B.num_layers
+    for interval in ("ready", "prompt"):
+        out = planner.plan(QWEN7B, 8192, interval=interval, chunks=(1, 2, 4, 9000))
+        ways = {(str(c.action), c.schedule, c.prefill, c.chunks) for c in out.candidates}
+        assert len(ways) == len(out.candidates)
+        for c in out.candidates:  # every prediction is the cost model's
+            assert c.predicted_ms == cm.predicted_ms(out.profile, c.action, c.schedule, interval,
+                                                     c.prefill, c.chunks)
+            assert c.chunks in (1, 2, 4)  # at most one chunk per token
+        joint, transfer = "q8:r=13", "q8:full"
+        assert {(s, n) for a, s, p, n in ways if a == joint and p == "full"} == {
+            ("overlapped", 1), ("sequential", 1), ("chunked", 2), ("chunked", 4)}
+        assert {s for a, s, p, n in ways if a == transfer and p == "full"} == {"overlapped"}
+        prefills = {p for a, s, p, n in ways}
+        assert prefills == ({"full", "split", "pipelined"} if interval == "prompt" else {"full"})
+        assert out.best == min(out.candidates, key=lambda c: c.predicted_ms)
+    assert str(Action(16, 0, L)) not in _by_action(out, prefill="pipelined")  # that is split
+
+
+QWEN7B_GATE = [  # the paper's verdicts at 8K (§4.1, Table 2): joint Q8 passes, joint Q4 fails
+    planner.GateResult("qwen2.5-7b", 8192, "q8:r=13", True),
+    planner.GateResult("qwen2.5-7b", 8192, "q4:r=13", False),
+    planner.GateResult("qwen2.5-7b", 8192, "q4:full", False),
+    planner.GateResult("qwen2.5-7b", 2048, "q4:r=10", True),
+]
+
+
+def test_the_quality_gate_decides_which_actions_can_be_chosen():
+    unchecked = planner.plan(QWEN7B, 8192)
+    assert str(unchecked.best.action) == "q4:full"  # fastest, but the gate rejects it
+    assert {c.quality for c in unchecked.candidates} == {"unchecked"}
+    gated = planner.plan(QWEN7B, 8192, gate=QWEN7B_GATE, gate_file="gate.jsonl")
+    eligible = [c for c in gated.candidates if c.quality == "eligible"]
+    assert {str(c.action) for c in eligible} == {"q8:r=13"}
+    assert gated.best == min(eligible, key=lambda c: c.predicted_ms)
+    assert gated.best.predicted_ms > unchecked.best.predicted_ms
+    standing = {str(c.action): c.quality for c in gated.candidates}
+    assert standing["q4:full"] == standing["q4:r=13"] == "ineligible"
+    assert standing["q4:r=10"] == standing["bf16:full"] == "unchecked"  # 2048 tokens: not 8K
+    assert gated.to_json()["quality_file"] == "gate.jsonl"
+    assert gated.to_json()["best"]["quality"] == "eligible"
+
+
+def test_a_gate_result_of_a_chunked_cache_counts_for_that_chunking():
+    gate = [planner.GateResult("qwen2.5-7b", 8192, "q8:r=13", True),
+            planner.GateResult("qwen2.5-7b", 8192, "q8:r=13", False, chunks=4)]
+    out = planner.plan(QWEN7B, 8192, actions=[Action(8, 15, 28)], gate=gate)
+    standing = {(c.schedule, c.chunks): (c.quality, c.gated_chunks) for c in out.candidates}
+    assert standing[("chunked", 4)] == ("ineligible", 4)
+    assert standing[("chunked", 2)] == standing[("overlapped", 1)] == ("eligible", 1)
+    assert (out.best.schedule, out.best.chunks) != ("chunked", 4)
+
+
+def test_gate_results_must_cover_the_plan():
+    with pytest.raises(ValueError, match="none for model 'tiny' at 256 tokens"):
+        planner.plan(TINY, 256, gate=QWEN7B_GATE)
+    with pytest.raises(ValueError, match="no eligible candidate"):
+        planner.plan(QWEN7B, 8192, gate=QWEN7B_GATE[1:3])
+    with pytest.raises(ValueError, match="not a quality gate result"):
+        planner.GateResult.from_json({"model": "tiny", "seq_len": 256})
 
 
 def test_measured_profile_is_used_and_must_match():
     p = planner.analytic_profile(TINY, 256)
     measured = cm.Profile.from_json({**p.to_json(), "source": "measured", "hardware": "H200"})
     out = planner.plan(TINY, 256, measured)
-    assert "note" not in out and out["profile"]["hardware"] == "H200"
+    assert out.note is None and "note" not in out.to_json() and out.profile.hardware == "H200"
     with pytest.raises(ValueError, match="no profile for model 'tiny', seq_len 512"):
         planner.plan(TINY, 512, measured)
     with pytest.raises(ValueError, match="no profile"):
@@ -79,23 +152,40 @@ def test_cli_plan_with_profile_file_and_link(tmp_path, capsys):
     path = tmp_path / "gpu.jsonl"
     path.write_text(json.dumps({**p.to_json(), "source": "measured"}) + "\n")
     main(["plan", "--model", "tiny", "--seq-len", "256", "--profile", str(path),
-          "--link-gbps", "4", "--bits", "16,8", "--json"])
+          "--link-gbps", "4", "--bits", "16,8", "--schedule", "overlapped,chunked",
+          "--chunks", "4", "--json"])
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1
     out = json.loads(lines[0])
     assert out["profile"]["link_gbps"] == 4.0 and out["profile"]["source"] == "measured"
     assert {c["bits"] for c in out["candidates"]} == {16, 8}
-    expected = cm.predicted_ms(p.at_link(4.0), Action.parse(out["best"]["action"], 6))
-    assert out["best"]["predicted_ms"] == pytest.approx(expected)
+    assert {(c["schedule"], c["chunks"]) for c in out["candidates"]} == {("overlapped", 1),
+                                                                         ("chunked", 4)}
+    best = out["best"]
+    expected = cm.predicted_ms(p.at_link(4.0), Action.parse(best["action"], 6), best["schedule"],
+                               "ready", "full", best["chunks"])
+    assert best["predicted_ms"] == pytest.approx(expected)
 
 
-def test_cli_plan_reads_as_a_short_table(capsys):
+def test_cli_plan_reads_as_a_short_table(tmp_path, capsys):
     main(["plan", "--model", "qwen2.5-7b", "--seq-len", "8192", "--link-gbps", "2.32"])
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) < 40
-    best = planner.plan(QWEN7B, 8192, link_gbps=2.32)["best"]
-    assert f"predicted best: {best['action']} at {best['predicted_ms']:.2f} ms" in lines
+    best = planner.plan(QWEN7B, 8192, link_gbps=2.32).best
+    assert f"predicted best: {best.label} at {best.predicted_ms:.2f} ms (quality: unchecked)" \
+        in lines
+    assert any(line.startswith("quality: unchecked for every action") for line in lines)
     assert any(line.startswith("bf16:full ") for line in lines)  # the baseline is always shown
+    gate = tmp_path / "gate.jsonl"
+    gate.write_text("".join(json.dumps(dataclasses.asdict(g)) + "\n" for g in QWEN7B_GATE))
+    main(["plan", "--model", "qwen2.5-7b", "--seq-len", "8192", "--link-gbps", "2.32",
+          "--quality", str(gate)])
+    lines = capsys.readouterr().out.splitlines()
+    best = planner.plan(QWEN7B, 8192, link_gbps=2.32, gate=QWEN7B_GATE).best
+    assert f"predicted best eligible: {best.label} at {best.predicted_ms:.2f} ms " \
+        "(quality: eligible)" in lines
+    assert any(line.startswith(f"quality: gate results from {gate}: 1 actions eligible, "
+                               "2 ineligible") for line in lines)
 
 
 def test_cli_plan_bad_input_is_a_clean_error(capsys):
