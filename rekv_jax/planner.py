@@ -304,9 +304,9 @@ def plan_text(result: Plan, top: int = 12) -> str:
     counts = {q: len({str(c.action) for c in cands if c.quality == q}) for q in QUALITY}
     if gated:
         worse = next((c for c in cands if c.quality != "eligible"), None)
-        lines.append(f"quality: gate results from {result.quality_file}: {counts['eligible']} "
-                     f"actions eligible, {counts['ineligible']} ineligible, {counts['unchecked']} "
-                     "unchecked (only eligible ones are chosen)"
+        lines.append(f"quality: gate results from {result.quality_file}: of {sum(counts.values())}"
+                     f" actions {counts['eligible']} eligible, {counts['ineligible']} ineligible, "
+                     f"{counts['unchecked']} unchecked (only eligible ones are chosen)"
                      + (f"; the fastest excluded: {worse.label} at {worse.predicted_ms:.2f} ms "
                         f"({worse.quality})" if worse and worse.predicted_ms < best.predicted_ms
                         else ""))
@@ -331,13 +331,14 @@ def plan_text(result: Plan, top: int = 12) -> str:
     best_of: dict[tuple[int, str], Candidate] = {}
     for c in ranked:  # fastest per (precision, kind), beyond the top rows
         best_of.setdefault((c.action.bits, c.action.kind), c)
-    shown = ranked[:top] + [c for c in best_of.values() if c not in ranked[:top]]
+    shown = sorted({id(c): c for c in (*ranked[:top], *best_of.values(), rows[
+        best.action, best.prefill, best.schedule])}.values(), key=lambda c: c.predicted_ms)
     lines += ["", f"{'action':<16}{'schedule':<28}{'predicted ms':>13}{'MiB':>10}  quality"]
     lines += [f"{str(c.action):<16}{c.label.split(' ', 1)[1]:<28}{c.predicted_ms:>13.2f}"
               f"{c.payload_bytes / sizes.MIB:>10.2f}  {c.quality}" for c in shown]
     lines.append(f"({len(shown)} of {len(cands)} candidates: the {top} fastest action-schedule "
-                 "pairs, each at its best chunk count, and the fastest of each precision and "
-                 "kind; --json for all, with phases)")
+                 "pairs, each at its best chunk count, the fastest of each precision and kind, "
+                 "and the choice; --json for all, with phases)")
     if result.note:
         lines.append(result.note)
     return "\n".join(lines)

@@ -184,8 +184,9 @@ def test_cli_plan_reads_as_a_short_table(tmp_path, capsys):
     best = planner.plan(QWEN7B, 8192, link_gbps=2.32, gate=QWEN7B_GATE).best
     assert f"predicted best eligible: {best.label} at {best.predicted_ms:.2f} ms " \
         "(quality: eligible)" in lines
-    assert any(line.startswith(f"quality: gate results from {gate}: 1 actions eligible, "
-                               "2 ineligible") for line in lines)
+    assert any(line.startswith(f"quality: gate results from {gate}: of 85 actions 1 eligible, "
+                               "2 ineligible, 82 unchecked") for line in lines)
+    assert any(line.startswith(f"{best.action!s:<16}{best.schedule}") for line in lines)
 
 
 def test_cli_plan_bad_input_is_a_clean_error(capsys):
