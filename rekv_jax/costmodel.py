@@ -45,7 +45,7 @@ same kind of device, so a prompt layer costs `γ` too and a call `r0`; `E` is th
   all but one layer's quantize and transfer under the prompt's compute. Transfer-only (`c = L`)
   sends the first token in place of `h_c`; full recomputation (`c = 0`) sends only the ids.
 
-Token chunks (`chunks` N; a joint action). Under a linear per-layer-per-token model with causal
+Token chunks (`chunks` N). Under a linear per-layer-per-token model with causal
 attention, a layer on chunk i of N costs `γ_i = γ ((1 - s)/N + s (2i + 1)/N²) + [i > 0] κ`:
 `s` is the attention's share of γ (`sizes.attention_share`; chunk i's queries see (i + 1/2) S/N
 keys on average), and κ the fitted cost each extra chunk adds per layer (one more pass over the

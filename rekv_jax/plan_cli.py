@@ -45,9 +45,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interval", choices=INTERVALS, default=INTERVALS[0],
                    help="time from the prefill state being ready (paper Table 1) or from the "
                         "prompt's arrival at the prefill worker")
-    p.add_argument("--prefill", type=_choices(PREFILL_MODES), default=PREFILL_MODES,
-                   help=f"prefill modes to choose from (--interval prompt), a comma list of "
-                        f"{', '.join(PREFILL_MODES)} (default all)")
+    p.add_argument("--prefill", type=_choices(PREFILL_MODES), default=None,
+                   help=f"prefill modes to choose from, a comma list of {', '.join(PREFILL_MODES)}"
+                        " (default: full for --interval ready, all for prompt)")
     p.add_argument("--chunks", type=_counts, default=CHUNK_CHOICES,
                    help="token chunk counts to choose from for the chunked schedules "
                         f"(default {','.join(map(str, CHUNK_CHOICES))})")

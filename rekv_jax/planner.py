@@ -28,6 +28,7 @@ from rekv_jax.costmodel import (
     PREFILL_MODES,
     SCHEDULES,
     Profile,
+    check_modes,
     phase_ms,
     predicted_ms,
 )
@@ -174,13 +175,13 @@ class Plan:
         return out | ({"note": self.note} if self.note else {})
 
 
-def ways(action: Action, interval: str, schedules: Sequence[str], prefills: Sequence[str],
+def ways(action: Action, schedules: Sequence[str], prefills: Sequence[str],
          chunks: Sequence[int]) -> list[tuple[str, str, int]]:
     """The distinct (schedule, prefill, chunks) to try for `action`: chunks only where they
     change something (a joint action's boundary; a pipelined prefill of some layers), and one
     schedule for an action without a suffix to overlap (transfer-only, full recomputation)."""
     out = []
-    for prefill in prefills if interval == "prompt" else ("full",):
+    for prefill in prefills:
         if prefill == PIPELINED:  # runs each chunk as it arrives: overlapped is chunked
             if action.cut > 0:
                 out += [(s, prefill, n) for s in schedules if s != CHUNKED for n in (1, *chunks)]
@@ -198,11 +199,16 @@ def ways(action: Action, interval: str, schedules: Sequence[str], prefills: Sequ
 def plan(cfg: ModelConfig, seq_len: int, profile: Profile | None = None,
          link_gbps: float | None = None, actions: Sequence[Action] | None = None,
          batch: int = 1, schedules: Sequence[str] = SCHEDULES, interval: str = "ready",
-         prefills: Sequence[str] = PREFILL_MODES, chunks: Sequence[int] = CHUNK_CHOICES,
+         prefills: Sequence[str] | None = None, chunks: Sequence[int] = CHUNK_CHOICES,
          gate: Sequence[GateResult] | None = None, gate_file: str | None = None) -> Plan:
     """Predict every (action, schedule, prefill, chunks) and choose the fastest; with `gate`
     (the quality gate's results), the fastest eligible one. `link_gbps` re-targets the profile's
-    transfer terms; `interval` chooses the timed interval (prefill modes count for `prompt`)."""
+    transfer terms; `interval` chooses the timed interval, whose prefill modes are `prefills`
+    (default: all that suit it)."""
+    if prefills is None:
+        prefills = PREFILL_MODES if interval == "prompt" else ("full",)
+    for prefill in prefills:
+        check_modes(interval, prefill)
     if profile is None:
         profile = analytic_profile(cfg, seq_len, batch,
                                    PAPER_LINK_GBPS if link_gbps is None else link_gbps)
@@ -218,7 +224,7 @@ def plan(cfg: ModelConfig, seq_len: int, profile: Profile | None = None,
     for a in actions:
         phases = phase_ms(profile, a)
         payload = sizes.action_bytes(cfg, a, seq_len, batch)["total_bytes"]
-        for schedule, prefill, n in ways(a, interval, schedules, prefills, chunks):
+        for schedule, prefill, n in ways(a, schedules, prefills, chunks):
             quality, gated = _standing(verdicts, a, n)
             candidates.append(Candidate(
                 a, schedule, prefill, n, predicted_ms(profile, a, schedule, interval, prefill, n),

@@ -57,6 +57,7 @@ CASES = [
     (["plan", "--schedule", "both"], ["schedule", "both"]),
     (["plan", "--chunks", "0"], ["--chunks", "positive"]),
     (["plan", "--prefill", "streamed"], ["--prefill", "streamed"]),
+    (["plan", "--prefill", "full,pipelined"], ["pipelined prefill streams", "'prompt'"]),
     (["plan", "--quality", "/missing.jsonl"], ["/missing.jsonl", "cannot read"]),
     (["plan", "--quality", "{tmp}/empty.json"], ["empty.json", "not a quality gate result"]),
     (["plan", "--quality", "{tmp}/gate.jsonl"], ["none for model 'tiny' at 8192", "other"]),
