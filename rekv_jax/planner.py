@@ -128,10 +128,9 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        """e.g. `q8:r=13 chunked x4`, `q8:r=13 pipelined x8 overlapped`."""
+        """e.g. `q8:r=13 chunked x4`, `q8:r=13 split overlapped`, `q8:r=13 pipelined x8`."""
         how = {"full": self.schedule + (f" x{self.chunks}" if self.chunks > 1 else ""),
-               "split": f"split {self.schedule}"}.get(
-            self.prefill, f"{self.prefill} x{self.chunks} {self.schedule}")
+               "split": f"split {self.schedule}"}.get(self.prefill, f"pipelined x{self.chunks}")
         return f"{self.action} {how}"
 
     def to_json(self) -> dict[str, Any]:
@@ -177,14 +176,14 @@ class Plan:
 
 def ways(action: Action, schedules: Sequence[str], prefills: Sequence[str],
          chunks: Sequence[int]) -> list[tuple[str, str, int]]:
-    """The distinct (schedule, prefill, chunks) to try for `action`: chunks only where they
-    change something (a joint action's boundary; a pipelined prefill of some layers), and one
-    schedule for an action without a suffix to overlap (transfer-only, full recomputation)."""
+    """The distinct (schedule, prefill, chunks) to try for `action`, as `rekv handoff` runs them:
+    chunks (>= 2) only under the chunked schedule, for a joint action's boundary or a pipelined
+    prefill of some layers; one schedule for an action without a suffix to overlap."""
     out = []
     for prefill in prefills:
-        if prefill == PIPELINED:  # runs each chunk as it arrives: overlapped is chunked
-            if action.cut > 0:
-                out += [(s, prefill, n) for s in schedules if s != CHUNKED for n in (1, *chunks)]
+        if prefill == PIPELINED:  # the decode side runs each chunk as it arrives: chunked
+            if action.cut > 0 and CHUNKED in schedules:
+                out += [(CHUNKED, prefill, n) for n in chunks]
         elif action.kind != "joint":
             out.append((schedules[0], prefill, 1))
         else:
