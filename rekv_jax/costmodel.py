@@ -71,6 +71,9 @@ costs `m`.
       F_i = max(F_{i-1}, D^H_i) + R_i   (D^P_{-1} = τ, F_{-1} = 0)
       T_pipelined = max(D^P_{N-1}, F_{N-1}) + J   (sequential: D^P_{N-1} + Σ R_i + J)
   a three-stage pipeline (prefill compute -> link -> decode compute). N = 1 with c = 1 is T_split.
+  Without per-call and per-chunk costs it never loses to the full prefill; more chunks can lose
+  to fewer where a chunk's quantize delays the next chunk's compute, or a late chunk's attention
+  (s > 0) outweighs what it hides (tested).
   Transfer-only sends the first token after the last chunk is computed; c = 0 is T_split.
 """
 

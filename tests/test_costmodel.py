@@ -348,8 +348,8 @@ def test_chunked_schedule_flow_line(L, alpha, restore, gamma, gbps, embed, join,
 def test_pipelined_prefill(L, alpha, restore, gamma, gbps, embed, join, fixed, kappa, share,
                            chunks):
     """T_pipelined: one chunk of one prefix layer is the split stream; overlapped <= sequential;
-    without per-call and per-chunk costs more chunks never hurt, nor does pipelining beat a full
-    prefill by less than nothing."""
+    without per-call and per-chunk costs it never loses to a full prefill (the bounds of the
+    module docstring)."""
     p = _chunk_profile(L, alpha, restore, gamma, gbps, embed, join, fixed, kappa, share)
     for a in action_space(L, (16, 8)):
         for schedule in ("overlapped", "sequential"):
@@ -359,11 +359,13 @@ def test_pipelined_prefill(L, alpha, restore, gamma, gbps, embed, join, fixed, k
                 assert one == cm.predicted_ms(p, a, schedule, "prompt", "split")
         assert cm.pipelined_ms(p, a, chunks, "chunked") == cm.pipelined_ms(p, a, chunks) <= got
     free = _chunk_profile(L, alpha, restore, gamma, gbps, embed, join, (0,) * 5, 0, share)
+    linear = _chunk_profile(L, 0, restore, gamma, gbps, embed, join, (0,) * 5, 0, 0)
     for a in action_space(L, (16, 8)):
-        many = cm.pipelined_ms(free, a, chunks)
-        assert many <= cm.pipelined_ms(free, a, 1)
         full = cm.predicted_ms(free, a, "overlapped", "prompt", "full")  # a float for BF16
-        assert many <= full * (1 + 1e-12) + 1e-12
+        assert cm.pipelined_ms(free, a, chunks) <= full * (1 + 1e-12) + 1e-12
+        # more chunks never hurt only without a quantize before the next chunk's compute and
+        # with chunks of equal cost (s = 0): else hypothesis finds L = 2, α = γ = 1, s = 1
+        assert cm.pipelined_ms(linear, a, chunks) <= cm.pipelined_ms(linear, a, 1)
 
 
 @CHUNK_SETTINGS
