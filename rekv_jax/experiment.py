@@ -35,13 +35,13 @@ from rekv_jax.handoff import (
     FALLBACKS,
     SCHEDULES,
     Handoff,
+    HostReference,
     check_cache,
     prepare,
     receive_handoff,
     send_handoff,
     send_prompt,
 )
-from rekv_jax.kv import KVCache
 from rekv_jax.loader import load_model
 from rekv_jax.model import Params, attention_backend, prefill
 from rekv_jax.sharding import MeshTransport, shard_params, split_reference
@@ -280,14 +280,15 @@ def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
 
 class References:
     """The single-process caches and first tokens a handoff is checked against, one per cut,
-    each computed once: a `prefill`, or, between sharded sides, the same split in this process
-    (`split_reference`: bits differ across meshes)."""
+    each computed once, and kept on the host with their error bounds (`HostReference`): a
+    `prefill`, or, between sharded sides, the same split in this process (`split_reference`:
+    bits differ across meshes)."""
 
     def __init__(self, cfg: ModelConfig, params: Params, tokens: jax.Array, exp: Experiment
                  ) -> None:
         self._cfg, self._params, self._tokens = cfg, params, tokens
         self._devices = (exp.prefill_devices, exp.decode_devices)
-        self._cache: dict[int, tuple[KVCache, np.ndarray]] = {}
+        self._cache: dict[int, tuple[HostReference, np.ndarray]] = {}
 
     def check(self, action: Action, result: Handoff) -> tuple[bool, str]:
         """(first token matches, what held of the cache: `check_cache`, plus for sharded sides
@@ -299,7 +300,8 @@ class References:
             reference, logits = (split_reference(self._cfg, self._params, self._tokens, cut,
                                                  *self._devices) if sharded
                                  else prefill(self._cfg, self._params, self._tokens))
-            self._cache[key] = reference, np.asarray(jnp.argmax(logits, axis=-1))
+            self._cache[key] = (HostReference(reference),
+                                np.asarray(jnp.argmax(logits, axis=-1)))
         reference, first = self._cache[key]
         text = check_cache(reference, action, result)
         if sharded:
