@@ -167,10 +167,10 @@ def sweep(preset: SweepPreset, out: Path, reps: int = 30, warmup: int = 3
     models = preset.models
     with (open(out / "sweep.jsonl", "w") as log, tempfile.TemporaryDirectory() as tmp,
           contextlib.ExitStack() as running):
-        # each pair starts (loads its modules) beside the work before it: the first beside the
-        # link calibration, the next while the last one exits
-        pair = running.enter_context(Pair(models[0], Path(tmp)))
+        # the link first, uncontended (it times the suffix); each next pair starts (loads its
+        # modules) while the last one exits
         link = preset.link_gbps or calibrate_link(models[0], preset.mid_length).link_gbps
+        pair = running.enter_context(Pair(models[0], Path(tmp)))
         for i, model in enumerate(tqdm(models, desc="sweep", unit="pair", file=sys.stderr)):
             cfg = load_config(model)
             start = {}  # length -> start profile
