@@ -35,13 +35,13 @@ from rekv_jax.handoff import (
     FALLBACKS,
     SCHEDULES,
     Handoff,
+    HostReference,
     check_cache,
     prepare,
     receive_handoff,
     send_handoff,
     send_prompt,
 )
-from rekv_jax.kv import KVCache
 from rekv_jax.loader import load_model
 from rekv_jax.model import Params, attention_backend, prefill
 from rekv_jax.sharding import MeshTransport, shard_params, split_reference
@@ -280,29 +280,37 @@ def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
 
 class References:
     """The single-process caches and first tokens a handoff is checked against, one per cut,
-    each computed once: a `prefill`, or, between sharded sides, the same split in this process
-    (`split_reference`: bits differ across meshes)."""
+    each computed once, and kept on the host with their error bounds (`HostReference`): a
+    `prefill`, or, between sharded sides, the same split in this process (`split_reference`:
+    bits differ across meshes)."""
 
     def __init__(self, cfg: ModelConfig, params: Params, tokens: jax.Array, exp: Experiment
                  ) -> None:
         self._cfg, self._params, self._tokens = cfg, params, tokens
         self._devices = (exp.prefill_devices, exp.decode_devices)
-        self._cache: dict[int, tuple[KVCache, np.ndarray]] = {}
+        self._sharded = self._devices != (1, 1)
+        self._cache: dict[int, tuple[HostReference, np.ndarray]] = {}
+        if not self._sharded:  # now: this side compiles the shape's model programs while the
+            self._reference(0)  # prefill side compiles its own, not after it in the first rep
+
+    def _reference(self, cut: int) -> tuple[HostReference, np.ndarray]:
+        """(the reference cache of `cut`, its first token), computed on first use."""
+        key = cut if self._sharded else -1  # one prefill serves every cut of one-device sides
+        if key not in self._cache:
+            reference, logits = (split_reference(self._cfg, self._params, self._tokens, cut,
+                                                 *self._devices) if self._sharded
+                                 else prefill(self._cfg, self._params, self._tokens))
+            self._cache[key] = (HostReference(reference),
+                                np.asarray(jnp.argmax(logits, axis=-1)))
+        return self._cache[key]
 
     def check(self, action: Action, result: Handoff) -> tuple[bool, str]:
         """(first token matches, what held of the cache: `check_cache`, plus for sharded sides
         what the cache was compared with)."""
         cut = 0 if result.fallback else action.cut  # a fallback rebuilt the cache from the ids
-        sharded = self._devices != (1, 1)
-        key = cut if sharded else -1  # one prefill serves every cut of one-device sides
-        if key not in self._cache:
-            reference, logits = (split_reference(self._cfg, self._params, self._tokens, cut,
-                                                 *self._devices) if sharded
-                                 else prefill(self._cfg, self._params, self._tokens))
-            self._cache[key] = reference, np.asarray(jnp.argmax(logits, axis=-1))
-        reference, first = self._cache[key]
+        reference, first = self._reference(cut)
         text = check_cache(reference, action, result)
-        if sharded:
+        if self._sharded:
             text += _reference_text(self._cfg, cut, *self._devices)
         return bool(np.array_equal(result.first_token, first)), text
 

@@ -11,6 +11,7 @@ sequential schedule (phases measured without contention) and predict every measu
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import json
@@ -49,7 +50,8 @@ from rekv_jax.transport.launch import CliSession
 
 
 class Pair:
-    """One process pair of a sweep (`rekv handoff --session`), started by its first experiment:
+    """One process pair of a sweep (`rekv handoff --session`), started at once: its processes
+    load their modules meanwhile, then wait for the first experiment (which decides the rest);
     `run` gives it one experiment after another, and returns each one's summary records.
 
     With `cache_dir`, compiled programs persist there, so the two sides and later pairs of the
@@ -57,35 +59,37 @@ class Pair:
     launcher gives each side a GPU or a memory share of one
     (`transport.launch.pair_environments`)."""
 
-    def __init__(self, cache_dir: Path | None = None, timeout: float = 1800.0) -> None:
-        self._env = dict(os.environ)
+    def __init__(self, model: str, cache_dir: Path | None = None, timeout: float = 1800.0
+                 ) -> None:
+        env = dict(os.environ)
         if cache_dir is not None:
-            self._env |= {"JAX_COMPILATION_CACHE_DIR": str(cache_dir),
-                          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-                          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+            env |= {"JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+                    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
         self._timeout = timeout  # per experiment
-        self._session: CliSession | None = None
+        self._session = CliSession(["handoff", "--json", "--session"],
+                                   f"handoff pair ({model})", env)
 
     def run(self, exp: Experiment) -> list[Summary]:
-        if self._session is None:
-            self._session = CliSession(["handoff", "--json", "--session"],
-                                       f"handoff pair ({exp.model})", self._env)
         lines = self._session.ask(exp.to_json(), SESSION_DONE, self._timeout)
         records = [json.loads(line) for line in lines]
         return [Summary.from_json(r) for r in records if r["kind"] == "summary"]
+
+    def close(self) -> None:
+        """End its experiments and wait for its processes to exit."""
+        self._session.close()
 
     def __enter__(self) -> Pair:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._session is not None:
-            self._session.__exit__(*exc)
+        self._session.__exit__(*exc)
 
 
 def run_experiment(exp: Experiment, cache_dir: Path | None = None, timeout: float = 1800.0
                    ) -> list[Summary]:
     """One experiment in a pair of its own; its summary records."""
-    with Pair(cache_dir, timeout) as pair:
+    with Pair(exp.model, cache_dir, timeout) as pair:
         return pair.run(exp)
 
 
@@ -158,37 +162,45 @@ def sweep(preset: SweepPreset, out: Path, reps: int = 30, warmup: int = 3
     predictions: the sweep goes on, writes every output and names what it could not fit, and
     why, in one line on stderr."""
     out.mkdir(parents=True, exist_ok=True)
-    link = preset.link_gbps or calibrate_link(preset.models[0], preset.mid_length).link_gbps
     records, profiles, starts = [], [], []
     no_start, unfitted, skipped = [], [], []
-    with open(out / "sweep.jsonl", "w") as log, tempfile.TemporaryDirectory() as tmp:
-        for model in tqdm(preset.models, desc="sweep", unit="pair", file=sys.stderr):
+    models = preset.models
+    with (open(out / "sweep.jsonl", "w") as log, tempfile.TemporaryDirectory() as tmp,
+          contextlib.ExitStack() as running):
+        # the link first, uncontended (it times the suffix); each next pair starts (loads its
+        # modules) while the last one exits
+        link = preset.link_gbps or calibrate_link(models[0], preset.mid_length).link_gbps
+        pair = running.enter_context(Pair(models[0], Path(tmp)))
+        for i, model in enumerate(tqdm(models, desc="sweep", unit="pair", file=sys.stderr)):
             cfg = load_config(model)
-            with Pair(Path(tmp)) as pair:
-                start = {}  # length -> start profile
-                for exp in start_experiments(preset, model, link):
-                    try:
-                        start[exp.seq_len] = fit(cfg, pair.run(exp))
-                    except ValueError as e:
-                        no_start.append(f"{_setup_text(model, exp.seq_len, link)} ({e})")
-                starts += start.values()
-                fits = {}  # length -> the fit of its grid on the paced link
-                for exp in grid_experiments(preset, model, link, start, reps, warmup):
-                    got = _logged(pair.run(exp), log, records)  # every action, both schedules
-                    try:
-                        prof = fit(cfg, got)
-                    except ValueError as e:
-                        unfitted.append(f"{_setup_text(model, exp.seq_len, exp.link_gbps)} ({e})")
-                        continue
-                    if exp.link_gbps == link:
-                        fits[exp.seq_len] = prof
-                    profiles.append(prof)
-                    log.write(json.dumps(prof.to_json()) + "\n")
-                # Fig. 3 and batch runs take their cut from the start profile, else the grid's fit
-                tail, missing = tail_experiments(preset, model, link, start, fits, reps, warmup)
-                skipped += missing
-                for exp in tail:
-                    _logged(pair.run(exp), log, records)
+            start = {}  # length -> start profile
+            for exp in start_experiments(preset, model, link):
+                try:
+                    start[exp.seq_len] = fit(cfg, pair.run(exp))
+                except ValueError as e:
+                    no_start.append(f"{_setup_text(model, exp.seq_len, link)} ({e})")
+            starts += start.values()
+            fits = {}  # length -> the fit of its grid on the paced link
+            for exp in grid_experiments(preset, model, link, start, reps, warmup):
+                got = _logged(pair.run(exp), log, records)  # every action, both schedules
+                try:
+                    prof = fit(cfg, got)
+                except ValueError as e:
+                    unfitted.append(f"{_setup_text(model, exp.seq_len, exp.link_gbps)} ({e})")
+                    continue
+                if exp.link_gbps == link:
+                    fits[exp.seq_len] = prof
+                profiles.append(prof)
+                log.write(json.dumps(prof.to_json()) + "\n")
+            # Fig. 3 and batch runs take their cut from the start profile, else the grid's fit
+            tail, missing = tail_experiments(preset, model, link, start, fits, reps, warmup)
+            skipped += missing
+            for exp in tail:
+                _logged(pair.run(exp), log, records)
+            last = pair
+            if i + 1 < len(models):
+                pair = running.enter_context(Pair(models[i + 1], Path(tmp)))
+            last.close()
     if preset.cut_spread is not None:
         (out / "start_profiles.jsonl").write_text(
             "".join(json.dumps(p.to_json()) + "\n" for p in starts))

@@ -28,6 +28,7 @@ from rekv_jax.handoff import (
     SUFFIX_ACROSS,
     TIMELINE,
     Handoff,
+    HostReference,
     check_cache,
     pack_prefix,
     prepare,
@@ -270,9 +271,9 @@ def test_cache_check_does_not_trust_the_payload_code():
     action, first = Action.parse("q8:r=2", cfg.num_layers), jnp.argmax(logits, axis=-1)
     suffix = reference.layers(4, 6)
 
-    def check(prefix: KVCache) -> str:
-        return check_cache(reference, action, Handoff(KVCache.concat(prefix, suffix), first,
-                                                      0.0, {}))
+    def check(prefix: KVCache, against: KVCache | HostReference = reference) -> str:
+        return check_cache(against, action, Handoff(KVCache.concat(prefix, suffix), first,
+                                                    0.0, {}))
 
     def restored(bits: int) -> KVCache:
         return unpack_prefix(pack_prefix(reference.layers(0, 4), bits), bits, jnp.bfloat16)
@@ -280,9 +281,13 @@ def test_cache_check_does_not_trust_the_payload_code():
     q8 = restored(8)
     assert check(q8) == "suffix bitwise, prefix within the q8 error bound"
     assert check(reference.layers(0, 4)) == "suffix bitwise, prefix within the q8 error bound"
-    for bad in (KVCache.stacked(q8.k * 1.01, q8.v), KVCache.stacked(q8.v, q8.k), restored(4),
-                KVCache.stacked(q8.k.astype(jnp.float32), q8.v.astype(jnp.float32))):
-        assert check(bad).startswith("MISMATCH in prefix")  # (float32 promotes the suffix too)
+    bads = (KVCache.stacked(q8.k * 1.01, q8.v), KVCache.stacked(q8.v, q8.k), restored(4),
+            KVCache.stacked(q8.k.astype(jnp.float32), q8.v.astype(jnp.float32)))
+    for bad in bads:
+        assert check(bad) == "MISMATCH in prefix"
+    # one host reference for many checks (a sweep's): its stored bounds pass and fail the same
+    host = HostReference(reference)
+    assert [check(p, host) for p in (q8, *bads, q8)] == [check(p) for p in (q8, *bads, q8)]
 
 
 def run_one(cfg, params, tokens, action, prefill_mode, schedule="overlapped", receiver=None,

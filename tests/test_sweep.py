@@ -226,6 +226,9 @@ class _FakePair:
     def __exit__(self, *exc) -> None:
         pass
 
+    def close(self) -> None:
+        pass
+
     def run(self, exp) -> list[Summary]:
         return _fake_run(exp)
 
@@ -324,7 +327,7 @@ def test_a_pair_of_processes_runs_experiments_in_turn(tmp_path):
     bf16, q8 = Action.parse("bf16:full", 6), Action.parse("q8:r=2", 6)
     first = Experiment(seq_len=16, actions=(bf16,), transport="transfer-server", warmup=0,
                        reps=1, link_gbps=0.0005)
-    with Pair(tmp_path) as pair:
+    with Pair("tiny", tmp_path) as pair:
         paced = pair.run(first)
         unpaced = pair.run(dataclasses.replace(first, actions=(q8,), link_gbps=None))
         with pytest.raises(ValueError, match=r"handoff pair \(tiny\): .*not for tiny"):
