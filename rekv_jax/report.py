@@ -42,7 +42,8 @@ def setup_label(setup: Setup) -> str:
     devices = ("" if (s.prefill_devices, s.decode_devices) == (1, 1)
                else f" · devices {s.prefill_devices}->{s.decode_devices}")
     return (f"hardware: {s.hardware} · transport: {s.transport} · link: "
-            f"{link_label(s.link_gbps)} · batch {s.batch}{timed}{devices}")
+            f"{link_label(s.link_gbps)} · batch {s.batch}{timed}{devices}"
+            + f" · {s.pinning}" * bool(s.pinning))
 
 
 def _cells(records: Sequence[Summary]) -> dict[Setup, dict[tuple, dict[str, Summary]]]:
