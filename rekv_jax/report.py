@@ -506,7 +506,8 @@ def crossover_figure(records: Sequence[Summary], path: str | Path,
 
 
 def _slug(*parts: Any) -> str:
-    return "_".join(re.sub(r"[^A-Za-z0-9.]+", "-", str(p)).strip("-") for p in parts)
+    """A file-name part of `parts`; an empty one (a setup's unset pinning) is left out."""
+    return "_".join(re.sub(r"[^A-Za-z0-9.]+", "-", str(p)).strip("-") for p in parts if p != "")
 
 
 def write_report(records: Sequence[Summary], out_dir: str | Path,

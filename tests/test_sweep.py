@@ -216,7 +216,7 @@ def _fake_run(exp, cache_dir=None, timeout=None) -> list[Summary]:
 class _FakePair:
     """A `sweep.Pair` whose handoffs are `_fake_run`'s."""
 
-    def __init__(self, *args) -> None:
+    def __init__(self, *args, **kwargs) -> None:
         pass
 
     def __enter__(self):
