@@ -3,8 +3,8 @@
 A sweep runs one process pair per model (`Pair`: `rekv handoff --session` in a subprocess, its
 prefill side a child of that), which runs all of that model's experiments in order: its start
 profiles, then its grid (decided from them), crossover links, Fig. 3 and batch runs
-(`sweep_plan`), building the weights once per process. The sweep's own process stays free of
-`jax.distributed`, to time the suffix for link calibration. Profiles are fitted from the
+(`sweep_plan`), building the weights once per process. The link is calibrated in a child on the
+cores of the pairs' decode side (`calibrate_pair_link`). Profiles are fitted from the
 sequential schedule (phases measured without contention) and predict every measured action;
 `rekv_jax.report` turns the records into Table 1 / Fig. 2 / Table 3 / crossover outputs.
 """
