@@ -22,8 +22,8 @@ from rekv_jax.transport.launch import run_cli
 
 # Transfer-only, full recomputation, and cuts around the paper's best BF16 recompute (r = 15 of
 # 28) and joint Q8 (r ~ 10) and the pre-check on this machine (r = 13-15 and 8-10)
-ACTIONS = ("bf16:full,q8:full,bf16:recompute,bf16:r=12,bf16:r=14,bf16:r=16,"
-           "q8:r=6,q8:r=8,q8:r=10,q8:r=12")
+ACTIONS = ("bf16:full,q8:full,bf16:recompute,bf16:r=13,bf16:r=15,bf16:r=17,"
+           "q8:r=8,q8:r=10,q8:r=12,q8:r=14")
 TARGETS = {"joint_vs_bf16": 1.9, "joint_vs_single": 1.05}
 
 
