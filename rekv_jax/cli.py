@@ -371,7 +371,8 @@ def cmd_profile(args: argparse.Namespace) -> None:
     from rekv_jax import sweep
 
     if args.link_gbps == PAPER_LINK:
-        args.link_gbps = sweep.calibrate_link(args.model, args.seq_len).link_gbps
+        args.link_gbps = sweep.calibrate_pair_link(args.model, args.seq_len,
+                                                   args.transport).link_gbps
     prof = sweep.profile(args.model, args.seq_len, args.transport, args.link_gbps, args.reps)
     if args.json:
         return _emit_json([prof.to_json()])

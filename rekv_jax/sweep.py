@@ -139,12 +139,13 @@ def calibrate_link(model: str, seq_len: int) -> LinkCalibration:
                            kv / (PAPER_LINK_TO_SUFFIX * layer_ms * 1e6), cpu_text(usable_cpus()))
 
 
-def calibrate_pair_link(preset: SweepPreset, pin: bool = True) -> LinkCalibration:
-    """`calibrate_link` of the preset's first model at its middle length, in a child on the
-    cores its pairs' decode side gets (`pin`: its own half; else all of them)."""
-    env = pair_environments(visible_gpus(), os.environ, transport=preset.transport,
+def calibrate_pair_link(model: str, seq_len: int, transport: str, pin: bool = True
+                        ) -> LinkCalibration:
+    """`calibrate_link` in a child on the cores a pair's decode side gets (`pin`: its own half;
+    else all of them)."""
+    env = pair_environments(visible_gpus(), os.environ, transport=transport,
                             cpus=usable_cpus() if pin else None)["decode"]
-    return calibrate_link_in_child(preset.models[0], preset.mid_length, env)
+    return calibrate_link_in_child(model, seq_len, env)
 
 
 def fit(cfg: ModelConfig, records: list[Summary]) -> costmodel.Profile:
@@ -172,7 +173,8 @@ def sweep(preset: SweepPreset, out: Path, reps: int = 30, warmup: int = 3, pin: 
     predictions: the sweep goes on, writes every output and names what it could not fit, and
     why, in one line on stderr. On CPU each side runs on its own cores unless not `pin`."""
     out.mkdir(parents=True, exist_ok=True)
-    link = preset.link_gbps or calibrate_pair_link(preset, pin).link_gbps
+    link = preset.link_gbps or calibrate_pair_link(
+        preset.models[0], preset.mid_length, preset.transport, pin).link_gbps
     records, profiles, starts = [], [], []
     no_start, unfitted, skipped = [], [], []
     with open(out / "sweep.jsonl", "w") as log, tempfile.TemporaryDirectory() as tmp:
@@ -246,7 +248,8 @@ def dry_run(name: str, preset: SweepPreset, reps: int, warmup: int, quick: bool 
         note = (f"planner.analytic_profile (assumed H100-class rates, not measured) on the "
                 f"{link:.3g} GB/s link")
     else:
-        cal = calibrate_pair_link(preset, pin)
+        cal = calibrate_pair_link(preset.models[0], preset.mid_length, preset.transport,
+                              pin)
         tflops = sizes.layer_flops(load_config(cal.model), cal.seq_len) / (
             cal.suffix_layer_ms * 1e9)
         link, profile_of = cal.link_gbps, analytic_profile_of(tflops=tflops,
