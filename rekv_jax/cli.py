@@ -124,6 +124,11 @@ def _flags() -> dict[str, Callable[[argparse.ArgumentParser], None]]:
                        help="the prefill worker runs all L layers, or only 0..c-1 streaming each "
                             "layer as computed (needs --interval prompt)")
 
+    def pin(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--no-pin", action="store_true",
+                       help="CPU sides on one machine share its cores (default: each side "
+                            "runs on its own half of them, as two GPUs compute at once)")
+
     def bits(p: argparse.ArgumentParser) -> None:
         from rekv_jax.action import BITS
 
@@ -132,7 +137,7 @@ def _flags() -> dict[str, Callable[[argparse.ArgumentParser], None]]:
     return {"json": json_, "model": model, "seq_len": seq_len, "batch": batch,
             "actions": actions, "link": link, "transport": transport, "reps": reps,
             "schedule": schedule, "failure": failure, "handoff": handoff, "attention": attention,
-            "modes": modes, "bits": bits}
+            "modes": modes, "bits": bits, "pin": pin}
 
 
 # ---------------------------------------------------------------------------------- output
@@ -198,7 +203,12 @@ def cmd_plan(args: argparse.Namespace) -> None:
 def _handoff_experiment(args: argparse.Namespace):
     """The experiment of `rekv handoff` and a line saying which link it runs on."""
     from rekv_jax.action import parse_actions
-    from rekv_jax.experiment import DEFAULT_ACTIONS, Experiment, calibrate_link_in_child
+    from rekv_jax.experiment import (
+        DEFAULT_ACTIONS,
+        Experiment,
+        calibrate_link_in_child,
+        side_environments,
+    )
     from rekv_jax.handoff import SCHEDULES
     from rekv_jax.loader import load_config
 
@@ -222,8 +232,10 @@ def _handoff_experiment(args: argparse.Namespace):
         warmup=args.warmup, reps=args.reps, fallback=args.fallback, backend=args.quant_backend,
         seed=args.seed, timeout=args.timeout, interval=args.interval, prefill=args.prefill,
         prefill_devices=args.prefill_devices, decode_devices=args.decode_devices)
-    if link == PAPER_LINK:
-        calibration = calibrate_link_in_child(args.model, args.seq_len)
+    if link == PAPER_LINK:  # a layer timed on the decode side's cores
+        env = (None if exp.transport == "local"
+               else side_environments(exp, not args.no_pin)["decode"])
+        calibration = calibrate_link_in_child(args.model, args.seq_len, env)
         exp = dataclasses.replace(exp, link_gbps=calibration.link_gbps)
         note = calibration.describe()
     elif link is None:
@@ -265,17 +277,20 @@ def cmd_handoff(args: argparse.Namespace) -> None:
         experiment.run_process(args.role, exp, args.coordinator, emit)
         return
     rest = experiment.session_experiments(sys.stdin, out) if args.session else ()
+    pinning = "one process"
     if exp.transport != "local":  # a refused set-up (collective on one GPU) before any output
-        experiment.side_environments(exp)
+        from rekv_jax.transport.cores import PINNING_ENV
+
+        pinning = experiment.side_environments(exp, not args.no_pin)["decode"].get(PINNING_ENV)
     if not args.json:
-        print(f"{exp.model}, {exp.seq_len} tokens, batch {exp.batch}, {exp.transport}; link: "
-              f"{note}", file=out, flush=True)
+        print(f"{exp.model}, {exp.seq_len} tokens, batch {exp.batch}, {exp.transport}"
+              + f"; {pinning}" * bool(pinning) + f"; link: {note}", file=out, flush=True)
     bar = tqdm(total=experiment.total_handoffs(exp), desc="handoffs", unit="", file=sys.stderr,
                disable=args.json)
     if exp.transport == "local":
         experiment.run_local(exp, emit, bar.update, rest)
     else:  # both processes on this machine: we are the decode side, a child is the prefill side
-        experiment.launch_pair(exp, emit, bar.update, rest)
+        experiment.launch_pair(exp, emit, bar.update, rest, not args.no_pin)
     bar.close()
     if not args.json:
         print("\n".join(report.conclusion(summaries)), file=out, flush=True)
@@ -339,7 +354,8 @@ def cmd_profile(args: argparse.Namespace) -> None:
     from rekv_jax import sweep
 
     if args.link_gbps == PAPER_LINK:
-        args.link_gbps = sweep.calibrate_link(args.model, args.seq_len).link_gbps
+        args.link_gbps = sweep.calibrate_pair_link(args.model, args.seq_len,
+                                                   args.transport).link_gbps
     prof = sweep.profile(args.model, args.seq_len, args.transport, args.link_gbps, args.reps)
     if args.json:
         return _emit_json([prof.to_json()])
@@ -366,10 +382,12 @@ def cmd_sweep(args: argparse.Namespace) -> None:
     if args.link_gbps != PAPER_LINK:
         preset = dataclasses.replace(preset, link_gbps=args.link_gbps)
     if args.dry_run:
-        return print(sweep.dry_run(args.preset, preset, args.reps, args.warmup, args.quick))
+        return print(sweep.dry_run(args.preset, preset, args.reps, args.warmup, args.quick,
+                                   not args.no_pin))
     if args.out is None:
         raise ValueError("rekv sweep needs --out (or --dry-run)")
-    records, profiles = sweep.sweep(preset, Path(args.out), args.reps, args.warmup)
+    records, profiles = sweep.sweep(preset, Path(args.out), args.reps, args.warmup,
+                                    not args.no_pin)
     errors = report.error_summary(report.prediction_rows(records, profiles))
     if args.json:
         return _emit_json([{"kind": "prediction_error_pct", **errors}])
@@ -475,7 +493,7 @@ def _plan_flags(p: argparse.ArgumentParser) -> None:
 
 @command("handoff", cmd_handoff, "timed handoffs between a prefill and a decode process",
          ("model", "seq_len", "batch", "actions", "link", "transport", "reps", "schedule",
-          "failure", "handoff", "modes", "attention", "json"))
+          "failure", "handoff", "modes", "attention", "pin", "json"))
 def _handoff_flags(p: argparse.ArgumentParser) -> None:
     p.set_defaults(seq_len=256, link_gbps=PAPER_LINK)
 
@@ -494,10 +512,12 @@ def _profile_flags(p: argparse.ArgumentParser) -> None:
 
 
 @command("sweep", cmd_sweep, "measured sweep -> JSONL, CSV, tables and figures",
-         ("link", "reps", "attention", "json"))
+         ("link", "reps", "attention", "pin", "json"))
 def _sweep_flags(p: argparse.ArgumentParser) -> None:
+    from rekv_jax.sweep_plan import SWEEP_PRESETS
+
     p.set_defaults(link_gbps=PAPER_LINK)  # the preset's: 2.32 GB/s (gpu), calibrated (cpu)
-    p.add_argument("--preset", choices=("cpu", "gpu"), default="cpu")
+    p.add_argument("--preset", choices=tuple(SWEEP_PRESETS), default="cpu")
     p.add_argument("--out", default=None, help="output folder (required unless --dry-run)")
     p.add_argument("--quick", action="store_true",
                    help="fewer models, lengths, cuts and reps (10, unless --reps is given)")

@@ -237,6 +237,17 @@ _PRESETS: dict[str, ModelConfig] = {
         # Qwen3 architecture with Qwen3-8B's boundary-to-KV-layer ratio n_h / (2 n_kv) = 2.
         ModelConfig("tiny-qwen3", "qwen3", 6, 256, 4, 1, 64, 512, 512, rope_theta=10000.0,
                     rms_norm_eps=1e-6, qk_norm=True, max_position_embeddings=4096),
+        # Qwen2.5-7B's proportions where the handoff's ratios come from: 28 layers and a
+        # boundary-to-KV-layer ratio B_H / B_KV = D / (2 n_kv H) = 448 / 128 = 3.5, with
+        # distinct weights per layer (90 MiB in bf16). The link is calibrated to the suffix
+        # layer's time (`sweep.calibrate_link`), so the MLP width F only scales every time:
+        # F = 2D keeps a 256-token layer a few ms on one CPU core (far above the per-layer
+        # program call, so the layer is compute, not dispatch), and `--preset cpu-paper`'s 28
+        # layers at 256 and 512 tokens within 12 minutes on 2 cores (Qwen2.5-7B's F = 5.3 D
+        # would slow every handoff ~2.3x). Vocabulary 512: the head runs on one position per
+        # handoff, so a real vocabulary would only cost weight-building time and memory.
+        ModelConfig("tiny-7b", "qwen2", 28, 448, 7, 1, 64, 896, 512, rope_theta=1e6,
+                    rms_norm_eps=1e-6, qkv_bias=True, max_position_embeddings=4096),
     )
 }
 MODEL_PRESETS: tuple[str, ...] = tuple(_PRESETS)  # names ModelConfig.preset knows

@@ -49,6 +49,7 @@ from rekv_jax.sizes import action_bytes
 from rekv_jax.summary import Rep, Summary, record_schedule, serializes
 from rekv_jax.transport import LocalTransport, Transport, TransportError, checksums, connect
 from rekv_jax.transport.base import Role
+from rekv_jax.transport.cores import PINNING_ENV, usable_cpus
 from rekv_jax.transport.launch import (
     SUPERVISED,
     agree_runtime,
@@ -343,7 +344,8 @@ def summarize(cfg: ModelConfig, exp: Experiment, action: Action, schedule: str,
         fallbacks=sum(r.fallback for r in reps), weights=weights,
         interval=exp.interval, prefill=exp.prefill, prefill_devices=exp.prefill_devices,
         decode_devices=exp.decode_devices, paired=exp.paired and len(exp.schedules_of(action)) > 1,
-        sent_bytes=max(r.sent_bytes for r in reps), serialized=any(r.serialized for r in reps))
+        sent_bytes=max(r.sent_bytes for r in reps), serialized=any(r.serialized for r in reps),
+        pinning=os.environ.get(PINNING_ENV, ""))
 
 
 def _reference_text(cfg: ModelConfig, cut: int, prefill_devices: int, decode_devices: int
@@ -388,26 +390,28 @@ def run_process(role: Role, exp: Experiment, coordinator: str | None, emit: Emit
 
 
 def launch_pair(exp: Experiment, emit: Emit, progress: Callable[[int], None] = lambda n: None,
-                more: Iterable[Experiment] = ()) -> None:
+                more: Iterable[Experiment] = (), pin: bool = True) -> None:
     """Run both sides on this machine over loopback, `exp` then `more` (`run_session`), each
     side one process for all of them: this process decodes, a child prefills
     (`transport.launch.with_prefill_child`: a GPU or a fair share per side, bounded, and a dead
     child is named by its exit). The decode side builds the prefill mesh too, for its reference
-    (`References`), so it needs max(N, M) devices."""
+    (`References`), so it needs max(N, M) devices. On CPU each side runs on its own cores
+    unless not `pin`."""
     cmd = [sys.executable, "-m", "rekv_jax.cli", "handoff", "--experiment", exp.to_json(),
            "--role", "prefill"]
     with_prefill_child(cmd, lambda coordinator: run_process("decode", exp, coordinator, emit,
                                                             progress, more), exp.timeout,
-                       side_environments(exp))
+                       side_environments(exp, pin))
 
 
-def side_environments(exp: Experiment) -> dict[Role, dict[str, str]]:
+def side_environments(exp: Experiment, pin: bool = True) -> dict[Role, dict[str, str]]:
     """Each side's environment when `launch_pair` runs `exp` on this machine
-    (`transport.launch.pair_environments`); a ValueError for a refused set-up, e.g. the
-    collective transport on one GPU."""
+    (`transport.launch.pair_environments`: on CPU, with `pin`, each side on its own cores); a
+    ValueError for a refused set-up, e.g. the collective transport on one GPU."""
     devices = {"prefill": exp.prefill_devices,
                "decode": max(exp.prefill_devices, exp.decode_devices)}
-    return pair_environments(visible_gpus(), os.environ, devices, exp.transport)
+    return pair_environments(visible_gpus(), os.environ, devices, exp.transport,
+                             cpus=usable_cpus() if pin else None)
 
 
 def total_handoffs(exp: Experiment) -> int:
@@ -415,11 +419,13 @@ def total_handoffs(exp: Experiment) -> int:
     return sum((exp.warmup + exp.reps) * len(exp.schedules_of(a)) for a in exp.actions)
 
 
-def calibrate_link_in_child(model: str, seq_len: int, timeout: float = 600.0):
+def calibrate_link_in_child(model: str, seq_len: int, env: dict[str, str] | None = None,
+                            timeout: float = 600.0):
     """`sweep.calibrate_link` in a fresh process (a process that runs a real transport must
-    initialize jax.distributed before any JAX work, so it cannot time the suffix itself)."""
+    initialize jax.distributed before any JAX work, so it cannot time the suffix itself), in
+    `env`: the decode side's (`side_environments`), so it times a layer on that side's cores."""
     from rekv_jax.sweep import LinkCalibration
 
     out = run_cli(["calibrate", "--json", "--model", model, "--seq-len", str(seq_len)],
-                  "link calibration", timeout)
+                  "link calibration", timeout, env)
     return LinkCalibration(**{k: v for k, v in json.loads(out).items() if k != "kind"})

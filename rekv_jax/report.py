@@ -42,7 +42,8 @@ def setup_label(setup: Setup) -> str:
     devices = ("" if (s.prefill_devices, s.decode_devices) == (1, 1)
                else f" · devices {s.prefill_devices}->{s.decode_devices}")
     return (f"hardware: {s.hardware} · transport: {s.transport} · link: "
-            f"{link_label(s.link_gbps)} · batch {s.batch}{timed}{devices}")
+            f"{link_label(s.link_gbps)} · batch {s.batch}{timed}{devices}"
+            + f" · {s.pinning}" * bool(s.pinning))
 
 
 def _cells(records: Sequence[Summary]) -> dict[Setup, dict[tuple, dict[str, Summary]]]:
@@ -505,7 +506,8 @@ def crossover_figure(records: Sequence[Summary], path: str | Path,
 
 
 def _slug(*parts: Any) -> str:
-    return "_".join(re.sub(r"[^A-Za-z0-9.]+", "-", str(p)).strip("-") for p in parts)
+    """A file-name part of `parts`; an empty one (a setup's unset pinning) is left out."""
+    return "_".join(re.sub(r"[^A-Za-z0-9.]+", "-", str(p)).strip("-") for p in parts if p != "")
 
 
 def write_report(records: Sequence[Summary], out_dir: str | Path,

@@ -48,6 +48,7 @@ class Setup:
     prefill: str  # costmodel.PREFILL_MODES
     prefill_devices: int
     decode_devices: int
+    pinning: str = ""  # Summary.pinning
 
     def sort_key(self) -> tuple:
         """Tables list setups in this order (an unpaced link first)."""
@@ -85,6 +86,9 @@ class Summary:
     # payload_bytes (Eqs. 5, 7) plus the token ids and, where sent, the first token
     sent_bytes: int | None = None
     serialized: bool = False  # overlapped, but serialized on the device (`serializes`)
+    # CPU sides on one machine: "pinned: prefill cpu 0, decode cpu 1" or "cores shared"
+    # (`transport.cores`); "" elsewhere (GPUs, one process, a multi-host pair, older lines)
+    pinning: str = ""
 
     def __post_init__(self) -> None:
         if self.schedule not in RECORD_SCHEDULES:
@@ -106,7 +110,7 @@ class Summary:
     def setup(self) -> Setup:
         """Where it was measured; every table and figure is made per setup."""
         return Setup(self.hardware, self.transport, self.link_gbps, self.batch, self.interval,
-                     self.prefill, self.prefill_devices, self.decode_devices)
+                     self.prefill, self.prefill_devices, self.decode_devices, self.pinning)
 
     @property
     def family(self) -> str:

@@ -3,8 +3,8 @@
 A sweep runs one process pair per model (`Pair`: `rekv handoff --session` in a subprocess, its
 prefill side a child of that), which runs all of that model's experiments in order: its start
 profiles, then its grid (decided from them), crossover links, Fig. 3 and batch runs
-(`sweep_plan`), building the weights once per process. The sweep's own process stays free of
-`jax.distributed`, to time the suffix for link calibration. Profiles are fitted from the
+(`sweep_plan`), building the weights once per process. The link is calibrated in a child on the
+cores of the pairs' decode side (`calibrate_pair_link`). Profiles are fitted from the
 sequential schedule (phases measured without contention) and predict every measured action;
 `rekv_jax.report` turns the records into Table 1 / Fig. 2 / Table 3 / crossover outputs.
 """
@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from rekv_jax import costmodel, profile_fit, report, sizes
 from rekv_jax.config import ModelConfig
-from rekv_jax.experiment import SESSION_DONE, Experiment
+from rekv_jax.experiment import SESSION_DONE, Experiment, calibrate_link_in_child
 from rekv_jax.loader import load_config, load_model
 from rekv_jax.model import run_suffix
 from rekv_jax.planner import PAPER_LINK_GBPS
@@ -46,7 +46,8 @@ from rekv_jax.sweep_plan import (
     start_experiments,
     tail_experiments,
 )
-from rekv_jax.transport.launch import CliSession
+from rekv_jax.transport.cores import cpu_text, usable_cpus
+from rekv_jax.transport.launch import CliSession, pair_environments, visible_gpus
 
 
 class Pair:
@@ -56,18 +57,18 @@ class Pair:
 
     With `cache_dir`, compiled programs persist there, so the two sides and later pairs of the
     same shapes compile each program once (compilation is not part of any timed interval). Its
-    launcher gives each side a GPU or a memory share of one
-    (`transport.launch.pair_environments`)."""
+    launcher gives each side a GPU or a memory share of one, or on CPU its own cores unless not
+    `pin` (`transport.launch.pair_environments`)."""
 
-    def __init__(self, model: str, cache_dir: Path | None = None, timeout: float = 1800.0
-                 ) -> None:
+    def __init__(self, model: str, cache_dir: Path | None = None, timeout: float = 1800.0,
+                 pin: bool = True) -> None:
         env = dict(os.environ)
         if cache_dir is not None:
             env |= {"JAX_COMPILATION_CACHE_DIR": str(cache_dir),
                     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
         self._timeout = timeout  # per experiment
-        self._session = CliSession(["handoff", "--json", "--session"],
+        self._session = CliSession(["handoff", "--json", "--session"] + ["--no-pin"] * (not pin),
                                    f"handoff pair ({model})", env)
 
     def run(self, exp: Experiment) -> list[Summary]:
@@ -117,13 +118,15 @@ class LinkCalibration:
     suffix_layer_ms: float  # measured here
     kv_layer_bytes: int  # one BF16 KV layer
     link_gbps: float  # kv_layer_bytes takes PAPER_LINK_TO_SUFFIX x suffix_layer_ms on it
+    cpus: str = ""  # the cores the layer was timed on (`cores.cpu_text`)
 
     def describe(self) -> str:
+        where = f" on {self.cpus}" if self.cpus else ""
         return (f"paced {self.link_gbps:.4g} GB/s, the paper's regime: one BF16 KV layer "
                 f"({self.kv_layer_bytes / sizes.MIB:.3g} MiB) takes {PAPER_LINK_TO_SUFFIX}x the "
-                f"{self.suffix_layer_ms:.2f} ms of one suffix layer measured here (the paper's "
-                f"H100 path: 16 MiB at {PAPER_LINK_GBPS:.2f} GB/s = 7.23 ms vs ~6.3 ms per "
-                "Qwen2.5-7B layer at 8K)")
+                f"{self.suffix_layer_ms:.2f} ms of one suffix layer measured here{where} (the "
+                f"paper's H100 path: 16 MiB at {PAPER_LINK_GBPS:.2f} GB/s = 7.23 ms vs ~6.3 ms "
+                "per Qwen2.5-7B layer at 8K)")
 
 
 def calibrate_link(model: str, seq_len: int) -> LinkCalibration:
@@ -134,7 +137,16 @@ def calibrate_link(model: str, seq_len: int) -> LinkCalibration:
     layer_ms = suffix_layer_ms(model, seq_len)
     kv = sizes.kv_layer_bytes(cfg, seq_len)
     return LinkCalibration(cfg.name, seq_len, layer_ms, kv,
-                           kv / (PAPER_LINK_TO_SUFFIX * layer_ms * 1e6))
+                           kv / (PAPER_LINK_TO_SUFFIX * layer_ms * 1e6), cpu_text(usable_cpus()))
+
+
+def calibrate_pair_link(model: str, seq_len: int, transport: str, pin: bool = True
+                        ) -> LinkCalibration:
+    """`calibrate_link` in a child on the cores a pair's decode side gets (`pin`: its own half;
+    else all of them)."""
+    env = pair_environments(visible_gpus(), os.environ, transport=transport,
+                            cpus=usable_cpus() if pin else None)["decode"]
+    return calibrate_link_in_child(model, seq_len, env)
 
 
 def fit(cfg: ModelConfig, records: list[Summary]) -> costmodel.Profile:
@@ -152,7 +164,7 @@ def profile(model: str, seq_len: int, transport: str, link_gbps: float | None,
     return fit(load_config(model), run_experiment(exp, cache_dir))
 
 
-def sweep(preset: SweepPreset, out: Path, reps: int = 30, warmup: int = 3
+def sweep(preset: SweepPreset, out: Path, reps: int = 30, warmup: int = 3, pin: bool = True
           ) -> tuple[list[Summary], list[costmodel.Profile]]:
     """Run the whole sweep, write DIR/sweep.jsonl, DIR/sweep.csv and the report files.
 
@@ -160,7 +172,7 @@ def sweep(preset: SweepPreset, out: Path, reps: int = 30, warmup: int = 3
     first profiled in that pair (short sequential handoffs; DIR/start_profiles.jsonl), and its
     grid is the balanced one (`balanced_grid`). A fit that fails (ValueError) costs only its
     predictions: the sweep goes on, writes every output and names what it could not fit, and
-    why, in one line on stderr."""
+    why, in one line on stderr. On CPU each side runs on its own cores unless not `pin`."""
     out.mkdir(parents=True, exist_ok=True)
     records, profiles, starts = [], [], []
     no_start, unfitted, skipped = [], [], []
@@ -169,8 +181,9 @@ def sweep(preset: SweepPreset, out: Path, reps: int = 30, warmup: int = 3
           contextlib.ExitStack() as running):
         # the link first, uncontended (it times the suffix); each next pair starts (loads its
         # modules) while the last one exits
-        link = preset.link_gbps or calibrate_link(models[0], preset.mid_length).link_gbps
-        pair = running.enter_context(Pair(models[0], Path(tmp)))
+        link = preset.link_gbps or calibrate_pair_link(
+            models[0], preset.mid_length, preset.transport, pin).link_gbps
+        pair = running.enter_context(Pair(models[0], Path(tmp), pin=pin))
         for i, model in enumerate(tqdm(models, desc="sweep", unit="pair", file=sys.stderr)):
             cfg = load_config(model)
             start = {}  # length -> start profile
@@ -199,7 +212,7 @@ def sweep(preset: SweepPreset, out: Path, reps: int = 30, warmup: int = 3
                 _logged(pair.run(exp), log, records)
             last = pair
             if i + 1 < len(models):
-                pair = running.enter_context(Pair(models[i + 1], Path(tmp)))
+                pair = running.enter_context(Pair(models[i + 1], Path(tmp), pin=pin))
             last.close()
     if preset.cut_spread is not None:
         (out / "start_profiles.jsonl").write_text(
@@ -231,25 +244,28 @@ def _setup_text(model: str, seq_len: int, link_gbps: float | None) -> str:
     return f"{model} at {seq_len} tokens over the {report.link_label(link_gbps)} link"
 
 
-def dry_run(name: str, preset: SweepPreset, reps: int, warmup: int, quick: bool = False) -> str:
+def dry_run(name: str, preset: SweepPreset, reps: int, warmup: int, quick: bool = False,
+            pin: bool = True) -> str:
     """`rekv sweep --dry-run`: the pairs, experiments, handoffs and programs of a sweep of
     `preset` (named `name`, `quick` or not: its `COSTS`), and its wall time estimated from those
     parts. A GPU preset's predicted medians are `planner.analytic_profile`'s; a preset
     calibrated here (the CPU one) measures its suffix layer (`calibrate_link`, which the sweep
     runs too) and prices handoffs with a roofline of that measured compute rate."""
-    costs = COSTS[name]
+    costs = COSTS[preset.machine]
     if preset.link_gbps is not None:
         link, profile_of = preset.link_gbps, analytic_profile_of()
         note = (f"planner.analytic_profile (assumed H100-class rates, not measured) on the "
                 f"{link:.3g} GB/s link")
     else:
-        cal = calibrate_link(preset.models[0], preset.mid_length)
+        cal = calibrate_pair_link(preset.models[0], preset.mid_length, preset.transport,
+                              pin)
         tflops = sizes.layer_flops(load_config(cal.model), cal.seq_len) / (
             cal.suffix_layer_ms * 1e9)
         link, profile_of = cal.link_gbps, analytic_profile_of(tflops=tflops,
                                                               hbm_gbps=CPU_MEMORY_GBPS)
         note = (f"a roofline at the compute rate measured here ({cal.suffix_layer_ms:.2f} ms per "
-                f"{cal.model} suffix layer at {cal.seq_len} tokens: {tflops * 1e3:.3g} "
+                f"{cal.model} suffix layer at {cal.seq_len} tokens on {cal.cpus}: "
+                f"{tflops * 1e3:.3g} "
                 f"GFLOP/s) and an assumed {CPU_MEMORY_GBPS:g} GB/s memory, on the calibrated "
                 f"{link:.4g} GB/s link")
     pairs = plan_pairs(preset, link, reps, warmup, profile_of)

@@ -16,6 +16,7 @@ from rekv_jax import costmodel
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
 from rekv_jax.experiment import Experiment, total_handoffs
+from rekv_jax.handoff import SCHEDULES
 from rekv_jax.loader import load_config
 from rekv_jax.planner import PAPER_LINK_GBPS, analytic_profile
 
@@ -28,7 +29,7 @@ PAPER_LINK_TO_SUFFIX = 1.15
 
 @dataclasses.dataclass(frozen=True)
 class SweepPreset:
-    """Where a sweep runs: its models, prompt lengths, cut grid, transport and link."""
+    """Where a sweep runs: its models, prompt lengths, cut grid, schedules, transport and link."""
 
     models: tuple[str, ...]
     lengths: tuple[int, ...]
@@ -44,6 +45,8 @@ class SweepPreset:
     prompt_length: int | None = None  # Fig. 3: prompt to first token at this length, per model
     batch_model: str | None = None  # batch 2 and 4 at the longest length: joint vs Q8 transfer
     batches: tuple[int, ...] = (2, 4)
+    schedules: tuple[str, ...] = SCHEDULES  # of the grid's joint actions (Table 3: both)
+    machine: str = "cpu"  # what it runs on: its start-up and compile costs (`COSTS`)
 
     def __post_init__(self) -> None:
         if self.cut_spread is None and len(set(self.suffix_lens)) < 2:
@@ -65,7 +68,7 @@ _GPU = SweepPreset(
     models=("qwen2.5-3b", "qwen2.5-7b", "qwen3-8b", "llama-3.1-8b"), lengths=(512, 2048, 8192),
     suffix_lens=(), transport="transfer-server", link_gbps=PAPER_LINK_GBPS,
     crossover_factors=(0.5, 1.0, 4.0, 16.0), cut_spread=1, unpaced_block=True,
-    prompt_length=8192, batch_model="qwen2.5-7b")
+    prompt_length=8192, batch_model="qwen2.5-7b", machine="gpu")
 
 SWEEP_PRESETS = {
     # Scaled: 6-layer models at 128-512 tokens on 2 CPU cores. Two suffix lengths far apart keep
@@ -80,6 +83,15 @@ SWEEP_PRESETS = {
     # transfer-server transport, paced to the paper's 2.32 GB/s, then unpaced; Fig. 3 at 8K per
     # model, batch 2 and 4 at 8K for Qwen2.5-7B. Its duration: `rekv sweep --dry-run`.
     "gpu": _GPU,
+    # The paper's Table 1 / Fig. 2 / Table 3 at Qwen2.5-7B's proportions (`tiny-7b`: 28 layers,
+    # B_H / B_KV = 3.5) on this 2-core machine, each side on its own core (the launcher's
+    # default): the link paced to the paper's ratio, calibrated on the decode side's core at
+    # 512 tokens. The grid is the balanced one of a start profile per length (BF16 recompute
+    # and joint Q8 near c*, the paper's Table 1 mechanisms); no crossover, Fig. 3 or batch
+    # runs. Sized by `rekv sweep --preset cpu-paper --dry-run` to fit 12 minutes.
+    "cpu-paper": SweepPreset(models=("tiny-7b",), lengths=(256, 512), suffix_lens=(),
+                             transport="transfer-server", link_gbps=None, crossover_factors=(),
+                             joint_bits=(8,), cut_spread=0),
 }
 
 # `--quick`: the same study on fewer models, lengths and cuts (use with fewer reps). The GPU
@@ -88,6 +100,7 @@ SWEEP_PRESETS = {
 QUICK_PRESETS = {
     "cpu": dataclasses.replace(SWEEP_PRESETS["cpu"], models=("tiny",), lengths=(128,),
                                crossover_factors=(1.0, 4.0)),
+    "cpu-paper": dataclasses.replace(SWEEP_PRESETS["cpu-paper"], lengths=(256,)),
     "gpu": dataclasses.replace(_GPU, models=("qwen2.5-7b",), lengths=(8192,),
                                crossover_factors=(1.0, 4.0), batches=(4,), cut_spread=0),
 }
@@ -178,7 +191,8 @@ def grid_experiments(preset: SweepPreset, model: str, link: float,
         return action_grid(load_config(model), suffix_lens(preset, model), preset.joint_bits)
 
     return [Experiment(model=model, seq_len=s, actions=tuple(actions(s)),
-                       transport=preset.transport, link_gbps=lk, warmup=warmup, reps=reps)
+                       schedules=preset.schedules, transport=preset.transport, link_gbps=lk,
+                       warmup=warmup, reps=reps)
             for lk in (link, None)[:1 + preset.unpaced_block] for s in preset.lengths]
 
 

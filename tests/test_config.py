@@ -61,6 +61,19 @@ def test_preset_details():
     assert tiny.num_layers >= 4 and tiny.model_type == "qwen2"
 
 
+def test_tiny_7b_has_qwen2_5_7b_proportions():
+    """The stand-in keeps what the handoff's ratios depend on: 28 layers, the architecture, and
+    B_H / B_KV = 3.5 (boundary over one BF16 KV layer) at every length."""
+    from rekv_jax import sizes
+
+    tiny, big = ModelConfig.preset("tiny-7b"), ModelConfig.preset("qwen2.5-7b")
+    assert (tiny.num_layers, tiny.model_type, tiny.qkv_bias) == (big.num_layers, "qwen2", True)
+    assert (tiny.num_heads, tiny.num_kv_heads, tiny.head_dim, tiny.hidden_size) == (7, 1, 64, 448)
+    for s in (256, 512):
+        ratio = sizes.boundary_bytes(tiny, s) / sizes.kv_layer_bytes(tiny, s)
+        assert ratio == sizes.boundary_bytes(big, s) / sizes.kv_layer_bytes(big, s) == 3.5
+
+
 def test_qwen3_head_dim_is_not_hidden_over_heads():
     cfg = ModelConfig.from_hf({**QWEN3_8B, "hidden_size": 1024, "num_attention_heads": 16,
                                "num_key_value_heads": 8, "num_hidden_layers": 28})

@@ -43,7 +43,8 @@ from rekv_jax.sizes import action_bytes
 from rekv_jax.summary import Rep, Summary
 from rekv_jax.sweep_plan import prompt_experiment
 from rekv_jax.transport import LocalTransport, TransportError
-from rekv_jax.transport.launch import run_pair
+from rekv_jax.transport.cores import PINNING_ENV, usable_cpus
+from rekv_jax.transport.launch import pair_environments, run_pair, visible_gpus
 
 ACTIONS = "bf16:full,q8:full,bf16:r=2,q8:r=2,q4:r=3,bf16:recompute"
 ID_BYTES = 4  # int32 token ids and first token
@@ -144,8 +145,8 @@ PAIRS = {
     "collective": ("collective", "bf16:full,q8:full,bf16:r=2,q8:r=2,bf16:recompute", 64,
                    ["--link-gbps", "unpaced"], "full"),
     "collective-split": ("collective", "q8:full,bf16:r=2,q8:r=2,bf16:recompute", 64,
-                         ["--link-gbps", "unpaced", "--interval", "prompt", "--prefill", "split"],
-                         "split"),
+                         ["--link-gbps", "unpaced", "--interval", "prompt", "--prefill", "split",
+                          "--no-pin"], "split"),
 }
 CACHE_VARS = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
@@ -166,6 +167,10 @@ def test_two_processes(pair):
     check_summaries(records, actions, seq_len, reps=3 if paced else 2, prefill=prefill_mode)
     summaries = [r for r in records if r["kind"] == "summary"]
     assert {r["transport"] for r in summaries} == {transport}
+    # on CPU each side on its own cores unless --no-pin, and every record says which
+    cpus = None if "--no-pin" in flags else usable_cpus()
+    pinning = pair_environments(visible_gpus(), os.environ, cpus=cpus)["decode"].get(PINNING_ENV)
+    assert {r["pinning"] for r in summaries} == {pinning or ""}
     if not paced:
         return
     # the pacer holds a transfer of n bytes to n / W: not faster, and not much slower

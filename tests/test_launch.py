@@ -21,6 +21,7 @@ from rekv_jax.experiment import Experiment, run_local
 from rekv_jax.failures import describe
 from rekv_jax.summary import Rep, Summary, serializes
 from rekv_jax.transport import launch
+from rekv_jax.transport.cores import CPUS_ENV, PINNING_ENV, children_on, usable_cpus
 from rekv_jax.transport.launch import (
     GPU_XLA_FLAGS,
     PAIR_SHARE,
@@ -39,10 +40,33 @@ def gpus(n: int) -> list[str]:
     return [str(i) for i in range(n)]
 
 
-def test_no_gpu_leaves_both_environments_as_the_parents():
-    envs = pair_environments([], PARENT)
-    assert envs == {"prefill": PARENT, "decode": PARENT}
+def test_no_gpu_and_no_pinning_leave_both_environments_as_the_parents():
+    shared = {**PARENT, PINNING_ENV: "cores shared"}
+    envs = pair_environments([], {**PARENT, CPUS_ENV: "3"})  # an outer pair's cores: dropped
+    assert envs == {"prefill": shared, "decode": shared}
     assert envs["prefill"] is not envs["decode"]  # each side its own copy
+    envs = pair_environments([], PARENT, cpus=[5])
+    assert envs["decode"] == envs["prefill"] == {
+        **PARENT, PINNING_ENV: "cores shared (one core: nothing to pin)"}
+
+
+@pytest.mark.parametrize("cpus, prefill, decode, words", [
+    ([0, 1], "0", "1", "pinned: prefill cpu 0, decode cpu 1"),
+    ([0, 1, 2], "0", "1,2", "pinned: prefill cpu 0, decode cpus 1,2"),
+    (list(range(8)), "0,1,2,3", "4,5,6,7", "pinned: prefill cpus 0-3, decode cpus 4-7"),
+    ([2, 5, 7, 9], "2,5", "7,9", "pinned: prefill cpus 2,5, decode cpus 7,9"),
+])
+def test_cpu_sides_get_disjoint_halves_of_the_cores(cpus, prefill, decode, words):
+    envs = pair_environments([], PARENT, cpus=cpus)
+    assert (envs["prefill"][CPUS_ENV], envs["decode"][CPUS_ENV]) == (prefill, decode)
+    for env in envs.values():
+        assert env[PINNING_ENV] == words and env["PATH"] == "/usr/bin"
+
+
+def test_gpu_sides_are_not_pinned():
+    for n in (1, 2):
+        for env in pair_environments(gpus(n), PARENT, cpus=[0, 1]).values():
+            assert CPUS_ENV not in env and PINNING_ENV not in env
 
 
 @pytest.mark.parametrize("transport", ["transfer-server", "collective", "local"])
@@ -134,6 +158,62 @@ def test_each_process_of_a_pair_gets_its_environment(visible, decode, prefill, s
                     "XLA_FLAGS": flags}
     assert child == {"CUDA_VISIBLE_DEVICES": prefill, "XLA_PYTHON_CLIENT_MEM_FRACTION": share,
                      "XLA_FLAGS": flags}
+
+
+AFFINITY_CHILD = """import json, os, sys
+json.dump({"cpus": sorted(os.sched_getaffinity(0)), "words": os.environ.get("REKV_PINNING")},
+          sys.stderr)"""
+AFFINITY_PARENT = """import json, os, sys
+from rekv_jax.transport.cores import usable_cpus
+from rekv_jax.transport.launch import pair_environments, with_prefill_child
+
+def decode(coordinator):
+    import jax
+    jax.numpy.ones(4).block_until_ready()  # JAX's threads start on this side's cores
+    threads = {int(t): sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
+    return {"cpus": sorted(os.sched_getaffinity(0)), "threads": threads,
+            "words": os.environ.get("REKV_PINNING")}
+
+cpus = usable_cpus() if sys.argv[2] == "pin" else None
+envs = pair_environments([], os.environ, cpus=cpus)
+print(json.dumps(with_prefill_child([sys.executable, "-c", sys.argv[1]], decode, 60, envs)))"""
+
+
+@pytest.mark.parametrize("pin", ["pin", "no-pin"])
+def test_each_cpu_process_of_a_pair_runs_on_its_cores(pin):
+    """Pinned (the default), the prefill child runs on the first half of this machine's cores
+    and the decode process, every thread of it, on the rest; with --no-pin (or one core) both
+    run on all of them. Both sides' environments say which."""
+    env = {k: v for k, v in os.environ.items() if k not in (CPUS_ENV, PINNING_ENV)}
+    out = subprocess.run([sys.executable, "-c", AFFINITY_PARENT, AFFINITY_CHILD, pin],
+                         capture_output=True, text=True, timeout=120,
+                         env={**env, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    mine = json.loads(out.stdout)
+    child = json.loads(out.stderr[out.stderr.index("{"):])
+    cpus = usable_cpus()
+    assert mine["words"] == child["words"]
+    if pin == "pin" and len(cpus) >= 2:
+        half = len(cpus) // 2
+        assert (child["cpus"], mine["cpus"]) == (cpus[:half], cpus[half:])
+        assert all(t == cpus[half:] for t in mine["threads"].values()), mine["threads"]
+        assert mine["words"].startswith("pinned: prefill cpu")
+    else:
+        assert child["cpus"] == mine["cpus"] == cpus
+        assert mine["words"].startswith("cores shared")
+
+
+def test_a_child_started_on_a_sides_cores_leaves_ours_as_they_were():
+    mine = os.sched_getaffinity(0)
+    side = {CPUS_ENV: str(min(mine))}
+    with children_on(side):
+        child = subprocess.run([sys.executable, "-c",
+                                "import os; print(sorted(os.sched_getaffinity(0)))"],
+                               capture_output=True, text=True, timeout=60)
+    assert child.stdout.strip() == str([min(mine)])
+    assert os.sched_getaffinity(0) == mine
+    with children_on({}):  # no cores named: nothing changes
+        assert os.sched_getaffinity(0) == mine
 
 
 def test_collective_on_one_gpu_is_one_line_exit_2(monkeypatch, capsys):

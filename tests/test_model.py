@@ -167,6 +167,20 @@ def test_tiny_preset_bf16_exact_and_decodes_from_split_cache(attention):
     assert np.array_equal(got, want)
 
 
+def test_tiny_7b_has_distinct_layers_and_its_suffix_is_exact():
+    """The 28-layer stand-in: the loader builds distinct weights per layer (no sharing under
+    the 2 GiB threshold), and a few tokens' recomputed suffix is bitwise the full prefill's."""
+    from rekv_jax.loader import load_model
+
+    model = load_model("tiny-7b")
+    cfg, params = model.cfg, model.params
+    assert model.weights == "synthetic (seed 0)"
+    layers = params["layers"]
+    assert len({id(w["attn"]["q_proj"]) for w in layers}) == cfg.num_layers
+    assert not np.array_equal(layers[0]["mlp"]["up_proj"], layers[1]["mlp"]["up_proj"])
+    assert_split_equals_prefill(cfg, params, tokens_for(cfg, 1, 8), 18)
+
+
 def test_xla_attention_is_jax_nns_and_compiles_a_one_token_prompt():
     """`xla_attention` is bitwise jax.nn's XLA attention, and it compiles where jax.nn's does not
     on XLA:CPU: a 1-token bf16 prompt with one head per device (a degenerate score dot)."""

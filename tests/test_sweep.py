@@ -217,7 +217,7 @@ def _fake_run(exp, cache_dir=None, timeout=None) -> list[Summary]:
 class _FakePair:
     """A `sweep.Pair` whose handoffs are `_fake_run`'s."""
 
-    def __init__(self, *args) -> None:
+    def __init__(self, *args, **kwargs) -> None:
         pass
 
     def __enter__(self):
@@ -372,11 +372,11 @@ def test_sweep_cli_quick(monkeypatch, tmp_path, argv, preset, reps):
 
     seen = []
 
-    def fake_sweep(p, out, n, warmup):
-        seen.append((p, n, warmup))
+    def fake_sweep(p, out, n, warmup, pin):
+        seen.append((p, n, warmup, pin))
         raise KeyboardInterrupt  # stop before the report: only the arguments matter here
 
     monkeypatch.setattr(sweep_module, "sweep", fake_sweep)
     with pytest.raises(KeyboardInterrupt):
         cli.main(["sweep", "--preset", "gpu", "--out", str(tmp_path), *argv])
-    assert seen == [(preset, *reps)]
+    assert seen == [(preset, *reps, True)]  # pinned unless --no-pin

@@ -82,3 +82,27 @@ def test_sweep_dry_run_prints_the_plan(capsys):
     assert out.startswith("rekv sweep --preset gpu --quick: plan (10 reps, 2 warmup)")
     assert "pair 1: qwen2.5-7b:" in out and "ASSUMED, never measured on a GPU" in out
     assert "estimate: " in out and "analytic_profile" in out
+
+
+def test_cpu_paper_preset_plans_the_papers_study_on_tiny_7b():
+    """One pair of tiny-7b: a start profile and a balanced grid per length (256, 512) with
+    BF16/Q8/Q4 transfer, BF16 recompute and joint Q8 cuts, and full recomputation; its grid's
+    schedules are the preset's field (the chunked schedule joins there)."""
+    import dataclasses
+
+    preset = SWEEP_PRESETS["cpu-paper"]
+    link = 0.002
+    profile_of = analytic_profile_of(tflops=0.03, hbm_gbps=10.0)
+    (pair,) = plan_pairs(preset, link, 30, 3, profile_of)
+    assert pair.model == "tiny-7b" and [e.seq_len for e in pair.experiments] == [256, 512] * 2
+    L = ModelConfig.preset("tiny-7b").num_layers
+    for grid in pair.experiments[2:]:
+        families = {(a.bits, a.kind) for a in grid.actions}
+        assert families == {(16, "transfer"), (8, "transfer"), (4, "transfer"), (16, "joint"),
+                            (8, "joint"), (16, "recompute")}
+        assert {a.cut for a in grid.actions if a.kind == "joint"} <= set(range(1, L))
+        assert grid.schedules == preset.schedules == ("overlapped", "sequential")
+    assert COSTS[preset.machine] is COSTS["cpu"] and QUICK_PRESETS["cpu-paper"].lengths == (256,)
+    only = dataclasses.replace(preset, schedules=("overlapped",))
+    (pair,) = plan_pairs(only, link, 30, 3, profile_of)
+    assert all(e.schedules == ("overlapped",) for e in pair.experiments[2:])

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rekv_jax.transport.base import ROLES, Role, Transport, TransportError
+from rekv_jax.transport.cores import children_on, cpu_environments, pin_process
 
 T = TypeVar("T")
 SUPERVISED = "REKV_SUPERVISED"  # set in the environment of a supervised worker
@@ -88,13 +89,14 @@ def with_gpu_flags(xla_flags: str) -> str:
 
 def pair_environments(gpus: Sequence[str], env: Mapping[str, str],
                       devices: Mapping[Role, int] | None = None,
-                      transport: str = "transfer-server", share: float = PAIR_SHARE
-                      ) -> dict[Role, dict[str, str]]:
+                      transport: str = "transfer-server", share: float = PAIR_SHARE,
+                      cpus: Sequence[int] | None = None) -> dict[Role, dict[str, str]]:
     """The environment of each side of a pair that one command starts on one machine, from the
     `gpus` visible there (`visible_gpus`) and the parent's environment `env`.
 
     `devices`: the devices each side computes on (default 1 each; a decode side that checks
-    against sharded sides needs max(N, M)). No GPU: both get `env` (CPU sides). Enough GPUs for
+    against sharded sides needs max(N, M)). No GPU: both get `env`, each with its own half of
+    `cpus` (`cores.cpu_environments`; None: they share the cores). Enough GPUs for
     both: each side its own, whole (CUDA_VISIBLE_DEVICES: the decode side the first ones, the
     prefill side the next). Fewer: both see the same GPUs and take `share` of their memory each
     (XLA_PYTHON_CLIENT_MEM_FRACTION, replacing any given: two processes taking one larger
@@ -102,7 +104,7 @@ def pair_environments(gpus: Sequence[str], env: Mapping[str, str],
     as NCCL cannot run both ranks on one device. On a GPU both get GPU_XLA_FLAGS."""
     need = {"decode": 1, "prefill": 1, **(devices or {})}
     if not gpus:
-        return {role: dict(env) for role in ROLES}
+        return cpu_environments(env, cpus)
     base = {**env, "XLA_FLAGS": with_gpu_flags(env.get("XLA_FLAGS", ""))}
     if need["decode"] + need["prefill"] <= len(gpus):
         first = list(gpus[:need["decode"]])
@@ -119,22 +121,23 @@ def pair_environments(gpus: Sequence[str], env: Mapping[str, str],
 
 
 def become(env: Mapping[str, str]) -> None:
-    """Give this process the environment `env` (its side's, from `pair_environments`) before
-    JAX starts its backends, which read the GPUs, the memory share and XLA_FLAGS once. A
-    RuntimeError (a bug in the caller) if they already started and `env` changes anything."""
+    """Give this process the environment `env` (its side's, from `pair_environments`) and, on
+    CPU, its cores before JAX starts its backends, which read the GPUs, the memory share,
+    XLA_FLAGS and the cores once. A RuntimeError (a bug in the caller) if they already started
+    and `env` changes anything."""
     changed = {k for k in env.keys() | os.environ.keys() if env.get(k) != os.environ.get(k)}
-    if not changed:
-        return
-    from rekv_jax.transport.distributed import backends_started
+    if changed:
+        from rekv_jax.transport.distributed import backends_started
 
-    if backends_started():
-        raise RuntimeError(f"JAX started before this side's environment was set: "
-                           f"{sorted(changed)}")
+        if backends_started():
+            raise RuntimeError(f"JAX started before this side's environment was set: "
+                               f"{sorted(changed)}")
     for key in changed:
         if key in env:
             os.environ[key] = env[key]
         else:
             del os.environ[key]
+    pin_process(env)
 
 
 def start_side() -> None:
@@ -224,7 +227,8 @@ def run_cli(argv: list[str], what: str, timeout: float, env: Mapping[str, str] |
     failed run, TimeoutError past `timeout` s (the child is killed)."""
     cmd = [sys.executable, "-m", "rekv_jax.cli", *argv]
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        with children_on(env or {}):  # on a side's cores, where `env` names them
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         raise TimeoutError(f"{what}: still running after {timeout:g} s (killed)") from None
     if out.returncode == 0:
@@ -341,17 +345,18 @@ def with_prefill_child(argv: list[str], decode: Callable[[str], T], timeout: flo
     """Run `decode(coordinator)` here while a child process runs `argv + ["--coordinator",
     coordinator]` (the prefill side) over loopback; return what `decode` returns.
 
-    Each side runs in its environment of `envs` (`pair_environments`: its GPUs or share); this
-    process takes its own before JAX starts, so call this before any JAX computation. The
-    child is killed if it outlives the decode side by more than `timeout`. Its stderr is ours:
-    its one error line reaches our user even if this process dies first. If it dies first, our
-    error names how (exit status or signal)."""
+    Each side runs in its environment of `envs` (`pair_environments`: its GPUs or share, or
+    its cores); this process takes its own before JAX starts, so call this before any JAX
+    computation. The child is killed if it outlives the decode side by more than `timeout`.
+    Its stderr is ours: its one error line reaches our user even if this process dies first.
+    If it dies first, our error names how (exit status or signal)."""
     from rekv_jax.failures import exit_text
 
     become(envs["decode"])
     coordinator = f"127.0.0.1:{free_port()}"
-    child = subprocess.Popen([*argv, "--coordinator", coordinator], stdout=subprocess.DEVNULL,
-                             text=True, env=envs["prefill"])
+    with children_on(envs["prefill"]):
+        child = subprocess.Popen([*argv, "--coordinator", coordinator],
+                                 stdout=subprocess.DEVNULL, text=True, env=envs["prefill"])
     try:
         out = decode(coordinator)
         child.wait(timeout=timeout)
