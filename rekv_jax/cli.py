@@ -24,6 +24,17 @@ PAPER_LINK = "paper"  # --link-gbps: pace to the paper's link/suffix ratio, cali
 UNPACED = "unpaced"  # --link-gbps: no pacing (loopback runs as fast as it can)
 
 
+def _schedules(text: str) -> str:
+    """`--schedule` value: `both` or a comma list of handoff.SCHEDULES."""
+    from rekv_jax.handoff import SCHEDULES
+
+    bad = [s for s in text.split(",") if s not in SCHEDULES]
+    if bad and text != "both":
+        raise argparse.ArgumentTypeError(f"unknown schedules {bad}; expected a comma list of "
+                                         f"{', '.join(SCHEDULES)}, or both")
+    return text
+
+
 def _link(text: str) -> float | str | None:
     """`--link-gbps` value: a bandwidth in GB/s, `paper` or `unpaced`."""
     if text in (PAPER_LINK, UNPACED):
@@ -77,8 +88,12 @@ def _flags() -> dict[str, Callable[[argparse.ArgumentParser], None]]:
     def schedule(p: argparse.ArgumentParser) -> None:
         from rekv_jax.handoff import SCHEDULES
 
-        p.add_argument("--schedule", choices=(*SCHEDULES, "both"), default="both",
-                       help="both: every joint action under each schedule")
+        p.add_argument("--schedule", type=_schedules, default="both",
+                       help=f"comma list of {', '.join(SCHEDULES)}; both: overlapped,sequential "
+                            "(with --prefill pipelined: chunked)")
+        p.add_argument("--chunks", type=int, default=None,
+                       help="token chunks N of the chunked schedule and the pipelined prefill "
+                            "(default 4)")
 
     def failure(p: argparse.ArgumentParser) -> None:
         from rekv_jax.handoff import FALLBACKS
@@ -203,13 +218,14 @@ def cmd_plan(args: argparse.Namespace) -> None:
 def _handoff_experiment(args: argparse.Namespace):
     """The experiment of `rekv handoff` and a line saying which link it runs on."""
     from rekv_jax.action import parse_actions
+    from rekv_jax.chunked import DEFAULT_CHUNKS
     from rekv_jax.experiment import (
         DEFAULT_ACTIONS,
         Experiment,
         calibrate_link_in_child,
         side_environments,
     )
-    from rekv_jax.handoff import SCHEDULES
+    from rekv_jax.handoff import PAPER_SCHEDULES
     from rekv_jax.loader import load_config
 
     if args.experiment:  # the prefill child of launch_pair: everything already decided
@@ -221,13 +237,16 @@ def _handoff_experiment(args: argparse.Namespace):
         return Experiment.from_json(line), ""
     cfg = load_config(args.model)
     cfg.check_seq_len(args.seq_len)
+    schedules = (tuple(args.schedule.split(",")) if args.schedule != "both"
+                 else ("chunked",) if args.prefill == "pipelined" else PAPER_SCHEDULES)
     link = args.link_gbps
     if link == PAPER_LINK and args.role is not None:
         link = None  # one side of a multi-host pair: the link is real, not emulated
     exp = Experiment(  # checks every field before any process starts
         model=args.model, seq_len=args.seq_len, batch=args.batch,
         actions=tuple(parse_actions(args.actions or DEFAULT_ACTIONS, cfg.num_layers)),
-        schedules=SCHEDULES if args.schedule == "both" else (args.schedule,),
+        schedules=schedules, chunks=args.chunks or (DEFAULT_CHUNKS if "chunked" in schedules
+                                                    else 1),
         transport=args.transport, link_gbps=None if link == PAPER_LINK else link,
         warmup=args.warmup, reps=args.reps, fallback=args.fallback, backend=args.quant_backend,
         seed=args.seed, timeout=args.timeout, interval=args.interval, prefill=args.prefill,
@@ -319,7 +338,8 @@ def cmd_quality(args: argparse.Namespace) -> None:
     if not args.json:  # a markdown table
         print("| model | S | action | top-1 agree (flips) | KL(BF16‖a) | PPL BF16 | PPL | "
               "PPL change | NIAH | eligible |\n|---|---:|---|---:|---:|---:|---:|---:|---:|---|")
-    for r in quality.evaluate(cfg, params, evals, parse_actions(args.actions, cfg.num_layers)):
+    actions = parse_actions(args.actions, cfg.num_layers)
+    for r in quality.evaluate(cfg, params, evals, actions, args.chunks, args.pipelined):
         if args.json:
             print(json.dumps(r), flush=True)
         else:
@@ -397,6 +417,7 @@ def cmd_sweep(args: argparse.Namespace) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from rekv_jax import generate
+    from rekv_jax.chunked import DEFAULT_CHUNKS
     from rekv_jax.experiment import calibrate_link_in_child
 
     if args.request:  # the prefill process started by generate.generate
@@ -418,9 +439,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
     link = args.link_gbps
     if link == PAPER_LINK:
         link = calibrate_link_in_child(args.model, len(ids)).link_gbps
+    schedule = "chunked" if args.prefill == "pipelined" else args.schedule
     req = generate.Request(
         token_ids=ids, model=args.model, action=args.action, max_new_tokens=args.max_new_tokens,
-        dtype=args.dtype, prefill=args.prefill, schedule=args.schedule, transport=args.transport,
+        dtype=args.dtype, prefill=args.prefill, schedule=schedule, transport=args.transport,
+        chunks=args.chunks or (DEFAULT_CHUNKS if schedule == "chunked" else 1),
         link_gbps=link, fallback=args.fallback, compare=args.compare, timeout=args.timeout)
     shown: list[int] = []
 
@@ -531,6 +554,10 @@ def _sweep_flags(p: argparse.ArgumentParser) -> None:
 def _quality_flags(p: argparse.ArgumentParser) -> None:
     p.set_defaults(model=None, seq_len=512, actions="q8:full,q8:r=2,q4:full,q4:r=2")
     p.add_argument("--cont-len", type=int, default=64, help="continuation tokens T scored")
+    p.add_argument("--chunks", type=int, default=1,
+                   help="score the chunked schedule's cache: the suffix in N token chunks")
+    p.add_argument("--pipelined", action="store_true",
+                   help="with --chunks: the pipelined prefill's cache (every layer chunked)")
     p.add_argument("--windows", type=int, default=8, help="WikiText-2 test windows")
     p.add_argument("--wikitext", default=None,
                    help="WikiText-2 folder (default: $REKV_WIKITEXT, else the shipped copy)")
@@ -560,7 +587,10 @@ def _generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, default=DTYPES[0])
     p.add_argument("--prefill", choices=PREFILL_MODES, default="split",
                    help="the prefill worker runs all L layers, or only 0..c-1, streamed")
-    p.add_argument("--schedule", choices=SCHEDULES, default=SCHEDULES[0])
+    p.add_argument("--schedule", choices=SCHEDULES, default=SCHEDULES[0],
+                   help="with --prefill pipelined: chunked")
+    p.add_argument("--chunks", type=int, default=None,
+                   help="token chunks of the chunked schedule / pipelined prefill (default 4)")
     p.add_argument("--compare", action="store_true",
                    help="also decode on a single-process cache; report first_divergence")
     p.add_argument("--role", choices=("prefill", "decode"), default=None, help=argparse.SUPPRESS)

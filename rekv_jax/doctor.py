@@ -26,9 +26,9 @@ import numpy as np
 from pallas_kernels import quant as kernels
 from rekv_jax import bench, sizes
 from rekv_jax.action import Action
+from rekv_jax.cache_check import SUFFIX_ACROSS
 from rekv_jax.config import Llama3RopeScaling, ModelConfig
 from rekv_jax.experiment import Experiment
-from rekv_jax.handoff import SUFFIX_ACROSS
 from rekv_jax.loader import synthetic_model
 from rekv_jax.model import attention_backend, prefill, run_prefix, run_suffix
 from rekv_jax.transport import TransportError

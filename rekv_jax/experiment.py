@@ -28,15 +28,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rekv_jax import chunked
 from rekv_jax.action import Action
+from rekv_jax.cache_check import HostReference, check_cache
 from rekv_jax.config import ModelConfig
 from rekv_jax.costmodel import PROMPT_PHASES, check_modes
 from rekv_jax.handoff import (
     FALLBACKS,
+    PAPER_SCHEDULES,
     SCHEDULES,
     Handoff,
-    HostReference,
-    check_cache,
+    check_schedule,
     prepare,
     receive_handoff,
     send_handoff,
@@ -74,7 +76,7 @@ class Experiment:
     seq_len: int = 256
     batch: int = 1
     actions: tuple[Action, ...] = ()  # for the model's layer count
-    schedules: tuple[str, ...] = SCHEDULES
+    schedules: tuple[str, ...] = PAPER_SCHEDULES
     transport: str = "transfer-server"
     link_gbps: float | None = None  # pace every receive to this link (None: unpaced)
     warmup: int = 3
@@ -88,6 +90,7 @@ class Experiment:
     prefill_devices: int = 1  # tensor-parallel devices per side (rekv_jax.sharding)
     decode_devices: int = 1
     paired: bool = False  # alternate the schedules rep by rep: rep i of each is a pair
+    chunks: int = 1  # token chunks of the chunked schedule and the pipelined prefill
 
     def __post_init__(self) -> None:
         # from JSON: lists, and actions as {bits, cut, num_layers} dicts
@@ -108,6 +111,10 @@ class Experiment:
         if self.fallback not in FALLBACKS:
             raise ValueError(f"fallback must be one of {FALLBACKS}, got {self.fallback!r}")
         check_modes(self.interval, self.prefill)
+        for schedule in self.schedules:
+            check_schedule(schedule, self.prefill, self.chunks if schedule == "chunked" else 1)
+        if self.chunks > 1 and self.prefill_devices * self.decode_devices > 1:
+            raise ValueError("token chunks run on one device per side")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -119,6 +126,12 @@ class Experiment:
     def schedules_of(self, action: Action) -> tuple[str, ...]:
         """The schedules an action runs under: only a joint action has anything to overlap."""
         return self.schedules if action.kind == "joint" else self.schedules[:1]
+
+    def chunks_of(self, action: Action, schedule: str) -> int:
+        """Token chunks of `action` under `schedule`: a joint action's boundary, chunked, or a
+        pipelined prefill's prompt (else 1)."""
+        chunked = schedule == "chunked" and (action.kind == "joint" or self.prefill != "full")
+        return self.chunks if chunked else 1
 
 
 def hardware() -> str:
@@ -240,22 +253,26 @@ def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
     references = References(cfg, params, tokens, exp) if role == "decode" else None
     for action in exp.actions:
         ready = role == "prefill" and exp.interval == "ready"
-        # the prefill side's own suffix is checked against the decode side's on every rep
-        # (the same mesh shape on both sides: across meshes the bits differ by design)
-        state = (prepare(cfg, params, tokens, action,
-                         check_suffix=exp.prefill_devices == exp.decode_devices)
-                 if ready else None)
+        states = {}  # the prefill state per token chunks
         schedules = exp.schedules_of(action)
         results: dict[str, list[Rep]] = {s: [] for s in schedules}
         for schedule, rep in handoff_order(exp, schedules):
             tag = f"{name}{action}/{schedule}/{rep}"
+            chunks, runs_in = exp.chunks if schedule == "chunked" else 1, exp.chunks_of(
+                action, schedule)  # what the sides are given, what the action runs in
+            if ready and chunks not in states:
+                # the prefill side's own suffix is checked against the decode side's on every
+                # rep (the same mesh shape on both sides: across meshes the bits differ)
+                states[chunks] = prepare(cfg, params, tokens, action, exp.prefill_devices
+                                         == exp.decode_devices, runs_in)
             if role == "prefill":
                 try:
                     if ready:
-                        send_handoff(transport, state, action, tag, exp.backend, exp.timeout)
+                        send_handoff(transport, states[chunks], action, tag, exp.backend,
+                                     exp.timeout, chunks)
                     else:
                         send_prompt(transport, cfg, params, tokens, action, tag, exp.prefill,
-                                    exp.backend, exp.timeout)
+                                    exp.backend, exp.timeout, chunks)
                 except TransportError:
                     if exp.fallback != "recompute":
                         raise
@@ -263,15 +280,15 @@ def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
                 continue
             result = receive_handoff(transport, cfg, params, action, exp.batch, exp.seq_len,
                                      tag, schedule, exp.fallback, exp.backend, exp.timeout,
-                                     exp.prefill)
+                                     exp.prefill, chunks)
             progress(1)
             if rep >= exp.warmup:  # every timed rep is checked, then its cache is dropped
-                first_ok, cache_check = references.check(action, result)
+                first_ok, cache_check = references.check(action, result, runs_in)
                 stated = record_schedule(action, schedule)
                 record = Rep(action, stated, rep - exp.warmup,
                              result.total_ms, result.phases_ms, result.fallback,
                              result.timeline_ms, result.sent_bytes, first_ok, cache_check,
-                             serializes(exp.transport, stated, jax.default_backend()))
+                             serializes(exp.transport, stated, jax.default_backend()), runs_in)
                 results[schedule].append(record)
                 emit(record)
         if role == "decode":
@@ -290,27 +307,31 @@ class References:
         self._cfg, self._params, self._tokens = cfg, params, tokens
         self._devices = (exp.prefill_devices, exp.decode_devices)
         self._sharded = self._devices != (1, 1)
-        self._cache: dict[int, tuple[HostReference, np.ndarray]] = {}
+        self._pipelined = exp.prefill == "pipelined"
+        self._cache: dict[tuple[int, int], tuple[HostReference, np.ndarray, str]] = {}
         if not self._sharded:  # now: this side compiles the shape's model programs while the
-            self._reference(0)  # prefill side compiles its own, not after it in the first rep
+            self._reference(0, exp.chunks if self._pipelined else 1)  # prefill side compiles
 
-    def _reference(self, cut: int) -> tuple[HostReference, np.ndarray]:
-        """(the reference cache of `cut`, its first token), computed on first use."""
-        key = cut if self._sharded else -1  # one prefill serves every cut of one-device sides
+    def _reference(self, cut: int, chunks: int) -> tuple[HostReference, np.ndarray, str]:
+        """(the reference cache of `cut` in `chunks`, its first token, its name), once."""
+        # one (chunked) prefill serves every cut of one-device sides
+        key = (cut if self._sharded or (chunks > 1 and not self._pipelined) else -1, chunks)
         if key not in self._cache:
-            reference, logits = (split_reference(self._cfg, self._params, self._tokens, cut,
-                                                 *self._devices) if self._sharded
-                                 else prefill(self._cfg, self._params, self._tokens))
+            args = self._cfg, self._params, self._tokens
+            reference, logits, name = (
+                chunked.reference(*args, cut, chunks, self._pipelined) if chunks > 1
+                else (*split_reference(*args, cut, *self._devices), "") if self._sharded
+                else (*prefill(*args), ""))
             self._cache[key] = (HostReference(reference),
-                                np.asarray(jnp.argmax(logits, axis=-1)))
+                                np.asarray(jnp.argmax(logits, axis=-1)), name)
         return self._cache[key]
 
-    def check(self, action: Action, result: Handoff) -> tuple[bool, str]:
+    def check(self, action: Action, result: Handoff, chunks: int = 1) -> tuple[bool, str]:
         """(first token matches, what held of the cache: `check_cache`, plus for sharded sides
-        what the cache was compared with)."""
+        what the cache was compared with); `chunks` > 1: against the chunked reference."""
         cut = 0 if result.fallback else action.cut  # a fallback rebuilt the cache from the ids
-        reference, first = self._reference(cut)
-        text = check_cache(reference, action, result)
+        reference, first, name = self._reference(cut, 1 if result.fallback else chunks)
+        text = check_cache(reference, action, result, name)
         if self._sharded:
             text += _reference_text(self._cfg, cut, *self._devices)
         return bool(np.array_equal(result.first_token, first)), text
@@ -345,7 +366,7 @@ def summarize(cfg: ModelConfig, exp: Experiment, action: Action, schedule: str,
         interval=exp.interval, prefill=exp.prefill, prefill_devices=exp.prefill_devices,
         decode_devices=exp.decode_devices, paired=exp.paired and len(exp.schedules_of(action)) > 1,
         sent_bytes=max(r.sent_bytes for r in reps), serialized=any(r.serialized for r in reps),
-        pinning=os.environ.get(PINNING_ENV, ""))
+        pinning=os.environ.get(PINNING_ENV, ""), chunks=exp.chunks_of(action, schedule))
 
 
 def _reference_text(cfg: ModelConfig, cut: int, prefill_devices: int, decode_devices: int

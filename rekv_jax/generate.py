@@ -27,7 +27,7 @@ from tokenizers import Tokenizer
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
 from rekv_jax.data import load_tokenizer
-from rekv_jax.handoff import receive_handoff, send_prompt
+from rekv_jax.handoff import check_schedule, receive_handoff, send_prompt
 from rekv_jax.kv import KVCache
 from rekv_jax.loader import SHIPPED_MODEL
 from rekv_jax.model import Params, attention_backend, decode_step, prefill
@@ -58,6 +58,7 @@ class Request:
     dtype: str = "bfloat16"
     prefill: str = "split"  # costmodel.PREFILL_MODES
     schedule: str = "overlapped"
+    chunks: int = 1  # token chunks of the chunked schedule / pipelined prefill
     transport: str = "transfer-server"
     link_gbps: float | None = None
     fallback: str = "error"
@@ -72,6 +73,7 @@ class Request:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        check_schedule(self.schedule, self.prefill, self.chunks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +88,7 @@ class Generation:
     payload_bytes: int  # what the handoff sent (sizes.action_bytes)
     action: str
     prefill: str
+    chunks: int  # token chunks (1: unchunked)
     fallback: bool  # the prefix transfer failed and the cache was recomputed from the ids
     first_divergence: int | None = None  # with compare: first index differing from the reference
 
@@ -150,10 +153,11 @@ def run_role(role: Role, req: Request, transport: Transport, on_token: OnToken =
     for tag in ("warmup", "timed"):
         if role == "prefill":
             send_prompt(transport, cfg, params, tokens, action, tag, req.prefill,
-                        timeout=req.timeout)
+                        timeout=req.timeout, chunks=req.chunks)
             continue
         result = receive_handoff(transport, cfg, params, action, 1, S, tag, req.schedule,
-                                 req.fallback, timeout=req.timeout, prefill_mode=req.prefill)
+                                 req.fallback, timeout=req.timeout, prefill_mode=req.prefill,
+                                 chunks=req.chunks)
         t_first = time.perf_counter()
         if tag == "warmup":  # compile the decode step on the padded cache too
             decode_greedy(cfg, params, result.kv, result.first_token, 2,
@@ -175,7 +179,8 @@ def run_role(role: Role, req: Request, transport: Transport, on_token: OnToken =
         tpot_ms=1e3 * float(np.median(gaps)) if gaps.size else 0.0,
         tokens_per_s=len(ids) / (result.total_ms / 1e3 + decode_s),
         payload_bytes=action_bytes(cfg, action, S)["total_bytes"], action=str(action),
-        prefill=req.prefill, fallback=result.fallback, first_divergence=divergence)
+        prefill=req.prefill, chunks=req.chunks, fallback=result.fallback,
+        first_divergence=divergence)
 
 
 def run_local(req: Request, on_token: OnToken = lambda t: None) -> Generation:

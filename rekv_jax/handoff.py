@@ -29,27 +29,25 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
 from rekv_jax.costmodel import check_modes
 from rekv_jax.kv import KVCache
-from rekv_jax.model import Params, prefill, run_layers, run_prefix, run_suffix
+from rekv_jax.model import Params, prefill, run_layers, run_prefix, run_suffix, token_chunks
 from rekv_jax.quantize import (
     QuantizedTensor,
     dequantize,
-    error_bound,
     quantize,
     quantized_specs,
 )
 from rekv_jax.sizes import GROUP_SIZE
 from rekv_jax.transport import Transport, TransportError, checksums
 
-SCHEDULES = ("overlapped", "sequential")
+PAPER_SCHEDULES = ("overlapped", "sequential")  # Eqs. 8-9
+# chunked: the suffix runs on each token chunk of `h_c` as it arrives (rekv_jax.chunked)
+SCHEDULES = (*PAPER_SCHEDULES, "chunked")
 FALLBACKS = ("error", "recompute")
-# what `check_cache` adds when the recomputed suffix's checksums equal the prefill process's
-SUFFIX_ACROSS = ", suffix checksum = the prefill process's"
 # events of a handoff's timeline: the boundary arrived, the prefix arrived and was restored, the
 # suffix started and ended, the cache and first token were ready
 TIMELINE = ("boundary", "prefix", "suffix_start", "suffix_end", "end")
@@ -87,17 +85,30 @@ class Handoff:
     suffix_match: bool | None = None
 
 
+def check_schedule(schedule: str, prefill_mode: str, chunks: int) -> None:
+    """ValueError unless the schedule, prefill mode and token chunks go together: the chunked
+    schedule and the pipelined prefill (which runs under it only) need chunks >= 2."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if (prefill_mode == "pipelined") != (schedule == "chunked") and prefill_mode != "full":
+        raise ValueError(f"a {prefill_mode} prefill does not run under the {schedule} schedule "
+                         "(pipelined runs chunked only; split streams whole layers)")
+    if (schedule == "chunked") != (chunks > 1):
+        raise ValueError(f"the {schedule} schedule needs chunks "
+                         f"{'>= 2' if schedule == 'chunked' else '= 1'}, got {chunks}")
+
+
 def prepare(cfg: ModelConfig, params: Params, tokens: jax.Array, action: Action,
-            check_suffix: bool = False) -> PrefillState:
+            check_suffix: bool = False, chunks: int = 1) -> PrefillState:
     """Run the prefill worker's prompt processing for `action` (untimed, as in the paper).
 
     `check_suffix`: also take the checksums of the suffix KV it computes anyway (joint actions;
-    a device-to-host sync, so only where this runs outside the timed interval)."""
+    a device-to-host sync, so only where this runs outside the timed interval), in `chunks`."""
     if action.kind == "recompute":
         _, logits = prefill(cfg, params, tokens)
         return PrefillState(tokens, None, None, jnp.argmax(logits, axis=-1).astype(jnp.int32))
     h_c, prefix = run_prefix(cfg, params, tokens, action.cut)
-    suffix, logits = run_suffix(cfg, params, h_c, action.cut)  # the rest of the prompt's layers
+    suffix, logits = run_suffix(cfg, params, h_c, action.cut, chunks=chunks)  # layers c..L-1
     first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     joint = action.kind == "joint"
     sums = tuple(checksums([suffix.k, suffix.v])) if joint and check_suffix else ()
@@ -139,6 +150,15 @@ def prefix_specs(cfg: ModelConfig, action: Action, batch: int, seq_len: int, dty
     return [*quantized_specs(kv.shape, action.bits, GROUP_SIZE)] * 2
 
 
+def recv_prefix(transport: Transport, cfg: ModelConfig, action: Action,
+                shape: tuple[int, int, int], dtype: jnp.dtype, tag: str, backend: str | None,
+                timeout: float) -> KVCache:
+    """Receive and restore one prefix payload of shape (B, tokens, layers): the whole prefix, a
+    streamed layer or a token chunk."""
+    specs = prefix_specs(cfg, action, shape[0], shape[1], dtype, shape[2])
+    return unpack_prefix(transport.recv(tag, specs, timeout), action.bits, dtype, backend)
+
+
 # ---------------------------------------------------------------------------- the two sides
 
 
@@ -147,42 +167,58 @@ def _ms(start: float, stop: float) -> float:
 
 
 def send_handoff(transport: Transport, state: PrefillState, action: Action, tag: str,
-                 backend: str | None = None, timeout: float = 60.0) -> None:
+                 backend: str | None = None, timeout: float = 60.0, chunks: int = 1) -> None:
     """Prefill side of one handoff from a ready prefill state (the paper's interval)."""
     transport.agree(f"{tag}/go", {}, timeout)  # both sides start their clocks here
-    _send_state(transport, state, action, tag, backend, timeout, time.perf_counter(), 0.0)
+    _send_state(transport, state, action, tag, backend, timeout, time.perf_counter(), 0.0,
+                chunks)
 
 
 def send_prompt(transport: Transport, cfg: ModelConfig, params: Params, tokens: jax.Array,
                 action: Action, tag: str, prefill_mode: str = "full", backend: str | None = None,
-                timeout: float = 60.0) -> None:
+                timeout: float = 60.0, chunks: int = 1) -> None:
     """Prefill side of one handoff timed from the prompt's arrival: `full` runs all L layers
-    (`prepare`), then hands off as `send_handoff`; `split` streams layers 0..c-1 as computed."""
+    (`prepare`), then hands off as `send_handoff`; `split` streams layers 0..c-1 as computed;
+    `pipelined` streams token chunks of layers 0..c-1 as computed (`chunked.send_pipelined`)."""
     check_modes("prompt", prefill_mode)
     transport.agree(f"{tag}/go", {}, timeout)
     t0 = time.perf_counter()
     if prefill_mode == "split":
         _send_streamed(transport, cfg, params, tokens, action, tag, backend, timeout, t0)
         return
-    state = jax.block_until_ready(prepare(cfg, params, tokens, action))
-    _send_state(transport, state, action, tag, backend, timeout, t0, _ms(t0, time.perf_counter()))
+    if prefill_mode == "pipelined":
+        from rekv_jax.chunked import send_pipelined  # it builds on this module
+
+        send_pipelined(transport, cfg, params, tokens, action, tag, backend, timeout, chunks)
+        return
+    state = jax.block_until_ready(prepare(cfg, params, tokens, action, chunks=chunks))
+    _send_state(transport, state, action, tag, backend, timeout, t0, _ms(t0, time.perf_counter()),
+                chunks)
 
 
 def _send_state(transport: Transport, state: PrefillState, action: Action, tag: str,
-                backend: str | None, timeout: float, t0: float, prefill_ms: float) -> None:
-    """Quantize the prefix (Q), send the token ids with `h_c` first, then the prefix payload."""
+                backend: str | None, timeout: float, t0: float, prefill_ms: float,
+                chunks: int = 1) -> None:
+    """Quantize the prefix (Q), send the token ids with `h_c` first (chunks > 1: its first token
+    chunk; chunk i > 0 as `TAG/boundaryI`), then the prefix payload."""
     sent_before = transport.sent_bytes
     start = time.perf_counter()
     payload = []
     if state.prefix is not None:
         payload = jax.block_until_ready(pack_prefix(state.prefix, action.bits, backend))
     quantize_ms = _ms(start, time.perf_counter()) if action.bits != 16 else 0.0
-    boundary = [state.tokens, state.first_token] + ([state.h_c] if state.h_c is not None else [])
+    pieces = [] if state.h_c is None else [state.h_c] if chunks == 1 else [
+        state.h_c[:, a:b] for a, b in token_chunks(state.h_c.shape[1], chunks)]  # [B, T, D]
+    boundary = [state.tokens, state.first_token] + pieces[:1]
     boundary_at_ms = _ms(t0, time.perf_counter())
     transport.send(f"{tag}/boundary", boundary, timeout)  # one message: ids (+ h_c) first
+    phases = ["boundary"]
+    for i, piece in enumerate(pieces[1:], 1):
+        transport.send(f"{tag}/boundary{i}", [piece], timeout)
+        phases.append(f"boundary{i}")
     if payload:
         transport.send(f"{tag}/prefix", payload, timeout)
-    _finish_send(transport, tag, ["boundary"] + ["prefix"] * bool(payload), timeout,
+    _finish_send(transport, tag, phases + ["prefix"] * bool(payload), timeout,
                  prefill_ms=prefill_ms, quantize_ms=quantize_ms, boundary_at_ms=boundary_at_ms,
                  sent_bytes=transport.sent_bytes - sent_before,
                  **({"suffix_sums": list(state.suffix_sums)} if state.suffix_sums else {}))
@@ -238,18 +274,24 @@ def _finish_send(transport: Transport, tag: str, phases: list[str], timeout: flo
 def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, action: Action,
                     batch: int, seq_len: int, tag: str, schedule: str = "overlapped",
                     fallback: str = "error", backend: str | None = None,
-                    timeout: float = 60.0, prefill_mode: str = "full") -> Handoff:
+                    timeout: float = 60.0, prefill_mode: str = "full", chunks: int = 1
+                    ) -> Handoff:
     """Decode side of one handoff: receive, recompute, restore, join; time every phase.
 
     `prefill_mode="split"` receives the streamed form (`_send_streamed`): the token ids first,
     then a receive worker restores each prefix layer as it arrives while this thread waits for
     `h_c` and runs the suffix (overlapped) or first waits for the whole prefix (sequential).
+    A joint action's `chunked` schedule and a `pipelined` prefill run `chunked.receive_chunked`.
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    check_schedule(schedule, prefill_mode, chunks)
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
-    check_modes("prompt" if prefill_mode == "split" else "ready", prefill_mode)
+    check_modes("ready" if prefill_mode == "full" else "prompt", prefill_mode)
+    if prefill_mode == "pipelined" or (schedule == "chunked" and action.kind == "joint"):
+        from rekv_jax.chunked import receive_chunked  # it builds on this module
+
+        return receive_chunked(transport, cfg, params, action, batch, seq_len, tag, chunks,
+                               prefill_mode == "pipelined", fallback, backend, timeout)
     split, c = prefill_mode == "split", action.cut
     dtype = params["embed"].dtype
     token_spec = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
@@ -264,19 +306,17 @@ def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, acti
 
     def restore_prefix() -> tuple[KVCache, float]:
         if not split:
-            buffers = transport.recv(f"{tag}/prefix", prefix_specs(cfg, action, batch, seq_len,
-                                                                   dtype), timeout)
-            prefix = unpack_prefix(buffers, action.bits, dtype, backend)
+            prefix = recv_prefix(transport, cfg, action, (batch, seq_len, c), dtype,
+                                 f"{tag}/prefix", backend, timeout)
         else:  # restore each layer as it arrives
             layers = []
             for layer in range(c):
                 try:
-                    buffers = transport.recv(f"{tag}/layer{layer}", prefix_specs(
-                        cfg, action, batch, seq_len, dtype, layers=1), timeout)
+                    layers.append(recv_prefix(transport, cfg, action, (batch, seq_len, 1), dtype,
+                                              f"{tag}/layer{layer}", backend, timeout))
                 except TransportError as e:
                     raise TransportError(f"prefix layer {layer} lost after {layer} of {c} "
                                          f"arrived: {e}") from e
-                layers.append(unpack_prefix(buffers, action.bits, dtype, backend))
             prefix = KVCache.concat(*layers)
         return jax.block_until_ready(prefix), time.perf_counter()
 
@@ -326,6 +366,17 @@ def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, acti
         if pending is not None and not pending.done():  # left running (a failure here): its
             transport.background.abandon()  # recv ends by its timeout; later handoffs don't wait
 
+    return outcome(transport, tag, timeout, t0, prefix, suffix, logits, sent_first,
+                   (t_boundary, t_prefix, t_start, t_suffix), fell_back)
+
+
+def outcome(transport: Transport, tag: str, timeout: float, t0: float, prefix: KVCache | None,
+            suffix: KVCache | None, logits: jax.Array | None, sent_first: jax.Array | None,
+            times: tuple[float, float, float, float], fell_back: bool) -> Handoff:
+    """Join the prefix and the suffix, pick the first token, collect the prefill side's times
+    and turn the decode side's (the boundary and the prefix arrived, the suffix started and
+    ended: perf_counter) into the Handoff."""
+    t_boundary, t_prefix, t_start, t_suffix = times
     kv = suffix if prefix is None else prefix if suffix is None else KVCache.concat(prefix, suffix)
     first = sent_first if logits is None else jnp.argmax(logits, axis=-1).astype(jnp.int32)
     kv, first = jax.block_until_ready((kv, first))
@@ -349,85 +400,3 @@ def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, acti
                                                          t_end)), strict=True))
     return Handoff(kv, first, _ms(t0, t_end), phases, timeline, sent["sent_bytes"], fell_back,
                    suffix_match)
-
-
-class HostReference:
-    """A single-process `prefill` cache as `check_cache` compares with it, on the host: each
-    layer range stacked, and a Q8/Q4 prefix's error bound, computed once each (a sweep checks
-    thousands of reps against one reference)."""
-
-    def __init__(self, cache: KVCache) -> None:
-        self.num_layers = cache.num_layers
-        self._cache = cache
-        self._memo: dict[tuple[int, int, int | None], tuple[Expected, Expected]] = {}
-
-    def layers(self, start: int, stop: int, bits: int | None = None
-               ) -> tuple[Expected, Expected]:
-        """What the keys and values of layers `start..stop-1` must be: bitwise these (`bits`
-        None), or within the error bound of a `bits` round trip."""
-        key = (start, stop, bits)
-        if key not in self._memo:
-            part = self._cache.layers(start, stop)
-            self._memo[key] = tuple(Expected.of(np.asarray(x), bits) for x in (part.k, part.v))
-        return self._memo[key]
-
-
-@dataclasses.dataclass(frozen=True)
-class Expected:
-    """Reference values of a layer range `[n, B, S, K, H]`, in float64 (exact for the cache's
-    float dtypes), their dtype, and the largest |got - want| allowed per element
-    (`quantize.error_bound`, computed from the reference alone; None: equal)."""
-
-    want: np.ndarray
-    dtype: np.dtype
-    bound: np.ndarray | None = None
-
-    @staticmethod
-    def of(want: np.ndarray, bits: int | None) -> Expected:
-        return Expected(want.astype(np.float64), want.dtype,
-                        None if bits is None else error_bound(want, bits, want.dtype))
-
-    def holds(self, layers: tuple[jax.Array, ...]) -> bool:
-        """Each of `layers` (`[B, S, K, H]`, one a layer) has the reference's shape and dtype,
-        and equals it (compared in float64: the same values as in its own dtype, faster for
-        bfloat16) or lies within the bound."""
-        if len(layers) != len(self.want):
-            return False
-        for i, x in enumerate(layers):
-            x = np.asarray(x)
-            if x.shape != self.want.shape[1:] or x.dtype != self.dtype:
-                return False
-            x = x.astype(np.float64)
-            if not (np.array_equal(x, self.want[i]) if self.bound is None
-                    else np.all(np.abs(x - self.want[i]) <= self.bound[i])):
-                return False
-        return True
-
-
-def check_cache(reference: KVCache | HostReference, action: Action, result: Handoff) -> str:
-    """What held of the handoff's cache against a single-process `prefill` cache (a
-    `HostReference` of it, where many handoffs are checked against one).
-
-    BF16 prefixes and every recomputed suffix must be bitwise equal to the prefill's; a Q8/Q4
-    prefix must lie, element by element, within the quantizer's own error bound
-    (`quantize.error_bound`) of the prefill's prefix, computed from the prefill's KV alone, not
-    through `pack_prefix`/`unpack_prefix`, so the check is independent of the code it checks.
-    Where the prefill process sent its own suffix's checksums, they must equal the recomputed
-    suffix's (`Handoff.suffix_match`): the same bits in both processes, checked on every rep.
-    """
-    if isinstance(reference, KVCache):
-        reference = HostReference(reference)
-    c, L = (0 if result.fallback else action.cut), reference.num_layers
-    bounded = c > 0 and action.bits != 16
-    parts = [("prefix", result.kv.layers(0, c),
-              reference.layers(0, c, action.bits if bounded else None)),
-             ("suffix", result.kv.layers(c, L), reference.layers(c, L))]
-    failed = [name for name, got, (want_k, want_v) in parts
-              if not (want_k.holds(got.keys) and want_v.holds(got.values))]
-    failed += ["the prefill process's suffix checksum"] * (result.suffix_match is False)
-    if failed:
-        return f"MISMATCH in {' and '.join(failed)}"
-    across = SUFFIX_ACROSS * bool(result.suffix_match)
-    if not bounded:
-        return "bitwise" + across
-    return f"suffix bitwise, prefix within the {action.precision} error bound" + across

@@ -33,6 +33,16 @@ def _pad(x: jax.Array, capacity: int) -> jax.Array:
     return jax.lax.pad(x, jnp.zeros((), x.dtype), widths)  # [B, C, K, H]
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _span(arrays: tuple[jax.Array, ...], start: int, stop: int) -> tuple[jax.Array, ...]:
+    return tuple(x[:, start:stop] for x in arrays)  # n x [B, stop - start, K, H]
+
+
+@jax.jit
+def _join(parts: tuple[tuple[jax.Array, ...], ...]) -> tuple[jax.Array, ...]:
+    return tuple(jnp.concatenate(layer, axis=1) for layer in zip(*parts, strict=True))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
@@ -86,6 +96,15 @@ class KVCache:
         """Layers `start..stop-1` (the same arrays, nothing copied)."""
         keys, values = self.keys[start:stop], self.values[start:stop]
         return KVCache(keys, values, None if keys else self._layer_shape)
+
+    def span(self, start: int, stop: int) -> KVCache:
+        """Positions `start..stop-1` of every layer (a token chunk; new buffers; >= 1 layer)."""
+        return KVCache(_span(self.keys, start, stop), _span(self.values, start, stop))
+
+    @staticmethod
+    def join_spans(*parts: KVCache) -> KVCache:
+        """Join token chunks of the same layers (>= 1) in order (a pipelined prefix's)."""
+        return KVCache(_join(tuple(p.keys for p in parts)), _join(tuple(p.values for p in parts)))
 
     def pad(self, capacity: int) -> KVCache:
         """Zero-extend the sequence axis to `capacity` positions (room for decoding); always

@@ -244,9 +244,13 @@ def _run_layers(cfg: ModelConfig, params: Params, x: jax.Array, positions: jax.A
 # ---------------------------------------------------------------------------- functional API
 
 
-def prefill(cfg: ModelConfig, params: Params, tokens: jax.Array) -> tuple[KVCache, jax.Array]:
-    """All L layers on tokens [B, S]: (KV [L, B, S, K, H], last-position logits [B, V] f32)."""
+def prefill(cfg: ModelConfig, params: Params, tokens: jax.Array, chunks: int = 1
+            ) -> tuple[KVCache, jax.Array]:
+    """All L layers on tokens [B, S]: (KV [L, B, S, K, H], last-position logits [B, V] f32).
+    `chunks` > 1: a chunked prefill, chunk i attending to chunks 0..i (`token_chunks`)."""
     cfg = _checked(cfg, params, tokens)
+    if chunks > 1:
+        return _chunked(cfg, params, tokens, 0, chunks)
     x = _embed(params["embed"], tokens)
     x, kv = _run_layers(cfg, params, x, _positions(tokens.shape, None), 0, cfg.num_layers)
     return kv, _head(cfg, _head_params(params), x, last=True)
@@ -261,13 +265,88 @@ def run_prefix(cfg: ModelConfig, params: Params, tokens: jax.Array, cut: int
 
 
 def run_suffix(cfg: ModelConfig, params: Params, h_c: jax.Array, cut: int,
-               positions: jax.Array | None = None) -> tuple[KVCache, jax.Array]:
-    """Layers cut..L-1 from h_c [B, S, D]: (KV [L-cut, B, S, K, H], last-position logits [B, V])."""
+               positions: jax.Array | None = None, chunks: int = 1) -> tuple[KVCache, jax.Array]:
+    """Layers cut..L-1 from h_c [B, S, D]: (KV [L-cut, B, S, K, H], last-position logits [B, V]).
+    `chunks` > 1: a chunked prefill of the suffix at positions 0..S-1, with its own cache."""
     cfg = _checked(cfg, params, cut=cut)
     if h_c.ndim != 3 or h_c.shape[-1] != cfg.hidden_size:
         raise ValueError(f"h_c must be [B, S, {cfg.hidden_size}], got {h_c.shape}")
+    if chunks > 1:
+        if positions is not None:
+            raise ValueError("a chunked suffix runs at positions 0..S-1: give no positions")
+        return _chunked(cfg, params, h_c, cut, chunks)
     x, kv = _run_layers(cfg, params, h_c, _positions(h_c.shape[:2], positions), cut,
                         cfg.num_layers)
+    return kv, _head(cfg, _head_params(params), x, last=True)
+
+
+# ---------------------------------------------------------------------------- token chunks
+
+
+def token_chunks(seq_len: int, chunks: int) -> list[tuple[int, int]]:
+    """The (start, stop) ranges of `chunks` contiguous token chunks covering 0..seq_len-1, sizes
+    differing by at most one (larger first): how every chunked path splits a prompt."""
+    if not 1 <= chunks <= seq_len:
+        raise ValueError(f"chunks must be in 1..{seq_len} (the prompt's tokens), got {chunks}")
+    size, extra = divmod(seq_len, chunks)
+    stops = np.cumsum([size + (i < extra) for i in range(chunks)]).tolist()
+    return list(zip([0, *stops[:-1]], stops, strict=True))
+
+
+def new_cache(cfg: ModelConfig, layers: int, batch: int, capacity: int, dtype: jnp.dtype
+              ) -> KVCache:
+    """An all-zero cache of `layers` layers [B, C, K, H] for a chunked prefill to write into."""
+    shape = (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+    if not layers:
+        return KVCache((), (), (shape, np.dtype(dtype)))
+    return KVCache(tuple(jnp.zeros(shape, dtype) for _ in range(layers)),
+                   tuple(jnp.zeros(shape, dtype) for _ in range(layers)))
+
+
+def run_chunk(cfg: ModelConfig, params: Params, x: jax.Array, kv: KVCache, first: int,
+              start: int) -> tuple[jax.Array, KVCache]:
+    """One step of a chunked prefill: layers first..first+n-1 (n = kv.num_layers) on the chunk
+    x [B, T, D] (token ids [B, T] when first is 0) at positions start..start+T-1, attending to
+    the cache's positions before it. `kv` (capacity C) is donated; returns (x entering layer
+    first+n, the updated cache). Steps over `token_chunks` are `run_suffix(chunks=N)` (from ids:
+    `prefill(chunks=N)`), bitwise."""
+    ids = x.ndim == 2
+    cfg = _checked(cfg, params, x if ids else None)
+    if not 0 <= first <= first + kv.num_layers <= cfg.num_layers or (ids and first):
+        raise ValueError(f"layers {first}..{first + kv.num_layers - 1} are not in the model, "
+                         f"or token ids do not enter layer {first}")
+    if ids:
+        x = _embed(params["embed"], x)  # [B, T, D]
+    return _cache_layers(cfg, params, x, kv, first, start)
+
+
+def _cache_layers(cfg: ModelConfig, params: Params, x: jax.Array, kv: KVCache, first: int,
+                  start: int | jax.Array, width: int | None = None
+                  ) -> tuple[jax.Array, KVCache]:
+    """Layers first..first+n-1 on x [B, T, D] at start.. of kv [n, B, C, K, H] (donated), one
+    `_cache_layer` call each; attention reads `width` positions (default its bucket)."""
+    T, C = x.shape[1], kv.seq_len
+    width = attention_width(int(start) + T, C) if width is None else width
+    start = np.int32(start) if isinstance(start, int | np.integer) else start
+    keys, vals = [], []
+    for weights, k, v in zip(params["layers"][first:first + kv.num_layers], kv.keys, kv.values,
+                             strict=True):
+        x, k, v = _cache_layer(cfg, weights, x, k, v, start, width=width)  # k, v [B, C, K, H]
+        keys.append(k)
+        vals.append(v)
+    return x, KVCache(tuple(keys), tuple(vals), kv.empty)
+
+
+def _chunked(cfg: ModelConfig, params: Params, inputs: jax.Array, first: int, chunks: int
+             ) -> tuple[KVCache, jax.Array]:
+    """A chunked prefill of layers first..L-1 on token ids [B, S] (first 0) or a residual
+    [B, S, D]: (KV [L-first, B, S, K, H], last-position logits [B, V])."""
+    B, S = inputs.shape[:2]
+    dtype = params["embed"].dtype
+    kv = new_cache(cfg, cfg.num_layers - first, B, S, dtype)
+    x = inputs
+    for start, stop in token_chunks(S, chunks):
+        x, kv = run_chunk(cfg, params, inputs[:, start:stop], kv, first, start)
     return kv, _head(cfg, _head_params(params), x, last=True)
 
 
@@ -304,15 +383,9 @@ def _extend(cfg: ModelConfig, params: Params, kv: KVCache, tokens: jax.Array, st
     if concrete and not 0 <= start <= C - T:
         raise ValueError(f"start={start} + {T} tokens does not fit a cache of capacity {C}; grow "
                          "it with KVCache.pad")
-    width = attention_width(int(start) + T, C) if concrete else C
-    start = np.int32(start) if concrete else start
     x = _embed(params["embed"], tokens)  # [B, T, D]
-    keys, vals = [], []
-    for weights, k, v in zip(params["layers"], kv.keys, kv.values, strict=True):
-        x, k, v = _cache_layer(cfg, weights, x, k, v, start, width=width)  # k, v [B, C, K, H]
-        keys.append(k)
-        vals.append(v)
-    return _head(cfg, _head_params(params), x, last=step), KVCache(tuple(keys), tuple(vals))
+    x, kv = _cache_layers(cfg, params, x, kv, 0, start, None if concrete else C)
+    return _head(cfg, _head_params(params), x, last=step), kv
 
 
 def extend(cfg: ModelConfig, params: Params, kv: KVCache, tokens: jax.Array, start: int

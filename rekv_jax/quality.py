@@ -40,20 +40,27 @@ NIAH_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 CacheBuilder = Callable[[jax.Array], tuple[KVCache, jax.Array]]
 
 
-def reconstruct_cache(cfg: ModelConfig, params: Params, tokens: jax.Array, action: Action
-                      ) -> tuple[KVCache, jax.Array]:
+def reconstruct_cache(cfg: ModelConfig, params: Params, tokens: jax.Array, action: Action,
+                      chunks: int = 1, pipelined: bool = False) -> tuple[KVCache, jax.Array]:
     """The decode side's cache after `action`, computed in-process (no transport).
 
     Prefix layers 0..c-1 are quantized and restored; layers c..L-1 are recomputed from the
-    exact boundary state h_c, whose suffix also gives the first token's logits [B, V].
+    exact boundary state h_c, whose suffix also gives the first token's logits [B, V]. With
+    `chunks` > 1: the chunked schedule's cache (the suffix in token chunks), or, `pipelined`,
+    the pipelined prefill's (every layer in token chunks).
     """
     if action.num_layers != cfg.num_layers:
         raise ValueError(f"action {action} is for {action.num_layers} layers, the model has "
                          f"{cfg.num_layers}")
-    h_c, prefix = run_prefix(cfg, params, tokens, action.cut)  # [B, S, D], [c, B, S, K, H]
+    c, L = action.cut, cfg.num_layers
+    if pipelined:
+        kv, logits = prefill(cfg, params, tokens, chunks)
+        prefix, suffix = kv.layers(0, c), kv.layers(c, L)
+    else:
+        h_c, prefix = run_prefix(cfg, params, tokens, c)  # [B, S, D], [c, B, S, K, H]
+        suffix, logits = run_suffix(cfg, params, h_c, c, chunks=chunks)  # [L - c, ...], [B, V]
     # the same payload round trip as the handoff (identity for BF16)
     prefix = unpack_prefix(pack_prefix(prefix, action.bits), action.bits, prefix.k.dtype)
-    suffix, logits = run_suffix(cfg, params, h_c, action.cut)  # [L - c, B, S, K, H], [B, V]
     return KVCache.concat(prefix, suffix), logits
 
 
@@ -147,15 +154,17 @@ def eligible(m: dict[str, Any], epsilon: float = EPSILON) -> bool:
             and m["ppl_rel_change"] <= epsilon)
 
 
-def evaluate(cfg: ModelConfig, params: Params, evals: EvalSet, actions: Iterable[Action]
-             ) -> list[dict[str, Any]]:
-    """One gate result per action, each against the same BF16 reference outputs."""
+def evaluate(cfg: ModelConfig, params: Params, evals: EvalSet, actions: Iterable[Action],
+             chunks: int = 1, pipelined: bool = False) -> list[dict[str, Any]]:
+    """One gate result per action, each against the same BF16 reference outputs (the unchunked
+    prefill's); `chunks`, `pipelined`: the chunked caches' (`reconstruct_cache`)."""
     ref = run_outputs(cfg, params, lambda t: prefill(cfg, params, t), evals)
     results = []
     for action in actions:
-        out = run_outputs(cfg, params, lambda t, a=action: reconstruct_cache(cfg, params, t, a),
-                          evals)
+        out = run_outputs(cfg, params, lambda t, a=action: reconstruct_cache(
+            cfg, params, t, a, chunks, pipelined), evals)
         results.append({"model": cfg.name, "seq_len": evals.seq_len, "action": str(action),
+                        **({"chunks": chunks, "pipelined": pipelined} if chunks > 1 else {}),
                         **compare(ref, out, evals.continuation)})
     return results
 

@@ -18,9 +18,9 @@ from rekv_jax import stats
 from rekv_jax.action import Action
 from rekv_jax.costmodel import PROMPT_PHASES
 
-# The schedule of a record: overlapped or sequential for a joint action; "n/a" for transfer-only
-# and full recomputation, which have nothing to overlap.
-RECORD_SCHEDULES = ("overlapped", "sequential", "n/a")
+# The schedule of a record: overlapped, sequential or chunked for a joint action; "n/a" for
+# transfer-only and full recomputation, which have nothing to overlap.
+RECORD_SCHEDULES = ("overlapped", "sequential", "chunked", "n/a")
 
 
 def record_schedule(action: Action, schedule: str) -> str:
@@ -89,6 +89,7 @@ class Summary:
     # CPU sides on one machine: "pinned: prefill cpu 0, decode cpu 1" or "cores shared"
     # (`transport.cores`); "" elsewhere (GPUs, one process, a multi-host pair, older lines)
     pinning: str = ""
+    chunks: int = 1  # token chunks of the chunked schedule / pipelined prefill (1: unchunked)
 
     def __post_init__(self) -> None:
         if self.schedule not in RECORD_SCHEDULES:
@@ -182,8 +183,9 @@ class Rep:
     timeline_ms: dict[str, float] = dataclasses.field(default_factory=dict)  # handoff.TIMELINE
     sent_bytes: int = 0  # what the prefill side's transport sent
     first_token_match: bool = True  # equals a single-process prefill's first token
-    cache_check: str = ""  # what held of this rep's cache (handoff.check_cache)
+    cache_check: str = ""  # what held of this rep's cache (cache_check.check_cache)
     serialized: bool = False  # overlapped, but serialized on the device (`serializes`)
+    chunks: int = 1  # token chunks of the chunked schedule / pipelined prefill (1: unchunked)
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "rep", **dataclasses.asdict(self), "action": str(self.action)}

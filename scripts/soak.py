@@ -83,7 +83,13 @@ def run_side(role: str, coordinator: str, args: argparse.Namespace) -> None:
     import jax
 
     from rekv_jax.action import Action
-    from rekv_jax.handoff import SCHEDULES, check_cache, prepare, receive_handoff, send_handoff
+    from rekv_jax.cache_check import check_cache
+    from rekv_jax.handoff import (
+        PAPER_SCHEDULES,
+        prepare,
+        receive_handoff,
+        send_handoff,
+    )
     from rekv_jax.loader import load_model
     from rekv_jax.model import prefill
     from rekv_jax.transport import TransportError, TransportTimeout, connect
@@ -94,7 +100,7 @@ def run_side(role: str, coordinator: str, args: argparse.Namespace) -> None:
     tokens = jax.random.randint(jax.random.key(1), (1, args.seq_len), 0, cfg.vocab_size)
     actions = {a: Action.parse(a, cfg.num_layers) for a in ACTIONS}
     steps = plan(args.handoffs, args.fault_rate, args.seed)
-    warmup = [Step(a, s, "error", None) for a in ACTIONS for s in SCHEDULES]
+    warmup = [Step(a, s, "error", None) for a in ACTIONS for s in PAPER_SCHEDULES]
     push, pull = transport._push, transport._pull  # the fault hooks (see transport_worker.py)
 
     def faulty_push(tag: str, arrays: list, deadline: float) -> None:

@@ -22,14 +22,12 @@ from rekv_jax import (
     prefill,
     sizes,
 )
+from rekv_jax.cache_check import SUFFIX_ACROSS, HostReference, check_cache
 from rekv_jax.experiment import Experiment, handoff_order, run_local
 from rekv_jax.handoff import (
-    SCHEDULES,
-    SUFFIX_ACROSS,
+    PAPER_SCHEDULES,
     TIMELINE,
     Handoff,
-    HostReference,
-    check_cache,
     pack_prefix,
     prepare,
     receive_handoff,
@@ -108,13 +106,13 @@ def check_overlap(records: list[dict], action: str) -> None:
     arrived (the sequential one waits for it), and the overlapped median is below the
     sequential one by at least half the suffix's time."""
     reps = {s: [r for r in records if r["kind"] == "rep" and r["action"] == action
-                and r["schedule"] == s] for s in SCHEDULES}
+                and r["schedule"] == s] for s in PAPER_SCHEDULES}
     for r in reps["overlapped"]:
         assert r["timeline_ms"]["suffix_start"] < r["timeline_ms"]["prefix"], r["timeline_ms"]
     for r in reps["sequential"]:
         assert r["timeline_ms"]["suffix_start"] >= r["timeline_ms"]["prefix"], r["timeline_ms"]
     ov, seq = ({k: np.median([r[k] if k == "total_ms" else r["phases_ms"][k] for r in reps[s]])
-                for k in ("total_ms", "prefix", "suffix")} for s in SCHEDULES)
+                for k in ("total_ms", "prefix", "suffix")} for s in PAPER_SCHEDULES)
     assert seq["prefix"] > 2 * seq["suffix"], (seq, "the link must be the bottleneck here")
     assert ov["total_ms"] < seq["total_ms"] - seq["suffix"] / 2, (ov, seq)
 

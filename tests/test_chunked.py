@@ -1,0 +1,226 @@
+"""Token-chunked handoffs: the chunked schedule's suffix is `run_suffix(chunks=N)` bitwise, the
+pipelined prefill's cache is `prefill(chunks=N)` bitwise (prefix after its quantization round
+trip), every family, through the local link, the runner and `rekv generate`."""
+
+import dataclasses
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_hf import hf_model
+from test_model import FAMILIES, random_params, small_config, tokens_for
+
+from rekv_jax import Action, ModelConfig, init_params, parse_actions
+from rekv_jax.cache_check import check_cache
+from rekv_jax.chunked import reference
+from rekv_jax.experiment import Experiment, run_local
+from rekv_jax.generate import Request, generate
+from rekv_jax.handoff import (
+    check_schedule,
+    pack_prefix,
+    prepare,
+    receive_handoff,
+    send_handoff,
+    send_prompt,
+    unpack_prefix,
+)
+from rekv_jax.model import new_cache, prefill, run_chunk, run_prefix, run_suffix, token_chunks
+from rekv_jax.quality import reconstruct_cache
+from rekv_jax.summary import Rep, Summary
+from rekv_jax.transport import LocalTransport
+
+
+@given(seq=st.integers(1, 300), chunks=st.integers(1, 40))
+def test_token_chunks_cover_the_prompt_in_order(seq, chunks):
+    if chunks > seq:
+        with pytest.raises(ValueError, match="chunks must be in"):
+            token_chunks(seq, chunks)
+        return
+    ranges = token_chunks(seq, chunks)
+    assert len(ranges) == chunks and ranges[0][0] == 0 and ranges[-1][1] == seq
+    assert all(a < b for a, b in ranges)
+    assert all(b == a2 for (_, b), (a2, _) in zip(ranges, ranges[1:], strict=False))
+    sizes = [b - a for a, b in ranges]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] - sizes[-1] <= 1
+
+
+def assert_same(got, want):
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and np.array_equal(g, w)
+
+
+@settings(max_examples=5, deadline=None)
+@given(family=st.sampled_from(list(FAMILIES)), seq=st.integers(2, 16), chunks=st.integers(2, 5),
+       cut=st.integers(0, 3), dtype=st.sampled_from([jnp.float32, jnp.bfloat16]))
+def test_chunk_steps_are_the_chunked_prefill(family, seq, chunks, cut, dtype):
+    """Chunk i through layers 0..c-1 then c..L-1 (the pipelined pair's two sides) is
+    `prefill(chunks=N)`; from the unchunked `h_c` it is `run_suffix(chunks=N)`."""
+    chunks = min(chunks, seq)
+    cfg = small_config(family, layers=3)
+    params = random_params(cfg, dtype)
+    tokens = tokens_for(cfg, 2, seq)
+    kv, logits = prefill(cfg, params, tokens, chunks)
+    prefix, suffix = new_cache(cfg, cut, 2, seq, dtype), new_cache(cfg, 3 - cut, 2, seq, dtype)
+    for a, b in token_chunks(seq, chunks):
+        x, prefix = run_chunk(cfg, params, tokens[:, a:b], prefix, 0, a) if cut else (
+            tokens[:, a:b], prefix)
+        x, suffix = run_chunk(cfg, params, x, suffix, cut, a)
+    _, last = run_suffix(cfg, params, x, 3)
+    assert_same([prefix.k, prefix.v, suffix.k, suffix.v, last],
+                [kv.k[:cut], kv.v[:cut], kv.k[cut:], kv.v[cut:], logits])
+    h_c, _ = run_prefix(cfg, params, tokens, cut)
+    want, want_logits = run_suffix(cfg, params, h_c, cut, chunks=chunks)
+    suffix = new_cache(cfg, 3 - cut, 2, seq, dtype)
+    for a, b in token_chunks(seq, chunks):
+        x, suffix = run_chunk(cfg, params, h_c[:, a:b], suffix, cut, a)
+    assert_same([suffix.k, suffix.v, run_suffix(cfg, params, x, 3)[1]],
+                [want.k, want.v, want_logits])
+
+
+def test_one_chunk_is_the_unchunked_prefill_and_chunks_differ_little():
+    cfg = small_config("qwen2")
+    params = random_params(cfg, jnp.float32)
+    tokens = tokens_for(cfg, 1, 20)
+    kv, logits = prefill(cfg, params, tokens)
+    one, one_logits = prefill(cfg, params, tokens, chunks=1)
+    assert_same([one.k, one.v, one_logits], [kv.k, kv.v, logits])
+    four, four_logits = prefill(cfg, params, tokens, chunks=4)
+    assert np.abs(np.asarray(four.k) - np.asarray(kv.k)).max() < 1e-4
+    assert np.abs(np.asarray(four_logits) - np.asarray(logits)).max() < 1e-4
+    with pytest.raises(ValueError, match="positions"):
+        run_suffix(cfg, params, run_prefix(cfg, params, tokens, 2)[0], 2, tokens * 0, chunks=2)
+
+
+def handoff(cfg, params, tokens, action, chunks, pipelined):
+    """One chunked (ready) or pipelined (prompt) handoff over a local link."""
+    sender, receiver = LocalTransport.pair()
+    errors = []
+
+    def send():
+        try:
+            if pipelined:
+                send_prompt(sender, cfg, params, tokens, action, "t", "pipelined", timeout=120,
+                            chunks=chunks)
+            else:
+                state = prepare(cfg, params, tokens, action, check_suffix=True, chunks=chunks)
+                send_handoff(sender, state, action, "t", timeout=120, chunks=chunks)
+        except Exception as e:  # surfaced by the assertion below
+            errors.append(e)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    try:
+        result = receive_handoff(receiver, cfg, params, action, *tokens.shape, "t", "chunked",
+                                 timeout=120, prefill_mode="pipelined" if pipelined else "full",
+                                 chunks=chunks)
+    finally:
+        thread.join(120)
+    assert not errors and not thread.is_alive()
+    return result
+
+
+@settings(max_examples=5, deadline=None)
+@given(family=st.sampled_from(list(FAMILIES)), seq=st.sampled_from([6, 13]),
+       chunks=st.integers(2, 4), action=st.sampled_from(["q8:r=1", "bf16:r=2", "q4:r=3"]),
+       pipelined=st.booleans())
+def test_handoff_is_its_chunked_reference_bitwise(family, seq, chunks, action, pipelined):
+    cfg = dataclasses.replace(small_config(family, layers=4), head_dim=64)  # quantizer groups
+    params = random_params(cfg, jnp.bfloat16)
+    tokens = tokens_for(cfg, 1, seq)
+    action = Action.parse(action, cfg.num_layers)
+    result = handoff(cfg, params, tokens, action, chunks, pipelined)
+    kv, logits, name = reference(cfg, params, tokens, action.cut, chunks, pipelined)
+    c = action.cut
+    restored = unpack_prefix(pack_prefix(kv.layers(0, c), action.bits), action.bits,
+                             jnp.bfloat16)
+    assert_same([result.kv.k[:c], result.kv.v[:c], result.kv.k[c:], result.kv.v[c:]],
+                [restored.k, restored.v, kv.k[c:], kv.v[c:]])
+    assert np.array_equal(result.first_token, jnp.argmax(logits, axis=-1))
+    want = "bitwise" if action.bits == 16 else "suffix bitwise"
+    assert check_cache(kv, action, result, name).startswith(f"{want} vs {name}")
+    assert result.suffix_match is (None if pipelined else True)
+    assert result.timeline_ms["suffix_start"] < result.timeline_ms["prefix"]
+
+
+@pytest.mark.parametrize("action", ["q8:full", "bf16:recompute"])
+def test_pipelined_transfer_and_recompute(action):
+    cfg = dataclasses.replace(small_config("llama", layers=3), head_dim=64)
+    params = random_params(cfg, jnp.bfloat16)
+    tokens = tokens_for(cfg, 1, 12)
+    action = Action.parse(action, cfg.num_layers)
+    result = handoff(cfg, params, tokens, action, 3, True)
+    kv, logits, name = reference(cfg, params, tokens, action.cut, 3, True)
+    assert name == "prefill(chunks=3)"
+    assert np.array_equal(result.first_token, jnp.argmax(logits, axis=-1))
+    assert not check_cache(kv, action, result, name).startswith("MISMATCH")
+
+
+def test_schedules_and_prefills_that_do_not_go_together():
+    check_schedule("chunked", "full", 4)
+    check_schedule("chunked", "pipelined", 2)
+    for args in [("chunked", "full", 1), ("overlapped", "full", 4), ("chunked", "split", 4),
+                 ("overlapped", "pipelined", 1), ("fastest", "full", 1)]:
+        with pytest.raises(ValueError):
+            check_schedule(*args)
+    with pytest.raises(ValueError, match="chunks"):
+        Experiment(actions=(Action(8, 4, 6),), schedules=("chunked",))
+
+
+def test_runner_records_name_the_chunked_reference():
+    """`rekv handoff`'s runner: overlapped and chunked side by side (ready), then pipelined
+    (prompt); every rep checked against its own reference."""
+    actions = tuple(parse_actions("q8:r=2,bf16:full,bf16:recompute", 6))
+    runs = [Experiment(seq_len=32, actions=actions, schedules=("overlapped", "chunked"),
+                       chunks=4, warmup=1, reps=2),
+            Experiment(seq_len=32, actions=actions, schedules=("chunked",), chunks=3, warmup=1,
+                       reps=2, interval="prompt", prefill="pipelined")]
+    for exp in runs:
+        out = []
+        run_local(exp, out.append)
+        summaries = [r for r in out if isinstance(r, Summary)]
+        assert all(isinstance(r, Summary | Rep) for r in out)
+        assert all(r.first_token_match for r in out), out
+        got = {(str(s.action), s.schedule): (s.chunks, s.cache_check) for s in summaries}
+        if exp.prefill == "full":
+            assert got[("q8:r=2", "chunked")] == (4, (
+                "suffix bitwise vs run_suffix(chunks=4), prefix within the q8 error bound, "
+                "suffix checksum = the prefill process's"))
+            assert got[("q8:r=2", "overlapped")][0] == 1
+            assert got[("bf16:recompute", "n/a")] == (1, "bitwise")
+        else:
+            assert got == {
+                ("q8:r=2", "chunked"): (3, "suffix bitwise vs prefill(chunks=3), prefix within "
+                                           "the q8 error bound"),
+                ("bf16:full", "n/a"): (3, "bitwise vs prefill(chunks=3)"),
+                ("bf16:recompute", "n/a"): (3, "bitwise vs prefill(chunks=3)")}
+
+
+def test_quality_scores_the_chunked_caches():
+    cfg = ModelConfig.preset("tiny")
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 24), 0, cfg.vocab_size, jnp.int32)
+    action = Action.parse("q8:r=2", cfg.num_layers)
+    for pipelined in (False, True):
+        kv, logits = reconstruct_cache(cfg, params, tokens, action, 4, pipelined)
+        want, want_logits, name = reference(cfg, params, tokens, action.cut, 4, pipelined)
+        assert np.array_equal(logits, want_logits) and np.array_equal(kv.k[4:], want.k[4:])
+        restored = unpack_prefix(pack_prefix(want.layers(0, 4), 8), 8, jnp.bfloat16)
+        assert np.array_equal(kv.k[:4], restored.k) and np.array_equal(kv.v[:4], restored.v)
+
+
+def test_generate_pipelined_yields_transformers_greedy_tokens(tmp_path):
+    model = hf_model("qwen2")
+    model.save_pretrained(tmp_path)
+    ids = np.random.default_rng(0).integers(0, 128, 40).tolist()
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False,
+                              attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    out = generate(Request(token_ids=ids, model=f"hf:{tmp_path}", action="bf16:r=1",
+                           max_new_tokens=6, dtype="float32", prefill="pipelined",
+                           schedule="chunked", chunks=4, transport="local"))
+    assert out.tokens == want[0, len(ids):].tolist() and out.chunks == 4 and not out.fallback
