@@ -137,7 +137,8 @@ def _flags() -> dict[str, Callable[[argparse.ArgumentParser], None]]:
                             "prompt's arrival at the prefill worker")
         p.add_argument("--prefill", choices=PREFILL_MODES, default=PREFILL_MODES[0],
                        help="the prefill worker runs all L layers, or only 0..c-1 streaming each "
-                            "layer as computed (needs --interval prompt)")
+                            "layer (split) or token chunk (pipelined) as computed (both need "
+                            "--interval prompt)")
 
     def pin(p: argparse.ArgumentParser) -> None:
         p.add_argument("--no-pin", action="store_true",
@@ -586,7 +587,8 @@ def _generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--dtype", choices=DTYPES, default=DTYPES[0])
     p.add_argument("--prefill", choices=PREFILL_MODES, default="split",
-                   help="the prefill worker runs all L layers, or only 0..c-1, streamed")
+                   help="the prefill worker runs all L layers, or only 0..c-1, streamed by "
+                        "layer (split) or by token chunk (pipelined)")
     p.add_argument("--schedule", choices=SCHEDULES, default=SCHEDULES[0],
                    help="with --prefill pipelined: chunked")
     p.add_argument("--chunks", type=int, default=None,

@@ -4,7 +4,9 @@ Every entry point is a Python composition of a few jitted programs: the embeddin
 per decoder layer shape and mode (`_prompt_layer`; `_cache_layer` when decoding on a cache),
 called once per layer with that layer's own weights, and the head (final norm + LM head).
 `prefill` runs layers `0..L-1`; `run_prefix` runs `0..c-1` and returns the residual `h_c`;
-`run_suffix` runs `c..L-1` from `h_c`. Layer `l` runs the same executable on the same inputs in
+`run_suffix` runs `c..L-1` from `h_c`; with `chunks=N` both `prefill` and `run_suffix` are chunked
+prefills (token chunk i attends to chunks 0..i through a cache: `run_chunk`, `token_chunks`), the
+reference of the chunked handoffs. Layer `l` runs the same executable on the same inputs in
 all of them, so the recomputed suffix KV and logits are bitwise equal to a full prefill's by
 construction (tested property). Nothing is sliced out of a weight stack, no loop hides a trip
 count from the compiler (no host sync per layer on a GPU), and the number of compiled programs

@@ -61,7 +61,8 @@ def test_cli_two_processes_prints_every_field():
     assert out.returncode == 0, out.stderr[-3000:]
     record = json.loads(out.stdout.splitlines()[-1])
     assert set(record) == {"tokens", "text", "ttft_ms", "tpot_ms", "tokens_per_s",
-                           "payload_bytes", "action", "prefill", "fallback", "first_divergence"}
+                           "payload_bytes", "action", "prefill", "chunks", "fallback",
+                           "first_divergence"}
     assert record["first_divergence"] is None and len(record["tokens"]) == 6
     cfg, _, tok = load(str(SHIPPED_MODEL), "bfloat16")
     ids = tok.encode(PROMPT).ids
