@@ -112,7 +112,8 @@ class Experiment:
             raise ValueError(f"fallback must be one of {FALLBACKS}, got {self.fallback!r}")
         check_modes(self.interval, self.prefill)
         for schedule in self.schedules:
-            check_schedule(schedule, self.prefill, self.chunks if schedule == "chunked" else 1)
+            check_schedule(schedule, self.prefill, self.chunks if schedule == "chunked" else 1,
+                           self.seq_len)
         if self.chunks > 1 and self.prefill_devices * self.decode_devices > 1:
             raise ValueError("token chunks run on one device per side")
 

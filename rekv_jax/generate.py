@@ -73,7 +73,7 @@ class Request:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        check_schedule(self.schedule, self.prefill, self.chunks)
+        check_schedule(self.schedule, self.prefill, self.chunks, len(self.token_ids))
 
 
 @dataclasses.dataclass(frozen=True)

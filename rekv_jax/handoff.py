@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
-from rekv_jax.costmodel import check_modes
+from rekv_jax.costmodel import CHUNKED, PIPELINED, SCHEDULES, check_chunks, check_modes
 from rekv_jax.kv import KVCache
 from rekv_jax.model import Params, prefill, run_layers, run_prefix, run_suffix, token_chunks
 from rekv_jax.quantize import (
@@ -44,9 +44,8 @@ from rekv_jax.quantize import (
 from rekv_jax.sizes import GROUP_SIZE
 from rekv_jax.transport import Transport, TransportError, checksums
 
-PAPER_SCHEDULES = ("overlapped", "sequential")  # Eqs. 8-9
-# chunked: the suffix runs on each token chunk of `h_c` as it arrives (rekv_jax.chunked)
-SCHEDULES = (*PAPER_SCHEDULES, "chunked")
+# SCHEDULES: these, and chunked: the suffix runs on each token chunk of `h_c` as it arrives
+PAPER_SCHEDULES = SCHEDULES[:2]  # overlapped, sequential (Eqs. 8-9)
 FALLBACKS = ("error", "recompute")
 # events of a handoff's timeline: the boundary arrived, the prefix arrived and was restored, the
 # suffix started and ended, the cache and first token were ready
@@ -85,17 +84,15 @@ class Handoff:
     suffix_match: bool | None = None
 
 
-def check_schedule(schedule: str, prefill_mode: str, chunks: int) -> None:
-    """ValueError unless the schedule, prefill mode and token chunks go together: the chunked
-    schedule and the pipelined prefill (which runs under it only) need chunks >= 2."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    if (prefill_mode == "pipelined") != (schedule == "chunked") and prefill_mode != "full":
-        raise ValueError(f"a {prefill_mode} prefill does not run under the {schedule} schedule "
-                         "(pipelined runs chunked only; split streams whole layers)")
-    if (schedule == "chunked") != (chunks > 1):
-        raise ValueError(f"the {schedule} schedule needs chunks "
-                         f"{'>= 2' if schedule == 'chunked' else '= 1'}, got {chunks}")
+def check_schedule(schedule: str, prefill_mode: str, chunks: int, seq_len: int) -> None:
+    """ValueError unless the schedule, prefill mode and token chunks go together
+    (`costmodel.check_chunks`) as a handoff runs them: chunked with N >= 2 chunks, and a
+    pipelined prefill under it only."""
+    check_chunks(schedule, prefill_mode, chunks, seq_len)
+    if (schedule == CHUNKED) != (chunks > 1) or (prefill_mode == PIPELINED) > (chunks > 1):
+        raise ValueError(f"a handoff runs {chunks} chunks under schedule {schedule!r} with a "
+                         f"{prefill_mode} prefill: the chunked schedule needs N >= 2, a "
+                         "pipelined prefill the chunked schedule")
 
 
 def prepare(cfg: ModelConfig, params: Params, tokens: jax.Array, action: Action,
@@ -283,7 +280,7 @@ def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, acti
     `h_c` and runs the suffix (overlapped) or first waits for the whole prefix (sequential).
     A joint action's `chunked` schedule and a `pipelined` prefill run `chunked.receive_chunked`.
     """
-    check_schedule(schedule, prefill_mode, chunks)
+    check_schedule(schedule, prefill_mode, chunks, seq_len)
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
     check_modes("ready" if prefill_mode == "full" else "prompt", prefill_mode)

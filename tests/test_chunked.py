@@ -161,12 +161,13 @@ def test_pipelined_transfer_and_recompute(action):
 
 
 def test_schedules_and_prefills_that_do_not_go_together():
-    check_schedule("chunked", "full", 4)
-    check_schedule("chunked", "pipelined", 2)
+    check_schedule("chunked", "full", 4, 8)
+    check_schedule("chunked", "pipelined", 2, 8)
     for args in [("chunked", "full", 1), ("overlapped", "full", 4), ("chunked", "split", 4),
-                 ("overlapped", "pipelined", 1), ("fastest", "full", 1)]:
+                 ("overlapped", "pipelined", 1), ("overlapped", "pipelined", 4),
+                 ("fastest", "full", 1), ("chunked", "full", 9)]:
         with pytest.raises(ValueError):
-            check_schedule(*args)
+            check_schedule(*args, 8)
     with pytest.raises(ValueError, match="chunks"):
         Experiment(actions=(Action(8, 4, 6),), schedules=("chunked",))
 
