@@ -1,0 +1,52 @@
+"""The chunked schedules' speedups from `rekv handoff --json` outputs, as one JSON line.
+
+Ready interval: the best `chunked` joint action over the best `overlapped` joint action (issue
+20's target: >= 1.08). Prompt interval: the best `pipelined` action over the best `full` and the
+best `split` action (>= 1.5, >= 1.3). Each best is the smallest median over the summaries of
+one file set; only checked records count (first token matched, no cache mismatch).
+
+    PYTHONPATH=. python scripts/chunked_ratios.py ready.jsonl [more.jsonl ...]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from rekv_jax.summary import Summary, read_jsonl
+
+TARGETS = {"chunked_over_overlapped": 1.08, "pipelined_over_full": 1.5,
+           "pipelined_over_split": 1.3}
+
+
+def best(summaries: list[Summary], joint: bool, **match: str) -> Summary | None:
+    """The fastest checked summary whose fields equal `match` (joint actions only: `joint`)."""
+    ok = [s for s in summaries
+          if all(getattr(s, k) == v for k, v in match.items()) and s.first_token_match
+          and not s.cache_check.startswith("MISMATCH") and (s.action.kind == "joint" or not joint)]
+    return min(ok, key=lambda s: s.median_ms, default=None)
+
+
+def main(paths: list[str]) -> None:
+    summaries = [Summary.from_json(r) for p in paths for r in read_jsonl(p)
+                 if r.get("kind") == "summary"]
+    pairs = {"chunked_over_overlapped": (best(summaries, True, schedule="chunked",
+                                              interval="ready"),
+                                         best(summaries, True, schedule="overlapped",
+                                              interval="ready")),
+             "pipelined_over_full": (best(summaries, False, prefill="pipelined"),
+                                     best(summaries, False, prefill="full", interval="prompt")),
+             "pipelined_over_split": (best(summaries, False, prefill="pipelined"),
+                                      best(summaries, False, prefill="split"))}
+    out = {}
+    for name, (new, old) in pairs.items():
+        if new is None or old is None:
+            continue
+        out[name] = {"ratio": old.median_ms / new.median_ms, "target": TARGETS[name],
+                     "best": f"{new.action} {new.schedule} N={new.chunks}: {new.median_ms:.2f} ms",
+                     "baseline": f"{old.action} {old.schedule}: {old.median_ms:.2f} ms"}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
