@@ -111,9 +111,8 @@ class Experiment:
         if self.fallback not in FALLBACKS:
             raise ValueError(f"fallback must be one of {FALLBACKS}, got {self.fallback!r}")
         check_modes(self.interval, self.prefill)
-        for schedule in self.schedules:
-            check_schedule(schedule, self.prefill, self.chunks if schedule == "chunked" else 1,
-                           self.seq_len)
+        for s in self.schedules:  # the chunks are the chunked schedule's
+            check_schedule(s, self.prefill, self.chunks if s == "chunked" else 1, self.seq_len)
         if self.chunks > 1 and self.prefill_devices * self.decode_devices > 1:
             raise ValueError("token chunks run on one device per side")
 
@@ -129,8 +128,7 @@ class Experiment:
         return self.schedules if action.kind == "joint" else self.schedules[:1]
 
     def chunks_of(self, action: Action, schedule: str) -> int:
-        """Token chunks of `action` under `schedule`: a joint action's boundary, chunked, or a
-        pipelined prefill's prompt (else 1)."""
+        """Token chunks of `action` under `schedule` (1: unchunked)."""
         chunked = schedule == "chunked" and (action.kind == "joint" or self.prefill != "full")
         return self.chunks if chunked else 1
 
@@ -310,8 +308,8 @@ class References:
         self._sharded = self._devices != (1, 1)
         self._pipelined = exp.prefill == "pipelined"
         self._cache: dict[tuple[int, int], tuple[HostReference, np.ndarray, str]] = {}
-        if not self._sharded:  # now: this side compiles the shape's model programs while the
-            self._reference(0, exp.chunks if self._pipelined else 1)  # prefill side compiles
+        if not self._sharded:  # compile the model's programs now, beside the prefill side's
+            self._reference(0, exp.chunks if self._pipelined else 1)
 
     def _reference(self, cut: int, chunks: int) -> tuple[HostReference, np.ndarray, str]:
         """(the reference cache of `cut` in `chunks`, its first token, its name), once."""
