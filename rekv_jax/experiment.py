@@ -260,8 +260,7 @@ def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
             chunks, runs_in = exp.chunks if schedule == "chunked" else 1, exp.chunks_of(
                 action, schedule)  # what the sides are given, what the action runs in
             if ready and chunks not in states:
-                # the prefill side's own suffix is checked against the decode side's on every
-                # rep (the same mesh shape on both sides: across meshes the bits differ)
+                # its own suffix is checked on every rep (same mesh shapes: across, bits differ)
                 states[chunks] = prepare(cfg, params, tokens, action, exp.prefill_devices
                                          == exp.decode_devices, runs_in)
             if role == "prefill":
