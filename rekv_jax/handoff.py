@@ -25,6 +25,7 @@ decode side's receive worker restores each layer as it arrives. Either way a `pr
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 
 import jax
@@ -261,11 +262,12 @@ def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, acti
         specs = [token_spec, first_spec] + [h_c_spec] * (action.kind == "joint")
     transport.agree(f"{tag}/go", {}, timeout)
     t0 = time.perf_counter()
+    boundary_in = threading.Event()  # the boundary's receive ended (its bytes are paced first)
 
     def restore_prefix() -> tuple[KVCache, float]:
         if not split:
             buffers = transport.recv(f"{tag}/prefix", prefix_specs(cfg, action, batch, seq_len,
-                                                                   dtype), timeout)
+                                                                   dtype), timeout, boundary_in)
             prefix = unpack_prefix(buffers, action.bits, dtype, backend)
         else:  # restore each layer as it arrives
             layers = []
@@ -292,13 +294,18 @@ def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, acti
     prefix = suffix = logits = sent_first = h_c = None
     t_boundary = t_prefix = time.perf_counter()
     fell_back = False
-    # the prefix is received beside this thread only where something runs meanwhile (the split
-    # stream arrives during the boundary wait; the overlapped suffix), on the transport's
-    # persistent background thread
-    pending = transport.background.submit(restore_prefix) if split and c > 0 else None
+    # the prefix is received beside this thread (on the transport's persistent background
+    # thread) where something runs meanwhile: from the start where it needs nothing from the
+    # boundary (the split stream; transfer-only, beside the boundary's receive, whose bytes a
+    # paced link delivers first), else beside the overlapped suffix
+    early = c > 0 and (split or action.kind == "transfer")
+    pending = transport.background.submit(restore_prefix) if early else None
     try:
         if specs:
-            boundary = transport.recv(f"{tag}/boundary", specs, timeout)
+            try:
+                boundary = transport.recv(f"{tag}/boundary", specs, timeout)
+            finally:
+                boundary_in.set()
             if not split:
                 tokens, sent_first, *boundary = boundary
             h_c = boundary[0] if action.kind == "joint" else None
