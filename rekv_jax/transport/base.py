@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import contextlib
 import json
 import queue
 import threading
@@ -302,13 +303,13 @@ class Transport:
                 got, want = self._landed_verdict(tag, arrays, sums, deadline)
             except TransportError:
                 if self.pull_first:  # a pull of other buffers than were sent fails: say so
-                    self._check_header(tag, expected, max(0.0, deadline - time.monotonic()))
+                    self._recheck_header(tag, expected, deadline)
                 raise
             got.append(spec_word(json.dumps(expected)))
             if self.pull_first:
                 start = time.monotonic()
                 if got[-1] != want[-1]:  # other buffers than expected (same bytes, or fewer)
-                    self._check_header(tag, expected, max(0.0, deadline - time.monotonic()))
+                    self._recheck_header(tag, expected, deadline)
             bad = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
             if bad:
                 raise TransportError(f"{tag}: checksum mismatch in buffer(s) {bad}: "
@@ -325,6 +326,12 @@ class Transport:
                 per_device[frozenset(a.devices())] += a.nbytes
             self._pacer.wait(max(per_device.values()), start)
         return arrays
+
+    def _recheck_header(self, tag: str, expected: list, deadline: float) -> None:
+        """`_check_header` after a failed pull (`pull_first`): a header that cannot be read
+        (the peer died, the time is up) leaves the pull's own error to stand."""
+        with contextlib.suppress(TransportError):
+            self._check_header(tag, expected, max(0.0, deadline - time.monotonic()))
 
     def _check_header(self, tag: str, expected: list, timeout: float) -> None:
         """Decode side: raise ValueError (and tell the sender) if the header's buffer specs are
