@@ -10,12 +10,9 @@ every 0.5 s that the peer is alive. `link_gbps` paces receives to emulate a link
 (FIFO: a transfer of n bytes completes no earlier than n / W after it, and the previous one,
 started).
 
-Fixed cost per phase (base.py has the sequence): the sender posts a header and goes on; the
-transfer server's decode side pulls without waiting for it (the checksums buffer ends with a word
-of the specs, and the header is read only if that differs or the pull failed), the local one
-reads it first, and the collective's two sides swap header and go-ahead (the specs the decode
-side expects) at once, since both must enter its program; the decode side posts its ack without
-waiting and the sender collects the acks at the end. Threads
+Fixed cost per phase (base.py has the sequence): one control message before the data (the
+header), plus the go-ahead for the collective only, whose program both sides must enter; the
+decode side posts its ack without waiting and the sender collects the acks at the end. Threads
 that waits use (a transfer-server pull, a collective program, posted acks, the decode side's
 background receive) are made with the transport, not per message (scripts/bench_messages.py).
 

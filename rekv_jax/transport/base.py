@@ -22,10 +22,8 @@ for the sender's buffers) pulls at once and reads the header only if that pull f
 differs (other buffers than expected were sent): no message is on its critical path.
 
 A `go_ahead` transport (the collective: both sides must enter its program, and mismatched specs
-must never reach it) pushes after the header instead, once the decode side's `TAG/ready` (the
-specs it expects, posted as its receive starts) came and matched the sender's own; the decode
-side compares the header alike, so both sides enter the program or both raise, and neither
-waits for the other's comparison. It is the only one with a message the sender waits for.
+must never reach it) pushes after the header instead, once the decode side's `put TAG/ready`
+said the specs matched; it is the only one with a message the sender waits for mid-phase.
 
 The checksums are computed on the sender's device and travel as one more buffer beside the ones
 they check, so the sender never waits for them and no message carries them. `post` is a put
@@ -90,11 +88,6 @@ class Channel(Protocol):
         ...
 
     def peer_alive(self) -> bool: ...
-
-
-def mismatch(tag: str, sent: list, expected: list) -> str:
-    """The error both sides raise when the buffers sent are not those expected."""
-    return f"{tag}: prefill sent buffers {sent}, decode expects {expected}"
 
 
 def peer_of(role: Role) -> Role:
@@ -290,13 +283,12 @@ class Transport:
         self._require("decode", "recv")
         deadline = time.monotonic() + timeout
         expected = [spec_of(s) for s in specs]
-        wire = [*specs, checksums_spec(specs)]  # what crosses: the buffers, then checksums
-        if self.go_ahead:  # before the header is read: the sender compares its specs with
-            # these itself, so both sides decide alike without waiting for each other
-            self._channel.post(f"{tag}/ready", json.dumps([expected, self._destinations(wire)]))
         if not self.pull_first:
             self._check_header(tag, expected, timeout)
         start = time.monotonic()  # when the header came (`pull_first`: when the bytes did)
+        wire = [*specs, checksums_spec(specs)]  # what crosses: the buffers, then checksums
+        if self.go_ahead:  # put, not post: the sender is waiting for it
+            self._channel.put(f"{tag}/ready", self._ready(wire))
         try:
             try:
                 *arrays, sums = self._pull(tag, wire, deadline)
@@ -338,7 +330,9 @@ class Transport:
         not `expected`. A header that does not come is a TransportError (a timeout)."""
         sent = json.loads(self._channel.get(f"{tag}/header", timeout))
         if sent != expected:
-            msg = mismatch(tag, sent, expected)
+            msg = f"{tag}: prefill sent buffers {sent}, decode expects {expected}"
+            if self.go_ahead:
+                self._channel.put(f"{tag}/ready", "mismatch: " + msg)
             self._channel.post(f"{tag}/ack", "mismatch: " + msg)
             raise ValueError(msg)
 
@@ -412,10 +406,9 @@ class Transport:
         this thread, for transports whose `_pull` returns materialized buffers."""
         return verdict_collect(verdict_dispatch(arrays, sums))
 
-    def _destinations(self, specs: Sequence[jax.ShapeDtypeStruct]) -> list[int] | None:
-        """Decode side (`go_ahead` transports): what the go-ahead tells the sender beside the
-        expected specs (the collective: the device each buffer must reach, if specs name one)."""
-        return None
+    def _ready(self, specs: Sequence[jax.ShapeDtypeStruct]) -> str:
+        """Decode side (`go_ahead` transports): the go-ahead once the header matched."""
+        return "ok"
 
     def _acked(self, tag: str) -> None:
         """Hook: the decode side is done with `tag` (the sender may drop its buffers)."""

@@ -20,15 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from rekv_jax.transport import distributed
-from rekv_jax.transport.base import (
-    Role,
-    Transport,
-    TransportError,
-    Worker,
-    mismatch,
-    spec_of,
-    wait_for,
-)
+from rekv_jax.transport.base import Role, Transport, TransportError, Worker, wait_for
 
 
 def _devices_by_id() -> dict[int, jax.Device]:
@@ -42,8 +34,8 @@ def _device_of(spec: jax.ShapeDtypeStruct) -> jax.Device:
 class CollectiveTransport(Transport):
     """Each buffer [n, ...] becomes the local block of a global [2n, ...] array sharded over the
     process axis; the program moves the prefill block to the decode device (the decode side
-    contributes a cached zero block). Both sides compare the specs sent with those expected
-    (`go_ahead`) before either enters the program, so mismatched shapes never reach it."""
+    contributes a cached zero block). The decode side confirms the header (`go_ahead`) before
+    either side enters the program, so mismatched shapes never reach the collective."""
 
     kind = "collective"
     go_ahead = True
@@ -70,32 +62,31 @@ class CollectiveTransport(Transport):
         self._broken: str | None = None
 
     def _push(self, tag: str, arrays: list[jax.Array], deadline: float) -> None:
-        sent = [spec_of(a) for a in arrays]
         arrays = self._with_checksums(tag, arrays)
-        expected, placed = json.loads(self._channel.get(f"{tag}/ready",
-                                                        max(0.0, deadline - time.monotonic())))
-        if expected != sent:  # the decode side raises alike, neither enters the program
-            raise ValueError(mismatch(tag, sent, expected))
-        if placed is None:
+        ready = self._channel.get(f"{tag}/ready", max(0.0, deadline - time.monotonic()))
+        if ready.startswith("mismatch: "):
+            raise ValueError(ready.removeprefix("mismatch: "))
+        if ready == "ok":
             self._exchange(tag, [jax.device_put(a, self._device) for a in arrays], deadline)
             return
         src = [next(iter(a.devices())) for a in arrays]
         self._channel.put(f"{tag}/src", json.dumps([d.id for d in src]))
-        self._exchange_placed(tag, arrays, src, [_devices_by_id()[i] for i in placed], deadline)
+        dst = [_devices_by_id()[i] for i in json.loads(ready.removeprefix("ok placed "))]
+        self._exchange_placed(tag, arrays, src, dst, deadline)
 
     def _pull(self, tag: str, specs: list[jax.ShapeDtypeStruct], deadline: float
               ) -> list[jax.Array]:
-        if self._destinations(specs) is None:
+        if self._ready(specs) == "ok":
             return self._exchange(tag, [self._blank(s) for s in specs], deadline)
         src = json.loads(self._channel.get(f"{tag}/src", max(0.0, deadline - time.monotonic())))
         return self._exchange_placed(tag, specs, [_devices_by_id()[i] for i in src],
                                      [_device_of(s) for s in specs], deadline)
 
-    def _destinations(self, specs: list[jax.ShapeDtypeStruct]) -> list[int] | None:
+    def _ready(self, specs: list[jax.ShapeDtypeStruct]) -> str:
         """Specs that name their devices (sharded sides) tell the sender where each buffer goes."""
         if all(s.sharding is None for s in specs):
-            return None
-        return [_device_of(s).id for s in specs]
+            return "ok"
+        return "ok placed " + json.dumps([_device_of(s).id for s in specs])
 
     def _blank(self, spec: jax.ShapeDtypeStruct, device: jax.Device | None = None) -> jax.Array:
         device = device or self._device
