@@ -295,10 +295,11 @@ def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, acti
     t_boundary = t_prefix = time.perf_counter()
     fell_back = False
     # the prefix is received beside this thread (on the transport's persistent background
-    # thread) where something runs meanwhile: from the start where it needs nothing from the
-    # boundary (the split stream; transfer-only, beside the boundary's receive, whose bytes a
-    # paced link delivers first), else beside the overlapped suffix
-    early = c > 0 and (split or action.kind == "transfer")
+    # thread) where something runs meanwhile: from the start for the split stream, and for
+    # transfer-only over a transport that pulls without waiting for a message (both phases in
+    # flight at once; a paced link still delivers the boundary first), else beside the
+    # overlapped suffix
+    early = c > 0 and (split or action.kind == "transfer" and transport.pull_first)
     pending = transport.background.submit(restore_prefix) if early else None
     try:
         if specs:

@@ -16,10 +16,11 @@ Messages of one phase (each control message is a key-value-store round trip betw
   get  TAG/ack (at the end)  <--------------------  post TAG/ack     ("ok", "mismatch: ...",
                                                                     "error: ...")
 
-The sender does not wait for its header to land. The checksums buffer ends with a word of the
-header itself (`spec_word`), so a `pull_first` transport (the transfer server, whose pull waits
-for the sender's buffers) pulls at once and reads the header only if that pull failed or the word
-differs (other buffers than expected were sent): no message is on its critical path.
+The sender does not wait for its header to land (a `go_ahead` transport's, below, is put). The
+checksums buffer ends with a word of the header itself (`spec_word`), so a `pull_first` transport
+(the transfer server, whose pull waits for the sender's buffers) pulls at once and reads the
+header only if that pull failed or the word differs (other buffers than expected were sent): no
+message is on its critical path.
 
 A `go_ahead` transport (the collective: both sides must enter its program, and mismatched specs
 must never reach it) pushes after the header instead, once the decode side's `put TAG/ready`
@@ -245,8 +246,8 @@ class Transport:
     def send(self, tag: str, arrays: Sequence[jax.Array], timeout: float = 60.0) -> None:
         """Prefill side: post the header (buffer specs; not waited for) and hand the buffers to
         the link with their checksums (computed on device meanwhile, sent as one more buffer):
-        the buffers first where the link holds them until the decode side pulls, the header
-        first for a `go_ahead` transport. A header whose post fails (a reused tag, a lost
+        the buffers first where the link holds them until the decode side pulls; the header
+        first, put, for a `go_ahead` transport. A header whose post fails (a reused tag, a lost
         coordinator) surfaces as the decode side's timeout, then `wait_ack`'s.
 
         Returns once the transport holds the buffers (transfer-server: registered for pull; the
@@ -264,7 +265,7 @@ class Transport:
         header = json.dumps([spec_of(a) for a in arrays])
         self._outgoing[tag] = checksums_buffer(arrays, spec_word(header))  # on device meanwhile
         if self.go_ahead:  # the push waits for the go-ahead, which the header brings about
-            self._channel.post(f"{tag}/header", header)
+            self._channel.put(f"{tag}/header", header)
             self._push(tag, arrays, deadline)
         else:  # the buffers wait at the link for the pull (which may come before the header)
             self._push(tag, arrays, deadline)
