@@ -25,6 +25,7 @@ decode side's receive worker restores each layer as it arrives. Either way a `pr
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 
 import jax
@@ -149,11 +150,12 @@ def prefix_specs(cfg: ModelConfig, action: Action, batch: int, seq_len: int, dty
 
 def recv_prefix(transport: Transport, cfg: ModelConfig, action: Action,
                 shape: tuple[int, int, int], dtype: jnp.dtype, tag: str, backend: str | None,
-                timeout: float) -> KVCache:
+                timeout: float, paced_after: threading.Event | None = None) -> KVCache:
     """Receive and restore one prefix payload of shape (B, tokens, layers): the whole prefix, a
-    streamed layer or a token chunk."""
+    streamed layer or a token chunk (`paced_after`: `Transport.recv`'s)."""
     specs = prefix_specs(cfg, action, shape[0], shape[1], dtype, shape[2])
-    return unpack_prefix(transport.recv(tag, specs, timeout), action.bits, dtype, backend)
+    return unpack_prefix(transport.recv(tag, specs, timeout, paced_after), action.bits, dtype,
+                         backend)
 
 
 # ---------------------------------------------------------------------------- the two sides
@@ -300,11 +302,12 @@ def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, acti
         specs = [token_spec, first_spec] + [h_c_spec] * (action.kind == "joint")
     transport.agree(f"{tag}/go", {}, timeout)
     t0 = time.perf_counter()
+    boundary_in = threading.Event()  # the boundary's receive ended (its bytes are paced first)
 
     def restore_prefix() -> tuple[KVCache, float]:
         if not split:
             prefix = recv_prefix(transport, cfg, action, (batch, seq_len, c), dtype,
-                                 f"{tag}/prefix", backend, timeout)
+                                 f"{tag}/prefix", backend, timeout, boundary_in)
         else:  # restore each layer as it arrives
             layers = []
             for layer in range(c):
@@ -329,13 +332,19 @@ def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, acti
     prefix = suffix = logits = sent_first = h_c = None
     t_boundary = t_prefix = time.perf_counter()
     fell_back = False
-    # the prefix is received beside this thread only where something runs meanwhile (the split
-    # stream arrives during the boundary wait; the overlapped suffix), on the transport's
-    # persistent background thread
-    pending = transport.background.submit(restore_prefix) if split and c > 0 else None
+    # the prefix is received beside this thread (on the transport's persistent background
+    # thread) where something runs meanwhile: from the start for the split stream, and for
+    # transfer-only over a transport that pulls without waiting for a message (both phases in
+    # flight at once; a paced link still delivers the boundary first), else beside the
+    # overlapped suffix
+    early = c > 0 and (split or action.kind == "transfer" and transport.pull_first)
+    pending = transport.background.submit(restore_prefix) if early else None
     try:
         if specs:
-            boundary = transport.recv(f"{tag}/boundary", specs, timeout)
+            try:
+                boundary = transport.recv(f"{tag}/boundary", specs, timeout)
+            finally:
+                boundary_in.set()
             if not split:
                 tokens, sent_first, *boundary = boundary
             h_c = boundary[0] if action.kind == "joint" else None

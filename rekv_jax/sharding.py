@@ -26,6 +26,7 @@ import dataclasses
 import math
 import os
 import re
+import threading
 from collections.abc import Sequence
 
 import jax
@@ -294,12 +295,13 @@ class MeshTransport:
         pieces = [p for a in arrays for p in split(a, self._transit(a.shape))]
         self._transport.send(tag, pieces, timeout)
 
-    def recv(self, tag: str, specs: Sequence[jax.ShapeDtypeStruct], timeout: float = 60.0
-             ) -> list[jax.Array]:
+    def recv(self, tag: str, specs: Sequence[jax.ShapeDtypeStruct], timeout: float = 60.0,
+             paced_after: threading.Event | None = None) -> list[jax.Array]:
         """Decode side: the buffers of `tag` on the decode mesh (see `Transport.recv`)."""
         plan = [(s, self._transit(s.shape), self._target(s.shape)) for s in specs]
         wanted = [piece_specs(s, t, target) for s, t, target in plan]
-        got = iter(self._transport.recv(tag, [p for ps in wanted for p in ps], timeout))
+        got = iter(self._transport.recv(tag, [p for ps in wanted for p in ps], timeout,
+                                        paced_after))
         return [assemble([next(got) for _ in ps], s, t, target)
                 for (s, t, target), ps in zip(plan, wanted, strict=True)]
 

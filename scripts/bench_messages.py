@@ -6,7 +6,8 @@ verifies. `phase_ms` is from the prefill side's `send` call to the decode side's
 (both processes on one host share `time.monotonic`); the acks are collected at the end, as a
 handoff does. `messages` counts the control messages of one phase by key and operation (both
 sides; the `go` pacing and the local transport's in-process payload are not counted), which is
-what tests/test_messages.py pins.
+what tests/test_messages.py pins: the transfer server's decode side reads no header (it reads it
+only when its pull brought other buffers), the collective adds its go-ahead (`ready`).
 
     python scripts/bench_messages.py --kinds local,transfer-server,collective --reps 200
 """

@@ -22,9 +22,11 @@ from rekv_jax.transport.base import Worker, wait_for
 from rekv_jax.transport.local import Board
 from rekv_jax.transport.transfer_server import TransferServerTransport
 
-# one phase, both sides: the header, then the ack posted by the decode side and collected at
-# the end; no go-ahead, no separate checksums (they travel with the buffers)
-ONE_PHASE = {"put header": 1, "get header": 1, "post ack": 1, "get ack": 1}
+# one phase, both sides: the header posted by the prefill side, then the ack posted by the decode
+# side and collected at the end; no go-ahead, no separate checksums (they travel with the
+# buffers). The transfer server reads the header only when its pull brought other buffers.
+ONE_PHASE = {"post header": 1, "get header": 1, "post ack": 1, "get ack": 1}
+PULL_FIRST = {"post header": 1, "post ack": 1, "get ack": 1}
 
 
 class CountingBoard(Board):
@@ -87,19 +89,22 @@ def test_a_phase_is_one_header_and_one_posted_ack_and_no_wait_sleeps(make, monke
     prefill.wait_ack("p", timeout=30)
     for g, s in zip(got, sent, strict=True):
         assert np.array_equal(np.asarray(g), np.asarray(s))
-    assert board.counts == ONE_PHASE
+    assert board.counts == (PULL_FIRST if decode.pull_first else ONE_PHASE)
 
 
 @pytest.mark.parametrize("make", [local_pair, transfer_server_pair])
 def test_failed_phases_cost_no_extra_message(make, monkeypatch):
     board = CountingBoard()
     prefill, decode = make(board, monkeypatch) if make is transfer_server_pair else make(board)
-    prefill.send("p", payload(rows=7))  # mismatched specs
-    with pytest.raises(ValueError, match="decode expects"):
-        decode.recv("p", specs(payload()), timeout=30)
-    with pytest.raises(ValueError, match="decode expects"):
-        prefill.wait_ack("p", timeout=30)
-    assert board.counts == ONE_PHASE
+    reshaped = [payload()[0].reshape(2, 16, 8), payload()[1]]  # the same bytes, other specs
+    for tag, sent in (("p", payload(rows=7)), ("p/1", reshaped)):  # mismatched specs
+        board.counts.clear()
+        prefill.send(tag, sent)
+        with pytest.raises(ValueError, match="decode expects"):
+            decode.recv(tag, specs(payload()), timeout=30)
+        with pytest.raises(ValueError, match="decode expects"):
+            prefill.wait_ack(tag, timeout=30)
+        assert board.counts == ONE_PHASE
 
     board.counts.clear()
     original = prefill._push
@@ -115,7 +120,7 @@ def test_failed_phases_cost_no_extra_message(make, monkeypatch):
         decode.recv("p/2", specs(payload()), timeout=30)
     with pytest.raises(TransportError, match="checksum mismatch"):
         prefill.wait_ack("p/2", timeout=30)
-    assert board.counts == ONE_PHASE
+    assert board.counts == (PULL_FIRST if decode.pull_first else ONE_PHASE)
 
 
 def test_the_receive_thread_is_made_once_per_transport_not_per_handoff(monkeypatch):

@@ -10,9 +10,11 @@ every 0.5 s that the peer is alive. `link_gbps` paces receives to emulate a link
 (FIFO: a transfer of n bytes completes no earlier than n / W after it, and the previous one,
 started).
 
-Fixed cost per phase (base.py has the sequence): one control message before the data (the
-header), plus the go-ahead for the collective only, whose program both sides must enter; the
-decode side posts its ack without waiting and the sender collects the acks at the end. Threads
+Fixed cost per phase (base.py has the sequence): the header, which the transfer server's decode
+side reads only when its pull brought other buffers than it expects (the checksums buffer ends
+with a word of the specs), plus the go-ahead for the collective only, whose program both sides
+must enter; the decode side posts its ack without waiting and the sender collects the acks at
+the end. Threads
 that waits use (a transfer-server pull, a collective program, posted acks, the decode side's
 background receive) are made with the transport, not per message (scripts/bench_messages.py).
 

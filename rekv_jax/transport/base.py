@@ -10,11 +10,17 @@ Messages of one phase (each control message is a key-value-store round trip betw
 
   prefill                                          decode
   push buffers + checksums (the link holds them)
-  put  TAG/header (buffer specs)  --------------->  get  TAG/header  (compare specs)
+  post TAG/header (buffer specs)  --------------->  get  TAG/header  (compare specs)
                                                     pull buffers + checksums, checksum the
                                                     buffers on device, compare
   get  TAG/ack (at the end)  <--------------------  post TAG/ack     ("ok", "mismatch: ...",
                                                                     "error: ...")
+
+The sender does not wait for its header to land (a `go_ahead` transport's, below, is put). The
+checksums buffer ends with a word of the header itself (`spec_word`), so a `pull_first` transport
+(the transfer server, whose pull waits for the sender's buffers) pulls at once and reads the
+header only if that pull failed or the word differs (other buffers than expected were sent): no
+message is on its critical path.
 
 A `go_ahead` transport (the collective: both sides must enter its program, and mismatched specs
 must never reach it) pushes after the header instead, once the decode side's `put TAG/ready`
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import contextlib
 import json
 import queue
 import threading
@@ -47,6 +54,7 @@ import jax.numpy as jnp
 from rekv_jax.transport.checksums import (
     checksums_buffer,
     checksums_spec,
+    spec_word,
     verdict_collect,
     verdict_dispatch,
 )
@@ -211,6 +219,10 @@ class Transport:
     # transport whose buffers move only when both sides act together (the collective) must not
     # start a program the decode side would not join
     go_ahead: bool = False
+    # whether the decode side pulls without waiting for the header (a pull that waits for the
+    # sender's buffers and fails cleanly on other shapes): the checksums' `spec_word` stands in
+    # for the header, which is read only when the pull failed or the word differs
+    pull_first: bool = False
 
     def __init__(self, role: Role, channel: Channel, link_gbps: float | None = None) -> None:
         self.role = role
@@ -232,10 +244,11 @@ class Transport:
     # -- buffers -------------------------------------------------------------------------------
 
     def send(self, tag: str, arrays: Sequence[jax.Array], timeout: float = 60.0) -> None:
-        """Prefill side: post the header (buffer specs) and hand the buffers to the link with
-        their checksums (computed on device meanwhile, sent as one more buffer): the buffers
-        first where the link holds them until the decode side pulls (so the pull the header
-        triggers finds them there), the header first for a `go_ahead` transport.
+        """Prefill side: post the header (buffer specs; not waited for) and hand the buffers to
+        the link with their checksums (computed on device meanwhile, sent as one more buffer):
+        the buffers first where the link holds them until the decode side pulls; the header
+        first, put, for a `go_ahead` transport. A header whose post fails (a reused tag, a lost
+        coordinator) surfaces as the decode side's timeout, then `wait_ack`'s.
 
         Returns once the transport holds the buffers (transfer-server: registered for pull; the
         collective returns when the exchange is done), and adds their bytes to `sent_bytes`
@@ -249,42 +262,47 @@ class Transport:
             if a.ndim < 1:
                 raise ValueError(f"{tag}: buffer {i} must have at least one dimension")
         deadline = time.monotonic() + timeout
-        sums = checksums_buffer(arrays)  # computed on device meanwhile
         header = json.dumps([spec_of(a) for a in arrays])
+        self._outgoing[tag] = checksums_buffer(arrays, spec_word(header))  # on device meanwhile
         if self.go_ahead:  # the push waits for the go-ahead, which the header brings about
             self._channel.put(f"{tag}/header", header)
-            self._outgoing[tag] = sums  # taken by `_with_checksums`
             self._push(tag, arrays, deadline)
-        else:  # the buffers wait at the link for the pull the header brings about
-            self._outgoing[tag] = sums
+        else:  # the buffers wait at the link for the pull (which may come before the header)
             self._push(tag, arrays, deadline)
-            self._channel.put(f"{tag}/header", header)
+            self._channel.post(f"{tag}/header", header)
         self.sent_bytes += sum(a.nbytes for a in arrays)
 
-    def recv(self, tag: str, specs: Sequence[jax.ShapeDtypeStruct], timeout: float = 60.0
-             ) -> list[jax.Array]:
+    def recv(self, tag: str, specs: Sequence[jax.ShapeDtypeStruct], timeout: float = 60.0,
+             paced_after: threading.Event | None = None) -> list[jax.Array]:
         """Decode side: block until the buffers of `tag` are on the local device and verified.
 
         Raises ValueError if the sender's buffers do not match `specs` (the sender raises too),
         TransportError if the payload is corrupted or the peer died, TransportTimeout. The ack
-        is posted, not waited for: the sender collects it at the end (`wait_ack`)."""
+        is posted, not waited for: the sender collects it at the end (`wait_ack`).
+        `paced_after`: on a paced link, these bytes queue behind those of a receive running
+        beside this one (the sender sent those first), which sets the event once it ended."""
         self._require("decode", "recv")
         deadline = time.monotonic() + timeout
-        sent = json.loads(self._channel.get(f"{tag}/header", timeout))
-        start = time.monotonic()
         expected = [spec_of(s) for s in specs]
-        if sent != expected:
-            msg = f"{tag}: prefill sent buffers {sent}, decode expects {expected}"
-            if self.go_ahead:
-                self._channel.put(f"{tag}/ready", "mismatch: " + msg)
-            self._channel.post(f"{tag}/ack", "mismatch: " + msg)
-            raise ValueError(msg)
+        if not self.pull_first:
+            self._check_header(tag, expected, timeout)
+        start = time.monotonic()  # when the header came (`pull_first`: when the bytes did)
         wire = [*specs, checksums_spec(specs)]  # what crosses: the buffers, then checksums
         if self.go_ahead:  # put, not post: the sender is waiting for it
             self._channel.put(f"{tag}/ready", self._ready(wire))
         try:
-            *arrays, sums = self._pull(tag, wire, deadline)
-            got, want = self._landed_verdict(tag, arrays, sums, deadline)
+            try:
+                *arrays, sums = self._pull(tag, wire, deadline)
+                got, want = self._landed_verdict(tag, arrays, sums, deadline)
+            except TransportError:
+                if self.pull_first:  # a pull of other buffers than were sent fails: say so
+                    self._recheck_header(tag, expected, deadline)
+                raise
+            got.append(spec_word(json.dumps(expected)))
+            if self.pull_first:
+                start = time.monotonic()
+                if got[-1] != want[-1]:  # other buffers than expected (same bytes, or fewer)
+                    self._recheck_header(tag, expected, deadline)
             bad = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
             if bad:
                 raise TransportError(f"{tag}: checksum mismatch in buffer(s) {bad}: "
@@ -294,11 +312,30 @@ class Transport:
             raise
         self._channel.post(f"{tag}/ack", "ok")
         if self._pacer is not None:  # one link per receiving device (sharded sides)
+            if paced_after is not None:
+                paced_after.wait(max(0.0, deadline - time.monotonic()))
             per_device: Counter[frozenset] = Counter()
             for a in arrays:
                 per_device[frozenset(a.devices())] += a.nbytes
             self._pacer.wait(max(per_device.values()), start)
         return arrays
+
+    def _recheck_header(self, tag: str, expected: list, deadline: float) -> None:
+        """`_check_header` after a failed pull (`pull_first`): a header that cannot be read
+        (the peer died, the time is up) leaves the pull's own error to stand."""
+        with contextlib.suppress(TransportError):
+            self._check_header(tag, expected, max(0.0, deadline - time.monotonic()))
+
+    def _check_header(self, tag: str, expected: list, timeout: float) -> None:
+        """Decode side: raise ValueError (and tell the sender) if the header's buffer specs are
+        not `expected`. A header that does not come is a TransportError (a timeout)."""
+        sent = json.loads(self._channel.get(f"{tag}/header", timeout))
+        if sent != expected:
+            msg = f"{tag}: prefill sent buffers {sent}, decode expects {expected}"
+            if self.go_ahead:
+                self._channel.put(f"{tag}/ready", "mismatch: " + msg)
+            self._channel.post(f"{tag}/ack", "mismatch: " + msg)
+            raise ValueError(msg)
 
     def wait_ack(self, tag: str, timeout: float = 60.0) -> None:
         """Prefill side: block until the decode side confirms `tag` arrived intact; raise its error

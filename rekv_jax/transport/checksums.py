@@ -1,9 +1,11 @@
 """On-device checksums of the buffers a transport moves: one uint32 per buffer, computed where
-the buffer lives, and the sender's checksums travelling as one more buffer beside the data (see
-`rekv_jax.transport.base` for the protocol)."""
+the buffer lives, and the sender's checksums travelling as one more buffer beside the data, ended
+by a word of the buffers' specs (see `rekv_jax.transport.base` for the protocol)."""
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from collections.abc import Sequence
 
 import jax
@@ -28,6 +30,17 @@ def _checksum(x: jax.Array) -> jax.Array:
 @jax.jit
 def _checksums_device(arrays: list[jax.Array]) -> jax.Array:
     return jnp.stack([_checksum(x) for x in arrays])  # [n] uint32
+
+
+@functools.partial(jax.jit, static_argnums=1)  # the word follows from the shapes: no new programs
+def _checksums_and_word(arrays: list[jax.Array], word: int) -> jax.Array:
+    return jnp.stack([*(_checksum(x) for x in arrays), jnp.uint32(word)])  # [n + 1] uint32
+
+
+def spec_word(header: str) -> int:
+    """A uint32 word of a phase's header (its buffers' specs as JSON), sent at the end of the
+    checksums buffer: equal words mean equal specs, barring a 2**-32 coincidence."""
+    return int.from_bytes(hashlib.blake2b(header.encode(), digest_size=4).digest(), "big")
 
 
 def _checksums_dispatch(arrays: Sequence[jax.Array]) -> list[tuple[list[int], jax.Array]]:
@@ -55,22 +68,23 @@ def _first_device(x: jax.Array | jax.sharding.Sharding) -> jax.Device:
     return min(devices, key=lambda d: d.id)
 
 
-def checksums_buffer(arrays: list[jax.Array]) -> jax.Array:
-    """Sender: the buffers' checksums as one uint32 [n] array on the first buffer's device,
-    dispatched (not waited for)."""
-    pending = _checksums_dispatch(arrays)
-    if len(pending) == 1:
-        return pending[0][1]
+def checksums_buffer(arrays: list[jax.Array], word: int) -> jax.Array:
+    """Sender: the buffers' checksums, then `word` (`spec_word`), as one uint32 [n + 1] array on
+    the first buffer's device, dispatched (not waited for)."""
+    if len({frozenset(a.devices()) for a in arrays}) == 1:  # one program for all
+        return _checksums_and_word(arrays, word)
     device = _first_device(arrays[0])
+    pending = _checksums_dispatch(arrays)
     order = np.argsort([i for idx, _ in pending for i in idx])
-    return jnp.concatenate([jax.device_put(sums, device) for _, sums in pending])[order]
+    sums = jnp.concatenate([jax.device_put(sums, device) for _, sums in pending])[order]
+    return jnp.concatenate([sums, jax.device_put(np.asarray([word], np.uint32), device)])
 
 
 def checksums_spec(specs: Sequence[jax.ShapeDtypeStruct]) -> jax.ShapeDtypeStruct:
     """Receiver: the spec of the checksums buffer that comes with `specs` (on the first buffer's
     device where the specs name devices)."""
     sharding = specs[0].sharding
-    return jax.ShapeDtypeStruct((len(specs),), jnp.uint32, sharding=None if sharding is None
+    return jax.ShapeDtypeStruct((len(specs) + 1,), jnp.uint32, sharding=None if sharding is None
                                 else jax.sharding.SingleDeviceSharding(_first_device(sharding)))
 
 

@@ -1,8 +1,10 @@
 """Transport (b): `jax.experimental.transfer` (a TCP pull of device buffers). The prefill side
-registers the buffers with `await_pull` and returns; the decode side pulls them by uuid as soon as
-the header matched (no go-ahead: a pull that comes before the registration waits for it). A uuid
-is keyed by a per-run secret, so a process that can reach the transfer server but not the
-coordinator cannot name a buffer (see the threat model in docs/reliability.md)."""
+registers the buffers with `await_pull` and returns; the decode side pulls them by uuid at once,
+without waiting for the header (a pull that comes before the registration waits for it, and one
+of other shapes than registered fails or brings a checksums buffer whose `spec_word` differs; the
+header is read then). A uuid is keyed by a per-run secret, so a process that can reach the
+transfer server but not the coordinator cannot name a buffer (see the threat model in
+docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ class TransferServerTransport(Transport):
     swap addresses through the control channel; the decode side connects to the prefill side."""
 
     kind = "transfer-server"
+    pull_first = True
 
     def __init__(self, role: Role, channel: distributed.KVChannel,
                  link_gbps: float | None = None, timeout: float = 60.0) -> None:
