@@ -16,7 +16,7 @@ from rekv_jax import costmodel
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
 from rekv_jax.experiment import Experiment, total_handoffs
-from rekv_jax.handoff import SCHEDULES
+from rekv_jax.handoff import PAPER_SCHEDULES
 from rekv_jax.loader import load_config
 from rekv_jax.planner import PAPER_LINK_GBPS, analytic_profile
 
@@ -45,7 +45,8 @@ class SweepPreset:
     prompt_length: int | None = None  # Fig. 3: prompt to first token at this length, per model
     batch_model: str | None = None  # batch 2 and 4 at the longest length: joint vs Q8 transfer
     batches: tuple[int, ...] = (2, 4)
-    schedules: tuple[str, ...] = SCHEDULES  # of the grid's joint actions (Table 3: both)
+    schedules: tuple[str, ...] = PAPER_SCHEDULES  # of the grid's joint actions (Table 3: both)
+    chunks: int = 1  # token chunks of the `chunked` schedule, when it is among the schedules
     machine: str = "cpu"  # what it runs on: its start-up and compile costs (`COSTS`)
 
     def __post_init__(self) -> None:
@@ -88,10 +89,12 @@ SWEEP_PRESETS = {
     # default): the link paced to the paper's ratio, calibrated on the decode side's core at
     # 512 tokens. The grid is the balanced one of a start profile per length (BF16 recompute
     # and joint Q8 near c*, the paper's Table 1 mechanisms); no crossover, Fig. 3 or batch
-    # runs. Sized by `rekv sweep --preset cpu-paper --dry-run` to fit 12 minutes.
+    # runs. Joint actions also run the token-chunked boundary (issue 20), in 2 chunks. Sized by
+    # `rekv sweep --preset cpu-paper --dry-run` to fit 12 minutes.
     "cpu-paper": SweepPreset(models=("tiny-7b",), lengths=(256, 512), suffix_lens=(),
                              transport="transfer-server", link_gbps=None, crossover_factors=(),
-                             joint_bits=(8,), cut_spread=0),
+                             joint_bits=(8,), cut_spread=0,
+                             schedules=("overlapped", "sequential", "chunked"), chunks=2),
 }
 
 # `--quick`: the same study on fewer models, lengths and cuts (use with fewer reps). The GPU
@@ -191,7 +194,8 @@ def grid_experiments(preset: SweepPreset, model: str, link: float,
         return action_grid(load_config(model), suffix_lens(preset, model), preset.joint_bits)
 
     return [Experiment(model=model, seq_len=s, actions=tuple(actions(s)),
-                       schedules=preset.schedules, transport=preset.transport, link_gbps=lk,
+                       schedules=preset.schedules, chunks=preset.chunks,
+                       transport=preset.transport, link_gbps=lk,
                        warmup=warmup, reps=reps)
             for lk in (link, None)[:1 + preset.unpaced_block] for s in preset.lengths]
 

@@ -101,7 +101,8 @@ def test_cpu_paper_preset_plans_the_papers_study_on_tiny_7b():
         assert families == {(16, "transfer"), (8, "transfer"), (4, "transfer"), (16, "joint"),
                             (8, "joint"), (16, "recompute")}
         assert {a.cut for a in grid.actions if a.kind == "joint"} <= set(range(1, L))
-        assert grid.schedules == preset.schedules == ("overlapped", "sequential")
+        assert grid.schedules == preset.schedules == ("overlapped", "sequential", "chunked")
+        assert grid.chunks == preset.chunks == 2
     assert COSTS[preset.machine] is COSTS["cpu"] and QUICK_PRESETS["cpu-paper"].lengths == (256,)
     only = dataclasses.replace(preset, schedules=("overlapped",))
     (pair,) = plan_pairs(only, link, 30, 3, profile_of)
