@@ -24,6 +24,7 @@ full recomputation sends the token ids only.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import jax
@@ -119,15 +120,27 @@ def receive_chunked(transport: Transport, cfg: ModelConfig, params: Params, acti
     first_spec = jax.ShapeDtypeStruct((batch,), jnp.int32)
     transport.agree(f"{tag}/go", {}, timeout)
     t0 = time.perf_counter()
+    # a paced link delivers in the order sent: every h_c chunk, then the prefix; pipelined,
+    # h_c chunk i, prefix chunk i, h_c chunk i+1, ... (each receive waits for the one before)
+    boundary_in = [threading.Event() for _ in ranges]
+    prefix_in = [threading.Event() for _ in ranges]
 
     def restore_prefix() -> tuple[KVCache, float]:
-        if pipelined:  # chunk by chunk, as computed
-            prefix = KVCache.join_spans(*[
-                recv_prefix(transport, cfg, action, (batch, b - a, c), dtype, f"{tag}/prefix{i}",
-                            backend, timeout) for i, (a, b) in enumerate(ranges)])
-        else:
-            prefix = recv_prefix(transport, cfg, action, (batch, seq_len, c), dtype,
-                                 f"{tag}/prefix", backend, timeout)
+        try:
+            if pipelined:  # chunk by chunk, as computed
+                spans = []
+                for i, (a, b) in enumerate(ranges):
+                    spans.append(recv_prefix(transport, cfg, action, (batch, b - a, c), dtype,
+                                             f"{tag}/prefix{i}", backend, timeout,
+                                             boundary_in[i]))
+                    prefix_in[i].set()
+                prefix = KVCache.join_spans(*spans)
+            else:
+                prefix = recv_prefix(transport, cfg, action, (batch, seq_len, c), dtype,
+                                     f"{tag}/prefix", backend, timeout, boundary_in[-1])
+        finally:  # a failed receive holds up no other
+            for event in prefix_in:
+                event.set()
         return jax.block_until_ready(prefix), time.perf_counter()
 
     tokens = transport.recv(f"{tag}/tokens", [token_spec], timeout)[0] if pipelined else None
@@ -151,7 +164,9 @@ def receive_chunked(transport: Transport, cfg: ModelConfig, params: Params, acti
                     tokens, sent_first, h = transport.recv(
                         boundary_tag(tag, 0), [token_spec, first_spec, h_spec], timeout)
                 else:
-                    h = transport.recv(boundary_tag(tag, i), [h_spec], timeout)[0]
+                    h = transport.recv(boundary_tag(tag, i), [h_spec], timeout,
+                                       prefix_in[i - 1] if pipelined and i > 0 else None)[0]
+                boundary_in[i].set()
                 if i == 0:
                     t_boundary = t_start = time.perf_counter()
                 x, suffix = run_chunk(cfg, params, h, suffix, c, a)  # dispatched, not awaited
@@ -167,6 +182,8 @@ def receive_chunked(transport: Transport, cfg: ModelConfig, params: Params, acti
         suffix, logits = jax.block_until_ready(prefill(cfg, params, tokens))
         t_suffix = time.perf_counter()
     finally:
+        for event in boundary_in:
+            event.set()
         if pending is not None and not pending.done():  # see handoff.receive_handoff
             transport.background.abandon()
     return outcome(transport, tag, timeout, t0, prefix, suffix, logits, sent_first,

@@ -262,7 +262,8 @@ def table3_rows(records: Sequence[Summary], joint_bits: int = 8, seed: int = 0) 
                        r.payload_bytes / sizes.MIB
                        for f, r in fam.items() if "recompute" not in f}
             paired = {a: s for (st, m, n, a), s in both.items()
-                      if (st, m, n) == (setup, model, seq_len) and len(s) == 2}
+                      if (st, m, n) == (setup, model, seq_len)
+                      and {"sequential", "overlapped"} <= s.keys()}
             prefer = [f"bf16:r={suffix_label(joint)}"] if joint else []
             prefer += sorted(paired, key=lambda a: paired[a]["overlapped"].median_ms)
             pick = next((a for a in prefer if a in paired), None)

@@ -293,14 +293,14 @@ class Transport:
         try:
             try:
                 *arrays, sums = self._pull(tag, wire, deadline)
-                got, want = self._landed_verdict(tag, arrays, sums, deadline)
+                got, want, landed = self._landed_verdict(tag, arrays, sums, deadline)
             except TransportError:
                 if self.pull_first:  # a pull of other buffers than were sent fails: say so
                     self._recheck_header(tag, expected, deadline)
                 raise
             got.append(spec_word(json.dumps(expected)))
-            if self.pull_first:
-                start = time.monotonic()
+            if self.pull_first:  # the link's clock starts when the bytes landed, not when the
+                start = landed or time.monotonic()  # checksums (queued behind compute) came
                 if got[-1] != want[-1]:  # other buffers than expected (same bytes, or fewer)
                     self._recheck_header(tag, expected, deadline)
             bad = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
@@ -402,10 +402,11 @@ class Transport:
         raise NotImplementedError
 
     def _landed_verdict(self, tag: str, arrays: list[jax.Array], sums: jax.Array,
-                        deadline: float) -> tuple[list[int], list[int]]:
-        """Decode side: (computed, sent) checksums of pulled buffers, once they landed. Here: on
-        this thread, for transports whose `_pull` returns materialized buffers."""
-        return verdict_collect(verdict_dispatch(arrays, sums))
+                        deadline: float) -> tuple[list[int], list[int], float | None]:
+        """Decode side: (computed, sent) checksums of pulled buffers once they landed, and when
+        they landed (time.monotonic; None: not known apart from now). Here: on this thread, for
+        transports whose `_pull` returns materialized buffers."""
+        return *verdict_collect(verdict_dispatch(arrays, sums)), None
 
     def _ready(self, specs: Sequence[jax.ShapeDtypeStruct]) -> str:
         """Decode side (`go_ahead` transports): the go-ahead once the header matched."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import time
 
 import jax
 from jax.experimental import transfer
@@ -75,12 +76,12 @@ class TransferServerTransport(Transport):
             raise TransportError(f"{tag}: pull failed: {e}") from e
 
     def _landed_verdict(self, tag: str, arrays: list[jax.Array], sums: jax.Array,
-                        deadline: float) -> tuple[list[int], list[int]]:
-        """The checksum program is queued here behind the pulled bytes, so one blocking wait (on
-        the waiter thread, which wakes while the bytes are in flight; bounded) covers both the
-        transfer and the checksums."""
+                        deadline: float) -> tuple[list[int], list[int], float | None]:
+        """On the waiter thread (bounded): wait for the pulled bytes, note when they landed, then
+        checksum them. The landing time is the paced link's: the checksum program queues behind
+        whatever the device computes meanwhile (the overlapped suffix), the bytes do not."""
         try:
-            return wait_for(self._waiter.submit(verdict_collect, verdict_dispatch(arrays, sums)),
+            return wait_for(self._waiter.submit(_landed_then_verdict, arrays, sums),
                             deadline, self._channel.peer_alive, tag)
         except TransportError:  # timed out or the peer died: the waiter is stuck on the pull
             self._waiter.abandon()
@@ -95,3 +96,10 @@ class TransferServerTransport(Transport):
         self._pending.clear()
         self._waiter.close()
         distributed.shutdown(self._channel, timeout)
+
+
+def _landed_then_verdict(arrays: list[jax.Array], sums: jax.Array
+                         ) -> tuple[list[int], list[int], float]:
+    jax.block_until_ready([*arrays, sums])
+    landed = time.monotonic()
+    return *verdict_collect(verdict_dispatch(arrays, sums)), landed
