@@ -124,6 +124,9 @@ def receive_chunked(transport: Transport, cfg: ModelConfig, params: Params, acti
     # h_c chunk i, prefix chunk i, h_c chunk i+1, ... (each receive waits for the one before)
     boundary_in = [threading.Event() for _ in ranges]
     prefix_in = [threading.Event() for _ in ranges]
+    if action.kind != "joint":  # no h_c chunks: nothing to queue behind
+        for event in boundary_in:
+            event.set()
 
     def restore_prefix() -> tuple[KVCache, float]:
         try:

@@ -174,12 +174,14 @@ def test_schedules_and_prefills_that_do_not_go_together():
 
 def test_runner_records_name_the_chunked_reference():
     """`rekv handoff`'s runner: overlapped and chunked side by side (ready), then pipelined
-    (prompt); every rep checked against its own reference."""
+    (prompt); every rep checked against its own reference. On a paced link, whose receives
+    queue in the order sent: a receive that waits for one that never comes would time out."""
     actions = tuple(parse_actions("q8:r=2,bf16:full,bf16:recompute", 6))
+    paced = {"link_gbps": 1.0, "timeout": 15.0}
     runs = [Experiment(seq_len=32, actions=actions, schedules=("overlapped", "chunked"),
-                       chunks=4, warmup=1, reps=2),
+                       chunks=4, warmup=1, reps=2, **paced),
             Experiment(seq_len=32, actions=actions, schedules=("chunked",), chunks=3, warmup=1,
-                       reps=2, interval="prompt", prefill="pipelined")]
+                       reps=2, interval="prompt", prefill="pipelined", **paced)]
     for exp in runs:
         out = []
         run_local(exp, out.append)
