@@ -13,12 +13,15 @@ _HOME = {
     "Action": "action", "action_space": "action", "parse_actions": "action",
     "MODEL_PRESETS": "config", "Llama3RopeScaling": "config", "ModelConfig": "config",
     "KVCache": "kv",
-    "decode_step": "model", "extend": "model", "forward": "model", "greedy_decode": "model",
-    "init_params": "model", "prefill": "model", "run_layers": "model", "run_prefix": "model",
-    "run_suffix": "model",
-    "load_hf": "params", "restore_params": "params", "save_hf": "params", "save_params": "params",
-    "LoadedModel": "loader", "load_config": "loader", "load_model": "loader",
-    "Summary": "summary",
+    "decode_step": "model.transformer", "extend": "model.transformer",
+    "forward": "model.transformer", "greedy_decode": "model.transformer",
+    "init_params": "model.transformer", "prefill": "model.transformer",
+    "run_layers": "model.transformer", "run_prefix": "model.transformer",
+    "run_suffix": "model.transformer",
+    "load_hf": "model.params", "restore_params": "model.params", "save_hf": "model.params",
+    "save_params": "model.params",
+    "LoadedModel": "model.loader", "load_config": "model.loader", "load_model": "model.loader",
+    "Summary": "study.records",
 }
 __all__ = sorted(_HOME)
 

@@ -4,7 +4,7 @@ Per preset and length: `prefill`, `run_prefix(L - r)`, `run_suffix(r)` (ms, ms p
 TFLOP/s and its fraction of a BF16 matmul timed in the same run) and one `decode_step` at a cache
 of `--capacity` positions against (weight + KV bytes) / copy bandwidth measured in the same run.
 FLOPs and bytes come from `rekv_jax.sizes`; synthetic BF16 weights, one layer shared by all
-layers when the full stack would exceed 2 GiB. See `rekv_jax.bench.bench_model`.
+layers when the full stack would exceed 2 GiB. See `rekv_jax.study.bench.bench_model`.
 
     python scripts/bench_model.py --model tiny --seq-len 256
     python scripts/bench_model.py --model qwen2.5-7b,qwen3-8b --seq-len 2048,8192 --suffix 13
@@ -16,8 +16,8 @@ import argparse
 import dataclasses
 import json
 
-from rekv_jax.bench import bench_model
 from rekv_jax.config import ATTENTION_BACKENDS, ModelConfig
+from rekv_jax.study.bench import bench_model
 
 
 def main() -> None:

@@ -13,9 +13,10 @@ import json
 import sys
 
 from rekv_jax.action import parse_actions
-from rekv_jax.experiment import Experiment
-from rekv_jax.loader import SHIPPED_MODEL, load_config
-from rekv_jax.sweep import calibrate_link, run_experiment
+from rekv_jax.model.loader import SHIPPED_MODEL, load_config
+from rekv_jax.study.calibrate import calibrate_link
+from rekv_jax.study.experiment import Experiment
+from rekv_jax.study.sweep import run_experiment
 
 CASES = {"tiny": "q8:r=2,q8:r=4,bf16:r=2", f"hf:{SHIPPED_MODEL}": "q8:r=1,q8:r=2,bf16:r=2"}
 

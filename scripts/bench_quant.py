@@ -5,7 +5,7 @@ K and V (Qwen2.5-7B at 8192 tokens by default: 16 MiB per layer). `*_frac_of_cop
 of the copy bandwidth measured in the same run (targets: 0.5 on CPU with the XLA reference, 0.8
 on a GPU with the Pallas kernels). On a GPU, `--block-elements` and `--num-warps` take comma
 lists and every combination is timed, so the kernels' launch parameters can be chosen by
-measurement. See `rekv_jax.bench.bench_quant`.
+measurement. See `rekv_jax.study.bench.bench_quant`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import itertools
 import json
 
 from pallas_kernels import quant as kernels
-from rekv_jax.bench import Tuning, bench_quant
 from rekv_jax.config import ModelConfig
+from rekv_jax.study.bench import Tuning, bench_quant
 
 
 def ints(text: str) -> list[int]:

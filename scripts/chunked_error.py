@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rekv_jax.loader import load_model
-from rekv_jax.model import prefill, run_prefix, run_suffix
+from rekv_jax.model.loader import load_model
+from rekv_jax.model.transformer import prefill, run_prefix, run_suffix
 
 
 def max_delta(a: jax.Array, b: jax.Array) -> float:

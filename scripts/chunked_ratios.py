@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import sys
 
-from rekv_jax.summary import Summary, read_jsonl
+from rekv_jax.jsonl import read_jsonl
+from rekv_jax.study.records import Summary
 
 TARGETS = {"chunked_over_overlapped": 1.08, "pipelined_over_full": 1.5,
            "pipelined_over_split": 1.3}

@@ -2,7 +2,7 @@
 single mechanism, from one `rekv handoff` run (issue 20: targets 1.9x and 1.05x for `tiny-7b` at
 256 tokens, overlapped schedule, paper-paced link, each side on its own cores). Prints one JSON
 object: the run's setup, each family's best action and median, the two ratios with bootstrap
-95% CIs (`report.table1_rows`), and whether each target is met.
+95% CIs (`tables.table1_rows`), and whether each target is met.
 
     python scripts/paper_ratios.py                       # runs the handoff (a few minutes)
     python scripts/paper_ratios.py --no-pin              # both sides share the cores
@@ -16,8 +16,8 @@ import argparse
 import json
 from pathlib import Path
 
-from rekv_jax import report
-from rekv_jax.summary import Summary, read_summaries
+from rekv_jax.study import tables
+from rekv_jax.study.records import Summary, read_summaries
 from rekv_jax.transport.launch import run_cli
 
 # Transfer-only, full recomputation, and cuts around the paper's best BF16 recompute (r = 15 of
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> list[Summary]:
 
 def ratios(records: list[Summary]) -> dict:
     """The Table 1 row of the records' one setup, model and length, as JSON."""
-    (row,) = report.table1_rows(records)
+    (row,) = tables.table1_rows(records)
     best = {k: None if row[k] is None else {"action": str(row[k].action),
                                             "median_ms": round(row[k].median_ms, 2)}
             for k in ("bf16", "q8", "recompute", "joint")}

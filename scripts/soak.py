@@ -83,15 +83,11 @@ def run_side(role: str, coordinator: str, args: argparse.Namespace) -> None:
     import jax
 
     from rekv_jax.action import Action
-    from rekv_jax.cache_check import check_cache
-    from rekv_jax.handoff import (
-        PAPER_SCHEDULES,
-        prepare,
-        receive_handoff,
-        send_handoff,
-    )
-    from rekv_jax.loader import load_model
-    from rekv_jax.model import prefill
+    from rekv_jax.handoff.check import check_cache
+    from rekv_jax.handoff.core import prepare, receive_handoff, send_handoff
+    from rekv_jax.model.loader import load_model
+    from rekv_jax.model.transformer import prefill
+    from rekv_jax.phases import PAPER_SCHEDULES
     from rekv_jax.transport import TransportError, TransportTimeout, connect
 
     transport = connect("transfer-server", role, coordinator, timeout=HANDOFF_TIMEOUT)

@@ -26,10 +26,11 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from rekv_jax import data, niah, quality
 from rekv_jax.config import ModelConfig
-from rekv_jax.model import forward, init_params
-from rekv_jax.params import save_hf, save_params
+from rekv_jax.model.params import save_hf, save_params
+from rekv_jax.model.transformer import forward, init_params
+from rekv_jax.quality import data, niah
+from rekv_jax.quality import gate as quality
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

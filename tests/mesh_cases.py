@@ -19,10 +19,11 @@ from test_model import (
 )
 
 from rekv_jax import Action, KVCache, ModelConfig, init_params, prefill, sharding, sizes
-from rekv_jax.experiment import Experiment, run_local
-from rekv_jax.handoff import pack_prefix
-from rekv_jax.model import decode_step, extend
+from rekv_jax.handoff.payload import pack_prefix
+from rekv_jax.model.transformer import decode_step, extend
 from rekv_jax.quantize import quantize
+from rekv_jax.study.experiment import Experiment, run_local
+from rekv_jax.transport import mesh as transport_mesh
 
 # Measured here (tiny, bf16 weights, 64 tokens, seed 0): the largest |difference| between meshes
 # of 1, 2 and 4 devices is 0.0137 in the KV (bf16 values up to ~4), 0.0092 in the f32 logits and
@@ -111,14 +112,16 @@ def test_payload_crosses_meshes_in_pieces(sides, bits):
     dst = sharding.make_mesh(cfg, m)
     pieces = math.lcm(n, m)
     for x in sent:
-        transit = sharding.Transit(sharding.KV_AXIS, pieces)
+        transit = transport_mesh.Transit(sharding.KV_AXIS, pieces)
         target = sharding.kv_sharding(dst, x.shape)
-        parts = sharding.split(x, transit)
-        specs = sharding.piece_specs(jax.ShapeDtypeStruct(x.shape, x.dtype), transit, target)
+        parts = transport_mesh.split(x, transit)
+        specs = transport_mesh.piece_specs(jax.ShapeDtypeStruct(x.shape, x.dtype), transit, target)
         assert all(len(p.devices()) == 1 for p in parts)
         assert len({next(iter(p.devices())) for p in parts}) == min(pieces, n)  # links used
         moved = [jax.device_put(p, s.sharding) for p, s in zip(parts, specs, strict=True)]
-        got = sharding.assemble(moved, jax.ShapeDtypeStruct(x.shape, x.dtype), transit, target)
+        got = transport_mesh.assemble(
+            moved, jax.ShapeDtypeStruct(x.shape, x.dtype), transit, target
+        )
         assert got.sharding == target and np.array_equal(got, x)
 
 

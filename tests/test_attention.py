@@ -17,9 +17,10 @@ import jax.numpy as jnp
 import pytest
 from jax._src.cudnn import fused_attention_stablehlo
 
-from rekv_jax import KVCache, ModelConfig, experiment
+from rekv_jax import KVCache, ModelConfig
 from rekv_jax.action import Action
-from rekv_jax.model import (
+from rekv_jax.errors import RuntimeMismatch
+from rekv_jax.model.transformer import (
     _cache_layer,
     _prompt_layer,
     attention_backend,
@@ -28,7 +29,7 @@ from rekv_jax.model import (
     init_params,
     prefill,
 )
-from rekv_jax.transport.launch import RuntimeMismatch
+from rekv_jax.study import experiment
 
 
 @pytest.mark.parametrize("platform, dtype, want", [

@@ -16,22 +16,28 @@ from test_hf import hf_model
 from test_model import FAMILIES, random_params, small_config, tokens_for
 
 from rekv_jax import Action, ModelConfig, init_params, parse_actions
-from rekv_jax.cache_check import check_cache
-from rekv_jax.chunked import reference
-from rekv_jax.experiment import Experiment, run_local
-from rekv_jax.generate import Request, generate
-from rekv_jax.handoff import (
+from rekv_jax.handoff.check import check_cache
+from rekv_jax.handoff.chunked import reference
+from rekv_jax.handoff.core import (
     check_schedule,
-    pack_prefix,
     prepare,
     receive_handoff,
     send_handoff,
     send_prompt,
-    unpack_prefix,
 )
-from rekv_jax.model import new_cache, prefill, run_chunk, run_prefix, run_suffix, token_chunks
-from rekv_jax.quality import reconstruct_cache
-from rekv_jax.summary import Rep, Summary
+from rekv_jax.handoff.generate import Request, generate
+from rekv_jax.handoff.payload import pack_prefix, unpack_prefix
+from rekv_jax.model.transformer import (
+    new_cache,
+    prefill,
+    run_chunk,
+    run_prefix,
+    run_suffix,
+    token_chunks,
+)
+from rekv_jax.quality.gate import reconstruct_cache
+from rekv_jax.study.experiment import Experiment, run_local
+from rekv_jax.study.records import Rep, Summary
 from rekv_jax.transport import LocalTransport
 
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from rekv_jax import cli
+from rekv_jax.cli import main as cli
 from rekv_jax.config import ModelConfig
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from rekv_jax import ModelConfig
-from rekv_jax.cli import main
+from rekv_jax.cli.main import main
 
 # The published config.json of Qwen2.5-7B-Instruct, verbatim (harmless keys included).
 QWEN25_7B = {

@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rekv_jax import costmodel as cm
 from rekv_jax import sizes
 from rekv_jax.action import ACTION_KINDS, Action, action_space
 from rekv_jax.config import ModelConfig
-from rekv_jax.profile_fit import fit_profile
+from rekv_jax.planning import costmodel as cm
+from rekv_jax.planning.profile_fit import fit_profile
 
 TINY = ModelConfig.preset("tiny")
 SETTINGS = settings(max_examples=200, deadline=None)

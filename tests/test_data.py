@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rekv_jax import data, niah
+from rekv_jax.quality import data, niah
 
 TEXT = (" = Lobster = \n The lobster has 10 legs and weighs 5 @.@ 4 kg . It lives in the sea ,"
         " where 2 of them met in 1987 . The pass key is 12345 . Remember it .\n") * 40
@@ -48,7 +48,7 @@ def test_wikitext_path_option_env_and_missing(tmp_path, monkeypatch):
 def test_shipped_wikitext_is_package_data(monkeypatch):
     monkeypatch.delenv(data.WIKITEXT_ENV, raising=False)
     folder = data.wikitext_dir()
-    assert folder == Path(data.__file__).parent / "assets" / "wikitext-2"
+    assert folder == Path(data.__file__).parents[1] / "assets" / "wikitext-2"
     assert (folder / "LICENSE").is_file() and "Attribution-ShareAlike" in (
         folder / "LICENSE").read_text()
     valid, test = data.read_split("valid"), data.read_split("test")

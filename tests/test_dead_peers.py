@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from rekv_jax.failures import describe, exit_text
+from rekv_jax.errors import describe, exit_text
 from rekv_jax.transport.launch import free_port
 
 HANDOFF = [sys.executable, "-m", "rekv_jax.cli", "handoff", "--seq-len", "16", "--warmup", "0",

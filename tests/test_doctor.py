@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from rekv_jax import doctor
-from rekv_jax.cli import main
+from rekv_jax.cli.main import main
+from rekv_jax.study import doctor
 
 CHECKS = {"pallas_kernels", "exact_suffix/qwen2", "exact_suffix/qwen3", "exact_suffix/llama",
           "bench_quant", "bench_model", "handoff"}

@@ -22,24 +22,17 @@ from rekv_jax import (
     prefill,
     sizes,
 )
-from rekv_jax.cache_check import SUFFIX_ACROSS, HostReference, check_cache
-from rekv_jax.experiment import Experiment, handoff_order, run_local
-from rekv_jax.handoff import (
-    PAPER_SCHEDULES,
-    TIMELINE,
-    Handoff,
-    pack_prefix,
-    prepare,
-    receive_handoff,
-    send_handoff,
-    send_prompt,
-    unpack_prefix,
-)
-from rekv_jax.planner import analytic_profile
-from rekv_jax.report import fig3_rows
+from rekv_jax.handoff.check import SUFFIX_ACROSS, HostReference, check_cache
+from rekv_jax.handoff.core import prepare, receive_handoff, send_handoff, send_prompt
+from rekv_jax.handoff.outcome import TIMELINE, Handoff
+from rekv_jax.handoff.payload import pack_prefix, unpack_prefix
+from rekv_jax.phases import PAPER_SCHEDULES
+from rekv_jax.planning.planner import analytic_profile
 from rekv_jax.sizes import action_bytes
-from rekv_jax.summary import Rep, Summary
-from rekv_jax.sweep_plan import prompt_experiment
+from rekv_jax.study.experiment import Experiment, handoff_order, run_local
+from rekv_jax.study.records import Rep, Summary
+from rekv_jax.study.sweep_plan import prompt_experiment
+from rekv_jax.study.tables import fig3_rows
 from rekv_jax.transport import LocalTransport, TransportError
 from rekv_jax.transport.cores import PINNING_ENV, usable_cpus
 from rekv_jax.transport.launch import pair_environments, run_pair, visible_gpus

@@ -10,8 +10,8 @@ import pytest
 import torch
 import transformers
 
-from rekv_jax.model import prefill
-from rekv_jax.params import load_hf, restore_params, save_hf, save_params
+from rekv_jax.model.params import load_hf, restore_params, save_hf, save_params
+from rekv_jax.model.transformer import prefill
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384)

@@ -15,17 +15,17 @@ import types
 import jax
 import pytest
 
-from rekv_jax import cli, experiment
 from rekv_jax.action import Action
-from rekv_jax.experiment import Experiment, run_local
-from rekv_jax.failures import describe
-from rekv_jax.summary import Rep, Summary, serializes
+from rekv_jax.cli import main as cli
+from rekv_jax.errors import RuntimeMismatch, describe
+from rekv_jax.study import experiment
+from rekv_jax.study.experiment import Experiment, run_local
+from rekv_jax.study.records import Rep, Summary, serializes
 from rekv_jax.transport import launch
 from rekv_jax.transport.cores import CPUS_ENV, PINNING_ENV, children_on, usable_cpus
 from rekv_jax.transport.launch import (
     GPU_XLA_FLAGS,
     PAIR_SHARE,
-    RuntimeMismatch,
     pair_environments,
     visible_gpus,
     with_gpu_flags,

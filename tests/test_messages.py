@@ -16,7 +16,7 @@ import pytest
 from rekv_jax import init_params
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
-from rekv_jax.handoff import prepare, receive_handoff, send_handoff
+from rekv_jax.handoff.core import prepare, receive_handoff, send_handoff
 from rekv_jax.transport import LocalTransport, TransportError, TransportTimeout, distributed
 from rekv_jax.transport.base import Worker, wait_for
 from rekv_jax.transport.local import Board

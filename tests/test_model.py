@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from rekv_jax import KVCache, ModelConfig
 from rekv_jax.config import Llama3RopeScaling
-from rekv_jax.model import (
+from rekv_jax.model.transformer import (
     attention_width,
     decode_step,
     extend,
@@ -170,7 +170,7 @@ def test_tiny_preset_bf16_exact_and_decodes_from_split_cache(attention):
 def test_tiny_7b_has_distinct_layers_and_its_suffix_is_exact():
     """The 28-layer stand-in: the loader builds distinct weights per layer (no sharing under
     the 2 GiB threshold), and a few tokens' recomputed suffix is bitwise the full prefill's."""
-    from rekv_jax.loader import load_model
+    from rekv_jax.model.loader import load_model
 
     model = load_model("tiny-7b")
     cfg, params = model.cfg, model.params

@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 
-from rekv_jax import costmodel as cm
-from rekv_jax import planner
 from rekv_jax.action import Action, action_space
-from rekv_jax.cli import main
+from rekv_jax.cli.main import main
 from rekv_jax.config import ModelConfig
+from rekv_jax.planning import costmodel as cm
+from rekv_jax.planning import planner
 
 QWEN7B = ModelConfig.preset("qwen2.5-7b")
 TINY = ModelConfig.preset("tiny")

@@ -11,15 +11,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rekv_jax import data, quality
 from rekv_jax.action import Action
-from rekv_jax.cli import main
-from rekv_jax.costmodel import PHASES
+from rekv_jax.cli.main import main
 from rekv_jax.kv import KVCache
-from rekv_jax.loader import SHIPPED_MODEL, load_model
-from rekv_jax.model import forward, prefill
-from rekv_jax.params import load_hf, restore_params
-from rekv_jax.summary import Summary
+from rekv_jax.model.loader import SHIPPED_MODEL, load_model
+from rekv_jax.model.params import load_hf, restore_params
+from rekv_jax.model.transformer import forward, prefill
+from rekv_jax.phases import PHASES
+from rekv_jax.quality import data
+from rekv_jax.quality import gate as quality
+from rekv_jax.study import selection
+from rekv_jax.study.records import Summary
 
 
 def outputs(probs: list[list[float]], niah_ok: list[bool]) -> quality.Outputs:
@@ -70,15 +72,15 @@ def test_select_picks_fastest_eligible_action():
             for a, e in [("q4:full", False), ("q8:full", True), ("q8:r=2", True)]]
     timings = [timing(a, t) for a, t in [("q4:full", 1.0), ("q8:full", 3.0), ("q8:r=2", 2.0),
                                          ("bf16:full", 0.5)]]
-    [choice] = quality.select(rows, timings)
+    [choice] = selection.select(rows, timings)
     assert (choice["chosen"], choice["median_ms"]) == ("q8:r=2", 2.0)
     assert choice["eligible"] == ["q8:full", "q8:r=2"] and choice["untimed_eligible"] == []
     # a second setup (another link) is chosen on its own, not mixed with the first
     fast = [dataclasses.replace(timing("q8:full", 0.1), link_gbps=9.0)]
-    first, second = quality.select(rows, timings + fast)
+    first, second = selection.select(rows, timings + fast)
     assert first == choice and (second["chosen"], second["median_ms"]) == ("q8:full", 0.1)
     assert second["untimed_eligible"] == ["q8:r=2"] and second["setup"].link_gbps == 9.0
-    [untimed] = quality.select(rows, [])
+    [untimed] = selection.select(rows, [])
     assert untimed["chosen"] is None and untimed["untimed_eligible"] == ["q8:full", "q8:r=2"]
 
 

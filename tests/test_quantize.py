@@ -13,7 +13,7 @@ from rekv_jax import quantize as Q
 from rekv_jax import sizes
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
-from rekv_jax.handoff import prefix_specs
+from rekv_jax.handoff.payload import prefix_specs
 from rekv_jax.kv import KVCache
 
 

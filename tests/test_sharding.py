@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rekv_jax import Action, ModelConfig, sizes
-from rekv_jax.costmodel import Profile
+from rekv_jax.planning.costmodel import Profile
 from rekv_jax.sharding import force_host_devices
 
 TESTS = Path(__file__).parent

@@ -6,7 +6,7 @@ import pytest
 
 from rekv_jax import sizes
 from rekv_jax.action import Action, action_space
-from rekv_jax.cli import main
+from rekv_jax.cli.main import main
 from rekv_jax.config import MODEL_PRESETS, ModelConfig
 
 MIB = 2**20

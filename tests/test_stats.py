@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from rekv_jax import stats
+from rekv_jax.study import stats
 
 
 def _lognormal(rng, n=30, scale=1.0):

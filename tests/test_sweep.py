@@ -7,14 +7,16 @@ import json
 import numpy as np
 import pytest
 
-from rekv_jax import Action, ModelConfig, report, sizes
-from rekv_jax import costmodel as cm
-from rekv_jax import sweep as sweep_module
-from rekv_jax.costmodel import Profile
-from rekv_jax.profile_fit import fit_profile
-from rekv_jax.summary import Summary, record_schedule
-from rekv_jax.sweep import calibrate_link, sweep
-from rekv_jax.sweep_plan import (
+from rekv_jax import Action, ModelConfig, sizes
+from rekv_jax.planning import costmodel as cm
+from rekv_jax.planning.costmodel import Profile
+from rekv_jax.planning.profile_fit import fit_profile
+from rekv_jax.study import sweep as sweep_module
+from rekv_jax.study import tables
+from rekv_jax.study.calibrate import calibrate_link
+from rekv_jax.study.records import Summary, record_schedule
+from rekv_jax.study.sweep import sweep
+from rekv_jax.study.sweep_plan import (
     PAPER_LINK_TO_SUFFIX,
     QUICK_PRESETS,
     SWEEP_PRESETS,
@@ -182,7 +184,7 @@ def test_mini_sweep_writes_every_output(monkeypatch, tmp_path):
     # errs 40-100% on each. Measured on 2 busy cores (load 5-9): median |error| 4.1, 5.2 and
     # 0.8% (worst row 18%); at a 2 MB/s link, with 3 ms of per-message overhead fitted into a
     # shorter sleep, 7.6 and 20%, hence the slower link. Bound: 20%.
-    paced = [r for r in report.prediction_rows(records) if r["batch"] == 1 and r["action"]
+    paced = [r for r in tables.prediction_rows(records) if r["batch"] == 1 and r["action"]
              in ("bf16:full", "q8:full", "q4:full") and r["link_gbps"] is not None]
     assert sorted((r["action"], r["link_gbps"]) for r in paced) == [
         ("bf16:full", 0.001), ("bf16:full", 0.004), ("q4:full", 0.001), ("q8:full", 0.001),
@@ -280,7 +282,7 @@ def test_one_pair_runs_a_sequence_of_experiments(monkeypatch):
     """`run_session`: one pair runs experiments of other lengths, links, actions and batches one
     after another over one transport, building the model once; each is checked like one run
     alone, and its pacing is its own."""
-    from rekv_jax import experiment
+    from rekv_jax.study import experiment
 
     loads = []
     real = experiment.load_model
@@ -309,7 +311,7 @@ def test_one_pair_runs_a_sequence_of_experiments(monkeypatch):
 
 
 def test_a_pair_keeps_its_transport_and_devices():
-    from rekv_jax.experiment import Experiment, run_local
+    from rekv_jax.study.experiment import Experiment, run_local
 
     first = Experiment(seq_len=16, actions=(Action.parse("bf16:full", 6),), transport="local",
                        warmup=0, reps=1, timeout=5.0)  # the prefill side's wait for the next
@@ -321,8 +323,8 @@ def test_a_pair_keeps_its_transport_and_devices():
 def test_a_pair_of_processes_runs_experiments_in_turn(tmp_path):
     """`sweep.Pair` over the transfer-server transport (two processes, jax.distributed): a
     second experiment, on another link, runs in the same pair; a failed one is one line."""
-    from rekv_jax.experiment import Experiment
-    from rekv_jax.sweep import Pair
+    from rekv_jax.study.experiment import Experiment
+    from rekv_jax.study.sweep import Pair
 
     bf16, q8 = Action.parse("bf16:full", 6), Action.parse("q8:r=2", 6)
     first = Experiment(seq_len=16, actions=(bf16,), transport="transfer-server", warmup=0,
@@ -367,8 +369,8 @@ def test_fig3_and_batch_need_a_start_profile():
     (["--quick", "--reps", "5"], QUICK_PRESETS["gpu"], (5, 3)),
 ])
 def test_sweep_cli_quick(monkeypatch, tmp_path, argv, preset, reps):
-    from rekv_jax import cli
-    from rekv_jax import sweep as sweep_module
+    from rekv_jax.cli import main as cli
+    from rekv_jax.study import sweep as sweep_module
 
     seen = []
 

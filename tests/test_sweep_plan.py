@@ -3,10 +3,10 @@
 import pytest
 
 from rekv_jax import Action, ModelConfig
-from rekv_jax import costmodel as cm
-from rekv_jax.experiment import Experiment
-from rekv_jax.planner import PAPER_LINK_GBPS
-from rekv_jax.sweep_plan import (
+from rekv_jax.planning import costmodel as cm
+from rekv_jax.planning.planner import PAPER_LINK_GBPS
+from rekv_jax.study.experiment import Experiment
+from rekv_jax.study.sweep_plan import (
     COSTS,
     MODEL_PROGRAMS,
     QUICK_PRESETS,
@@ -75,7 +75,7 @@ def test_quick_gpu_sweep_fits_eight_minutes_of_one_gpu():
 
 
 def test_sweep_dry_run_prints_the_plan(capsys):
-    from rekv_jax import cli
+    from rekv_jax.cli import main as cli
 
     cli.main(["sweep", "--preset", "gpu", "--quick", "--dry-run"])
     out = capsys.readouterr().out

@@ -19,13 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rekv_jax.transport import (
-    LocalTransport,
-    TransportError,
-    TransportTimeout,
-    checksums,
-    connect,
-)
+from rekv_jax.transport import LocalTransport, TransportError, TransportTimeout, checksums, connect
 from rekv_jax.transport.base import LinkPacer
 from rekv_jax.transport.launch import run_pair
 

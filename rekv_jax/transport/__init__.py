@@ -54,15 +54,9 @@ from __future__ import annotations
 
 import jax
 
+from rekv_jax.errors import TransportError, TransportTimeout
 from rekv_jax.transport import distributed
-from rekv_jax.transport.base import (
-    ROLES,
-    Role,
-    Transport,
-    TransportError,
-    TransportTimeout,
-    peer_of,
-)
+from rekv_jax.transport.base import ROLES, Role, Transport, peer_of
 from rekv_jax.transport.checksums import checksums
 from rekv_jax.transport.collective import CollectiveTransport
 from rekv_jax.transport.local import LocalTransport

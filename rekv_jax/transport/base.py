@@ -51,6 +51,7 @@ from typing import Any, Literal, Protocol, TypeVar
 import jax
 import jax.numpy as jnp
 
+from rekv_jax.errors import TransportError, TransportTimeout
 from rekv_jax.transport.checksums import (
     checksums_buffer,
     checksums_spec,
@@ -63,14 +64,6 @@ Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, Role] = ("prefill", "decode")
 T = TypeVar("T")
 LIVENESS_S = 0.5  # how often a blocked wait checks that the peer is alive
-
-
-class TransportError(RuntimeError):
-    """A phase did not arrive intact: the peer died or failed, or the payload was corrupted."""
-
-
-class TransportTimeout(TransportError, TimeoutError):
-    """A wait ran past its timeout."""
 
 
 class Channel(Protocol):

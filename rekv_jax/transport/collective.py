@@ -1,10 +1,10 @@
 """Transport (a): one cross-process `ppermute` program per phase over a 2-device mesh (one device
 per process; gloo on CPU, NCCL on GPU). Both sides run the same program with the same shapes.
 
-Between sharded sides (`rekv_jax.sharding.MeshTransport`) the decode side's specs name the device
-each buffer (a piece of a shard) must reach; its go-ahead carries those devices and the prefill
-side answers with where each piece lives. One program over just the devices involved then runs
-one `ppermute` per piece from its prefill device to its decode device, so the device pairs move
+Between sharded sides (`rekv_jax.transport.mesh.MeshTransport`) the decode side's specs name the
+device each buffer (a piece of a shard) must reach; its go-ahead carries those devices and the
+prefill side answers with where each piece lives. One program over just the devices involved then
+runs one `ppermute` per piece from its prefill device to its decode device, so the device pairs move
 their pieces at once and neither side gathers. Processes may hold different device counts."""
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from rekv_jax.errors import TransportError
 from rekv_jax.transport import distributed
-from rekv_jax.transport.base import Role, Transport, TransportError, Worker, wait_for
+from rekv_jax.transport.base import Role, Transport, Worker, wait_for
 
 
 def _devices_by_id() -> dict[int, jax.Device]:

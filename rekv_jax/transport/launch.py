@@ -18,7 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from rekv_jax.transport.base import ROLES, Role, Transport, TransportError
+from rekv_jax.errors import RuntimeMismatch, TransportError
+from rekv_jax.transport.base import ROLES, Role, Transport
 from rekv_jax.transport.cores import children_on, cpu_environments, pin_process
 
 T = TypeVar("T")
@@ -147,11 +148,6 @@ def start_side() -> None:
         become({**os.environ, "XLA_FLAGS": with_gpu_flags(os.environ.get("XLA_FLAGS", ""))})
 
 
-class RuntimeMismatch(RuntimeError):
-    """The two sides run different JAX/jaxlib versions, XLA flags, device kinds or attention
-    backends, so their bits may differ: a failed run (exit 1), not bad input."""
-
-
 def runtime(attention: str) -> dict[str, Any]:
     """What decides the bits of this process's programs, beyond the experiment itself."""
     import jax
@@ -207,7 +203,7 @@ def supervise(argv: list[str], name: str) -> None:
     if any(sign in output for sign in _SERVICE_GONE):
         raise TransportError(f"{name} stopped: the decode side went away (its coordination "
                              "service stopped answering)")
-    from rekv_jax.failures import exit_text
+    from rekv_jax.errors import exit_text
 
     raise TransportError(f"{name} {exit_text(code)}")
 
@@ -239,7 +235,7 @@ def run_cli(argv: list[str], what: str, timeout: float, env: Mapping[str, str] |
 def _cli_failure(what: str, code: int, stderr: str) -> Exception:
     """The one-line error of a command of ours that exited with `code`: ValueError for bad
     input (exit 2), else TransportError; its own error line, else how it ended."""
-    from rekv_jax.failures import exit_text
+    from rekv_jax.errors import exit_text
 
     last = (stderr.strip().splitlines() or ["no output"])[-1]
     why = _error_line(stderr) or f"{exit_text(code)} ({last})"
@@ -350,7 +346,7 @@ def with_prefill_child(argv: list[str], decode: Callable[[str], T], timeout: flo
     computation. The child is killed if it outlives the decode side by more than `timeout`.
     Its stderr is ours: its one error line reaches our user even if this process dies first.
     If it dies first, our error names how (exit status or signal)."""
-    from rekv_jax.failures import exit_text
+    from rekv_jax.errors import exit_text
 
     become(envs["decode"])
     coordinator = f"127.0.0.1:{free_port()}"

@@ -9,7 +9,8 @@ from typing import Any, TypeVar
 
 import jax
 
-from rekv_jax.transport.base import Transport, TransportTimeout
+from rekv_jax.errors import TransportTimeout
+from rekv_jax.transport.base import Transport
 
 T = TypeVar("T")
 

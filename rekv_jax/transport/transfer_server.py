@@ -16,8 +16,9 @@ import jax
 from jax.experimental import transfer
 from jax.sharding import SingleDeviceSharding
 
+from rekv_jax.errors import TransportError
 from rekv_jax.transport import distributed
-from rekv_jax.transport.base import Role, Transport, TransportError, Worker, wait_for
+from rekv_jax.transport.base import Role, Transport, Worker, wait_for
 from rekv_jax.transport.checksums import verdict_collect, verdict_dispatch
 
 SECRET_BYTES = 16

@@ -1,0 +1,1 @@
+"""The `rekv` command; `python -m rekv_jax.cli` runs it."""

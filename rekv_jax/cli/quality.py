@@ -1,0 +1,57 @@
+"""`rekv quality`, `rekv select`: the quality gate and Eq. 13's selection."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from rekv_jax.cli.render import emit_json
+
+
+def cmd_quality(args: argparse.Namespace) -> None:
+    from rekv_jax.action import parse_actions
+    from rekv_jax.model.loader import SHIPPED_MODEL, load_model
+    from rekv_jax.quality import data
+    from rekv_jax.quality import gate as quality
+
+    model = load_model(args.model or str(SHIPPED_MODEL))
+    if model.tokenizer is None:
+        raise ValueError(f"--model {args.model}: quality needs a model with a tokenizer.json")
+    cfg, params, tok = model.cfg, model.params, model.tokenizer
+    test_ids = data.encode(tok, data.read_split("test", args.wikitext))
+    evals = quality.eval_set(tok, test_ids, args.seq_len, args.cont_len, args.windows)
+    if not args.json:  # a markdown table
+        print("| model | S | action | top-1 agree (flips) | KL(BF16‖a) | PPL BF16 | PPL | "
+              "PPL change | NIAH | eligible |\n|---|---:|---|---:|---:|---:|---:|---:|---:|---|")
+    actions = parse_actions(args.actions, cfg.num_layers)
+    for r in quality.evaluate(cfg, params, evals, actions, args.chunks, args.pipelined):
+        if args.json:
+            print(json.dumps(r), flush=True)
+        else:
+            print(f"| {r['model']} | {r['seq_len']} | {r['action']} | {r['top1_agree']:.4f} "
+                  f"({r['top1_flips']}) | {r['kl']:.2e} | {r['ppl_bf16']:.3f} | {r['ppl']:.3f} | "
+                  f"{r['ppl_rel_change']:+.3%} | {r['niah_pass']}/{r['niah_total']} | "
+                  f"{'yes' if r['eligible'] else 'no'} |", flush=True)
+
+
+def cmd_select(args: argparse.Namespace) -> None:
+    from rekv_jax.jsonl import read_jsonl
+    from rekv_jax.study import tables
+    from rekv_jax.study.records import read_summaries
+    from rekv_jax.study.selection import select
+
+    timings = read_summaries(args.timings) if args.timings else []
+    timings = [t for t in timings if t.batch == args.batch]
+    choices = select(read_jsonl(args.quality), timings)
+    if args.json:
+        return emit_json({**c, "setup": c["setup"] and dataclasses.asdict(c["setup"])}
+                          for c in choices)
+    for c in choices:
+        chosen = (f"{c['chosen']} ({c['median_ms']:.2f} ms)" if c["chosen"]
+                  else "none timed")
+        untimed = (f"; eligible but untimed: {', '.join(c['untimed_eligible'])}"
+                   if c["untimed_eligible"] else "")
+        setup = f" ({tables.setup_label(c['setup'])})" if c["setup"] else ""
+        print(f"{c['model']}, {c['seq_len']} tokens{setup}: {chosen}; eligible: "
+              f"{', '.join(c['eligible']) or 'none'}{untimed}")

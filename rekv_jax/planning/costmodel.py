@@ -1,0 +1,418 @@
+"""The cost model of a ReKV handoff (paper §2.1, §2.3): the one place its equations live.
+
+Phases of an action `(b, c)`, in ms: `Q_b(c)` quantize the prefix, `H` send the boundary `h_c`,
+`X_b(c)` send and restore the prefix, `R(c)` run the suffix (to the first token's logits), `J`
+join (assemble the cache, pick the token; it differs by action kind). Keys of `phases_ms`:
+quantize, boundary, prefix, suffix, join.
+
+    T_seq = Q + H + X + R + J          (Eq. 8)      T_ov = Q + H + max(X, R) + J   (Eq. 9)
+    T_seq - T_ov = min(X, R)           (Eq. 10)
+
+A `Profile` holds per-layer costs for one model, prompt length and batch on one machine and link:
+`Q_b(c) = q0 + c α_b`; `X_b(c) = m + x0_b + c β_b` with `β_b = B_KV,b / W + restore_b`;
+`H = h0 + (B_tok + B_H) / W`; `R(c) = r0 + (L - c) γ`. Transfer terms are bytes / bandwidth
+plus a fixed per-message latency `m`, so a profile measured at one link can be re-targeted to
+another (`Profile.at_link`). With the fixed terms at zero this is the paper's linear model, whose
+balanced cut is Eq. 11.
+
+As `rekv_jax.handoff` does, the int32 token IDs (`B_tok` bytes) always cross first, in one
+message with `h_c`, and count in the `boundary` phase, whose fixed part `h0` also holds the start
+of the handoff. Transfer-only
+(`c = L`) then sends the full KV and no `h_c`; full recomputation (`c = 0`) sends nothing more and
+runs the embedding and all `L` layers (the `suffix` phase). Byte counts come from
+`rekv_jax.sizes`; times are in ms, bandwidth in GB/s (1e9 bytes/s, as the transports' pacing).
+
+Timed from the prompt's arrival at the prefill worker (`interval="prompt"`), the prefill's own
+compute joins the sum. It runs the same per-layer program as the decode side's suffix, on the
+same kind of device, so a prompt layer costs `γ` too and a call `r0`; `E` is the embedding.
+
+* Full prefill (paper Fig. 3): all L layers, then the handoff as above:
+      T_full = E + r0 + L γ + T_ov (or T_seq).
+* Split, streamed prefill (`handoff.send_prompt(..., "split")`): only layers 0..c-1 run, one
+  call each (`g = r0 + γ`; the first also embeds), each followed by its quantize call
+  (`a = q0 + α_b`, 0 for BF16) and sent as its own message (`β' = m + x0_b + β_b`). The token ids
+  leave at once (`τ = h0 + B_tok / W`); `h_c` leaves when layer c-1 is computed (`H' = m + B_H / W`)
+  and overtakes that layer's payload. With time 0 at the prompt's arrival:
+      C_l = E + (l+1) g + l a            layer l computed        P_l = C_l + a   its payload ready
+  and on the FIFO link (messages in the order sent: ids, layers 0..c-2, h_c, layer c-1):
+      D_-1 = τ,  D_l = max(P_l, D_{l-1}) + β'  (l <= c-2)
+      D_H = max(C_{c-1}, D_{c-2}) + H',   D_{c-1} = max(P_{c-1}, D_H) + β'
+      T_split,ov = max(D_{c-1}, D_H + R(c)) + J        T_split,seq = D_{c-1} + R(c) + J
+  The recursion is a two-stage flow line, so `D_k = max(τ + (k+1) β', E + (g+a) + (k+1) β',
+  E + (k+1)(g+a) + β')`: the link either drains a backlog (β' > g + a) or keeps up, and then `h_c`
+  waits only `max(0, β' - g)` behind the last streamed layer. Keeping up, with the fixed terms
+  at zero, split is never slower than full (tested): it skips the prefill's `(L - c) γ` and hides
+  all but one layer's quantize and transfer under the prompt's compute. Transfer-only (`c = L`)
+  sends the first token in place of `h_c`; full recomputation (`c = 0`) sends only the ids.
+
+Token chunks (`chunks` N). Under a linear per-layer-per-token model with causal
+attention, a layer on chunk i of N costs `γ_i = γ ((1 - s)/N + s (2i + 1)/N²) + [i > 0] κ`:
+`s` is the attention's share of γ (`sizes.attention_share`; chunk i's queries see (i + 1/2) S/N
+keys on average), and κ the fitted cost each extra chunk adds per layer (one more pass over the
+weights; `Σ_i γ_i = γ + (N - 1) κ`). A chunk call costs `r0` plus its layers; each extra message
+costs `m`.
+* Chunked boundary, ready interval (`schedule="chunked"`): after Q, the ids leave with the first
+  of N pieces of `h_c` and the prefix follows on the FIFO link. Piece i arrives at
+      A_i = Q + h0 + B_tok / W + (i+1) B_H / (N W) + i m
+  and the decode side runs chunk i through layers c..L-1 (`R_i = r0 + (L - c) γ_i`) once it has
+  arrived and chunk i-1 is done, so the suffix ends at F = max_k (A_k + Σ_{i>=k} R_i) (a flow
+  line) and the prefix at A_{N-1} + X:
+      T_chunked = max(A_{N-1} + X, F) + J
+  N = 1 is T_ov. With Σ R_i = R + (N - 1)(r0 + (L - c) κ), T_chunked <= T_ov + (N - 1)(m + r0
+  + (L - c) κ); the gain is up to (N - 1)/N of the boundary's transfer, hidden under the suffix.
+  Transfer-only and full recomputation have no boundary to chunk: T_ov.
+* Pipelined prefill, prompt interval (`prefill="pipelined"`): the prefill side runs chunk i
+  through layers 0..c-1 in one call (`g_i = E/N + r0 + c γ_i`), hands its piece of `h_c` to the
+  link, quantizes its prefix (`a = q0 + c α_b / N`) and sends it (`m + x0_b + c β_b / N`); the
+  decode side runs chunk i through c..L-1 when its piece has arrived. On the FIFO link (ids, then
+  per chunk its `h_c` piece and its prefix):
+      C_i = P_{i-1} + g_i,  P_i = C_i + a   (P_{-1} = 0)
+      D^H_i = max(C_i, D^P_{i-1}) + m + B_H / (N W),  D^P_i = max(P_i, D^H_i) + m + x0_b + c β_b/N
+      F_i = max(F_{i-1}, D^H_i) + R_i   (D^P_{-1} = τ, F_{-1} = 0)
+      T_pipelined = max(D^P_{N-1}, F_{N-1}) + J   (sequential: D^P_{N-1} + Σ R_i + J)
+  a three-stage pipeline (prefill compute -> link -> decode compute). N = 1 with c = 1 is T_split.
+  Without per-call and per-chunk costs it never loses to the full prefill; more chunks can lose
+  to fewer where a chunk's quantize delays the next chunk's compute, or a late chunk's attention
+  (s > 0) outweighs what it hides (tested).
+  Transfer-only sends the first token after the last chunk is computed; c = 0 is T_split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from itertools import accumulate
+from pathlib import Path
+from typing import Any
+
+from rekv_jax import sizes
+from rekv_jax.action import ACTION_KINDS, Action
+from rekv_jax.config import ModelConfig
+from rekv_jax.phases import CHUNKED, PHASES, PIPELINED, check_chunks, check_modes
+
+_BITS_FIELDS = ("kv_layer_bytes", "quantize_ms", "restore_ms")  # dicts keyed by bits
+
+
+def transfer_ms(nbytes: float, link_gbps: float) -> float:
+    """Time to move `nbytes` over a `link_gbps` GB/s link."""
+    if not link_gbps > 0:
+        raise ValueError(f"link bandwidth must be positive GB/s, got {link_gbps!r}")
+    return nbytes / (link_gbps * 10**6)  # an int factor keeps exact Fractions exact
+
+
+def t_seq(q: float, h: float, x: float, r: float, j: float) -> float:
+    """Eq. 8: receive everything, then recompute."""
+    return q + h + x + r + j
+
+
+def t_ov(q: float, h: float, x: float, r: float, j: float) -> float:
+    """Eq. 9: boundary first, suffix concurrent with the prefix transfer and restore."""
+    return q + h + max(x, r) + j
+
+
+def saved(x: float, r: float) -> float:
+    """Eq. 10: what the overlap saves, T_seq - T_ov."""
+    return min(x, r)
+
+
+def prop1_holds(cfg: ModelConfig) -> bool:
+    """Proposition 1's condition `n_h >= 2 n_kv`: sending a hidden state cannot beat its KV."""
+    return cfg.num_heads >= 2 * cfg.num_kv_heads
+
+
+def prop1_delta_ms(cfg: ModelConfig, seq_len: int, link_gbps: float, proj_ms: float = 0.0,
+                   batch: int = 1) -> float:
+    """Eq. 4: (send h and project K, V) minus (send that layer's KV), both BF16, in ms."""
+    if proj_ms < 0:
+        raise ValueError(f"projection time must be >= 0, got {proj_ms}")
+    extra = sizes.boundary_bytes(cfg, seq_len, batch) - sizes.kv_layer_bytes(cfg, seq_len, batch)
+    return transfer_ms(extra, link_gbps) + proj_ms
+
+
+def balanced_cut(num_layers: int, alpha: float, beta: float, gamma: float,
+                 offset: float = 0) -> tuple[float, tuple[int, ...]]:
+    """Proposition 2: `c* = (L γ + offset) / (β + γ)` clipped to [1, L-1], and the interior cuts
+    that can minimize `T_ov` (the integers adjacent to `c*`; only `1` when `γ <= α`).
+
+    `offset = r0 - m` is the suffix's fixed cost minus the prefix message's (0 in Eq. 11).
+    """
+    if num_layers < 2:
+        raise ValueError(f"an interior cut needs at least 2 layers, got {num_layers}")
+    if not beta > 0 or alpha < 0 or gamma < 0:
+        raise ValueError(f"need beta > 0, alpha >= 0, gamma >= 0; got {alpha}, {beta}, {gamma}")
+    c_star = min(max((num_layers * gamma + offset) / (beta + gamma), 1), num_layers - 1)
+    if gamma <= alpha:  # T_ov is nondecreasing in c: the smallest interior cut is a minimizer
+        return c_star, (1,)
+    return c_star, tuple(sorted({math.floor(c_star), math.ceil(c_star)}))
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """Per-layer handoff costs (ms) of one model, length and batch on one machine and link."""
+
+    model: str
+    num_layers: int  # L
+    seq_len: int  # S
+    batch: int  # B
+    hardware: str  # where the compute terms were measured, e.g. "H200", "cpu 2 cores"
+    link: str  # what the link is, e.g. "loopback tcp paced", "analytic"
+    link_gbps: float  # W: bandwidth the transfer terms use (GB/s)
+    source: str  # "measured", "fitted" or "analytic"
+    kv_layer_bytes: dict[int, int]  # bits -> one layer's KV payload (per link, see for_config)
+    boundary_bytes: int  # B_H (sizes.boundary_bytes; per link)
+    token_bytes: int  # int32 token IDs (sizes.token_bytes)
+    quantize_ms: dict[int, float]  # bits -> α_b, per layer (0 for 16)
+    restore_ms: dict[int, float]  # bits -> per-layer restore after receive (0 for 16)
+    suffix_layer_ms: float  # γ
+    join_ms: dict[str, float]  # Action.kind -> J (a number: the same for every kind)
+    embed_ms: float = 0.0  # full recomputation: embedding of the token IDs
+    quantize_fixed_ms: float = 0.0  # q0: per quantize call (bits < 16)
+    boundary_fixed_ms: float = 0.0  # h0: start of the handoff and the token-ID message
+    message_ms: float = 0.0  # m: the prefix message's fixed cost
+    suffix_fixed_ms: float = 0.0  # r0: per suffix call
+    # bits -> x0_b: per restore call (dequantize dispatch); missing bits are 0
+    restore_fixed_ms: dict[int, float] = dataclasses.field(default_factory=dict)
+    chunk_layer_ms: float = 0.0  # κ: per layer of each token chunk after the first
+    attention_share: float = 0.0  # s: causal attention's share of γ (0: linear in tokens)
+
+    def __post_init__(self) -> None:
+        if not self.link_gbps > 0:
+            raise ValueError(f"profile link_gbps must be positive, got {self.link_gbps!r}")
+        for name in _BITS_FIELDS:
+            d = {int(k): v for k, v in getattr(self, name).items()}
+            object.__setattr__(self, name, d)
+        if isinstance(self.join_ms, int | float):
+            object.__setattr__(self, "join_ms", dict.fromkeys(ACTION_KINDS, float(self.join_ms)))
+        if set(self.join_ms) != set(ACTION_KINDS):
+            raise ValueError(f"join_ms needs exactly the kinds {ACTION_KINDS}, "
+                             f"got {sorted(self.join_ms)}")
+        given = {int(k): v for k, v in self.restore_fixed_ms.items()}
+        fixed = {b: given.get(b, 0.0) for b in self.quantize_ms}
+        object.__setattr__(self, "restore_fixed_ms", fixed)
+        missing = set(self.quantize_ms) ^ set(self.restore_ms)
+        if missing or not set(self.quantize_ms) <= set(self.kv_layer_bytes):
+            raise ValueError("quantize_ms, restore_ms and kv_layer_bytes must cover the same bits")
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            values = v.values() if isinstance(v, dict) else [v]
+            if f.name.endswith("_ms") and any(x < 0 for x in values):
+                raise ValueError(f"profile {f.name} must be >= 0, got {v}")
+        if not 0 <= self.attention_share <= 1:
+            raise ValueError(f"profile attention_share must be in [0, 1], got "
+                             f"{self.attention_share}")
+
+    @classmethod
+    def for_config(cls, cfg: ModelConfig, seq_len: int, batch: int = 1, prefill_devices: int = 1,
+                   decode_devices: int = 1, **costs: Any) -> Profile:
+        """A profile of `cfg` whose byte counts come from `sizes` (the costs are keyword args).
+
+        Between sharded sides the byte counts are those of the busiest of the parallel links
+        (`sizes.parallel_links`), so every transfer term is per link; the compute terms are the
+        per-device times measured on the sides' meshes."""
+        links = sizes.parallel_links(cfg, prefill_devices, decode_devices)
+        return cls(model=cfg.name, num_layers=cfg.num_layers, seq_len=seq_len, batch=batch,
+                   kv_layer_bytes={b: sizes.link_bytes(sizes.kv_layer_bytes(cfg, seq_len, batch, b),
+                                                       links["prefix"])
+                                   for b in costs["quantize_ms"]},
+                   boundary_bytes=sizes.link_bytes(sizes.boundary_bytes(cfg, seq_len, batch),
+                                                   links["boundary"]),
+                   token_bytes=sizes.token_bytes(seq_len, batch), **costs)
+
+    def at_link(self, link_gbps: float, link: str | None = None) -> Profile:
+        """The same profile on a link of `link_gbps` GB/s (transfer terms rescaled)."""
+        return dataclasses.replace(self, link_gbps=link_gbps,
+                                   link=link or f"{self.link}, retargeted to {link_gbps:g} GB/s")
+
+    def beta(self, bits: int) -> float:
+        """β_b: per-layer prefix transfer plus restore."""
+        self._check_bits(bits)
+        return transfer_ms(self.kv_layer_bytes[bits], self.link_gbps) + self.restore_ms[bits]
+
+    def prefix_ms(self, bits: int, cut: int) -> float:
+        """X_b(c): the prefix message, its restore call, and `c` layers at β_b."""
+        return self.message_ms + self.restore_fixed_ms[bits] + cut * self.beta(bits)
+
+    def balanced_cut(self, bits: int) -> tuple[float, tuple[int, ...]]:
+        """Proposition 2 for precision `bits` under this profile."""
+        offset = self.suffix_fixed_ms - self.prefix_ms(bits, 0)  # r0 - X_b(0)
+        return balanced_cut(self.num_layers, self.quantize_ms[bits], self.beta(bits),
+                            self.suffix_layer_ms, offset)
+
+    def chunk_layer(self, chunk: int, chunks: int) -> float:
+        """γ_i: one layer's compute of token chunk `chunk` of `chunks` (module docstring)."""
+        s, n = self.attention_share, chunks
+        share = (1 - s) / n + s * (2 * chunk + 1) / n**2
+        return self.suffix_layer_ms * share + (chunk > 0) * self.chunk_layer_ms
+
+    def _check_bits(self, bits: int) -> None:
+        if bits not in self.quantize_ms:
+            raise ValueError(f"profile has no costs for {bits}-bit prefixes "
+                             f"(has {sorted(self.quantize_ms)})")
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (`kind: "profile"`, bit keys as strings); inverse of `from_json`."""
+        d = dataclasses.asdict(self)
+        for name in _BITS_FIELDS + ("restore_fixed_ms",):
+            d[name] = {str(k): v for k, v in d[name].items()}
+        return {"kind": "profile", **d}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Profile:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names - {"kind"}
+        if unknown:
+            raise ValueError(f"unknown profile fields {sorted(unknown)}")
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in d
+                   and f.default is f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise ValueError(f"profile lacks the fields {missing}")
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def load_profiles(path: str | Path) -> list[Profile]:
+    """Profiles in a file: one JSON object, a JSON list, or JSONL (lines without
+    `kind: "profile"` are skipped, so a handoff's output stream can be read directly)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"profile {path}: cannot read it ({e.strerror})") from None
+    try:
+        data = json.loads(text)
+        items = data if isinstance(data, list) else [data]
+    except json.JSONDecodeError:
+        try:
+            items = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except json.JSONDecodeError as e:
+            raise ValueError(f"profile {path}: not JSON or JSONL ({e.msg}, line {e.lineno})"
+                             ) from None
+    try:
+        profiles = [Profile.from_json(d) for d in items
+                    if isinstance(d, dict) and d.get("kind", "profile") == "profile"]
+    except (ValueError, TypeError) as e:  # TypeError: a field of the wrong type
+        raise ValueError(f"profile {path}: {e}") from None
+    if not profiles:
+        raise ValueError(f"{path}: no profile found")
+    return profiles
+
+
+def phase_ms(profile: Profile, action: Action) -> dict[str, float]:
+    """Predicted `Q, H, X, R, J` of `action` under `profile`, keyed like a record's phases_ms."""
+    p = profile
+    if action.num_layers != p.num_layers:
+        raise ValueError(f"action {action} is for {action.num_layers} layers, "
+                         f"profile of {p.model} has {p.num_layers}")
+    c, L, W = action.cut, p.num_layers, p.link_gbps
+    interior = 0 < c < L
+    # token IDs, always first, with h_c in the same message for a joint action
+    boundary = p.boundary_fixed_ms + transfer_ms(p.token_bytes + interior * p.boundary_bytes, W)
+    if c == 0:  # the decode side embeds the tokens and runs all L layers
+        return {"quantize": 0.0, "boundary": boundary, "prefix": 0.0,
+                "suffix": p.embed_ms + p.suffix_fixed_ms + L * p.suffix_layer_ms,
+                "join": p.join_ms["recompute"]}
+    p._check_bits(action.bits)
+    return {
+        "quantize": (p.quantize_fixed_ms + c * p.quantize_ms[action.bits]
+                     if action.bits < 16 else 0.0),
+        "boundary": boundary,
+        "prefix": p.prefix_ms(action.bits, c),
+        "suffix": p.suffix_fixed_ms + (L - c) * p.suffix_layer_ms if interior else 0.0,
+        "join": p.join_ms[action.kind],
+    }
+
+
+def predict(profile: Profile, action: Action) -> dict[str, Any]:
+    """Phase times, T_seq, T_ov and the overlap saving (ms) of `action` under `profile`."""
+    ph = phase_ms(profile, action)
+    args = [ph[k] for k in PHASES]
+    return {"action": str(action), "phases_ms": ph, "t_seq_ms": t_seq(*args),
+            "t_ov_ms": t_ov(*args), "saved_ms": saved(ph["prefix"], ph["suffix"])}
+
+
+def predicted_ms(profile: Profile, action: Action, schedule: str = "overlapped",
+                 interval: str = "ready", prefill: str = "full", chunks: int = 1) -> float:
+    """The predicted total of `action` under a schedule (`SCHEDULES`), timed from the prefill
+    state (`ready`) or from the prompt (`prompt`, with a `full`, `split` or `pipelined`
+    prefill), in `chunks` token chunks (see the module docstring)."""
+    check_modes(interval, prefill)
+    check_chunks(schedule, prefill, chunks, profile.seq_len)
+    if prefill == PIPELINED:
+        return pipelined_ms(profile, action, chunks, schedule)
+    if prefill == "split":
+        return streamed_ms(profile, action, schedule)
+    if schedule == CHUNKED:
+        ready = chunked_ms(profile, action, chunks)
+    else:
+        ready = predict(profile, action)["t_seq_ms" if schedule == "sequential" else "t_ov_ms"]
+    return ready + (prompt_compute_ms(profile, profile.num_layers) if interval == "prompt" else 0)
+
+
+def chunked_ms(profile: Profile, action: Action, chunks: int) -> float:
+    """T_chunked of `action` (ready interval): the flow line of the module docstring."""
+    p, ph = profile, phase_ms(profile, action)
+    c, L = action.cut, p.num_layers
+    if not 0 < c < L:  # no boundary to chunk
+        return t_ov(*(ph[k] for k in PHASES))
+    start = ph["quantize"] + p.boundary_fixed_ms + transfer_ms(p.token_bytes, p.link_gbps)
+    piece = transfer_ms(p.boundary_bytes, p.link_gbps) / chunks
+    arrive = [start + (i + 1) * piece + i * p.message_ms for i in range(chunks)]  # A_i
+    run = [p.suffix_fixed_ms + (L - c) * p.chunk_layer(i, chunks) for i in range(chunks)]  # R_i
+    tails = list(accumulate(reversed(run)))[::-1]  # Σ_{i>=k} R_i
+    suffix_done = max(a + t for a, t in zip(arrive, tails, strict=True))  # F
+    return max(arrive[-1] + ph["prefix"], suffix_done) + ph["join"]
+
+
+def pipelined_ms(profile: Profile, action: Action, chunks: int, schedule: str = "overlapped"
+                 ) -> float:
+    """T_pipelined of `action` (ms from the prompt's arrival): the recursion of the module
+    docstring (`chunked` and `overlapped` alike run each chunk as it arrives)."""
+    p = profile
+    phase_ms(p, action)  # validates the action against the profile
+    c, L, b, n = action.cut, p.num_layers, action.bits, chunks
+    if c == 0:  # only the ids cross
+        return streamed_ms(p, action, schedule)
+    quantize = p.quantize_fixed_ms + c * p.quantize_ms[b] / n if b < 16 else 0  # a
+    payload = p.message_ms + p.restore_fixed_ms[b] + c * p.beta(b) / n
+    piece = p.message_ms + (transfer_ms(p.boundary_bytes, p.link_gbps) / n if c < L else 0)
+    link = p.boundary_fixed_ms + transfer_ms(p.token_bytes, p.link_gbps)  # τ: when it is free
+    ready = suffix_done = runs = 0  # P_{i-1}, F_{i-1}, Σ R_i
+    for i in range(n):
+        computed = ready + p.embed_ms / n + p.suffix_fixed_ms + c * p.chunk_layer(i, n)  # C_i
+        if c < L or i == n - 1:  # the piece of h_c (transfer-only: the first token, once)
+            link = max(computed, link) + piece  # D^H_i
+        if c < L:
+            run = p.suffix_fixed_ms + (L - c) * p.chunk_layer(i, n)  # R_i
+            suffix_done, runs = max(suffix_done, link) + run, runs + run
+        ready = computed + quantize
+        link = max(ready, link) + payload  # D^P_i
+    done = link + runs if schedule == "sequential" else max(link, suffix_done)
+    return done + p.join_ms[action.kind]
+
+
+def prompt_compute_ms(profile: Profile, layers: int) -> float:
+    """The prefill worker's compute of `layers` prompt layers in one call: E + r0 + layers γ."""
+    return profile.embed_ms + profile.suffix_fixed_ms + layers * profile.suffix_layer_ms
+
+
+def streamed_ms(profile: Profile, action: Action, schedule: str = "overlapped") -> float:
+    """T_split of `action` (ms from the prompt's arrival): the recursion of the module docstring."""
+    p = profile
+    phase_ms(p, action)  # validates the action against the profile
+    c, L, W = action.cut, p.num_layers, p.link_gbps
+    tokens = p.boundary_fixed_ms + transfer_ms(p.token_bytes, W)  # τ
+    if c == 0:
+        return tokens + prompt_compute_ms(p, L) + p.join_ms["recompute"]
+    g = p.suffix_fixed_ms + p.suffix_layer_ms
+    a = p.quantize_fixed_ms + p.quantize_ms[action.bits] if action.bits < 16 else 0
+    link = p.message_ms + p.restore_fixed_ms[action.bits] + p.beta(action.bits)  # β'
+    boundary = p.message_ms + (transfer_ms(p.boundary_bytes, W) if c < L else 0)  # H'
+    done = tokens  # D_{l-1}: when the link is free again
+    for layer in range(c - 1):
+        done = max(p.embed_ms + (layer + 1) * (g + a), done) + link
+    computed = p.embed_ms + c * g + (c - 1) * a  # C_{c-1}
+    at_boundary = max(computed, done) + boundary  # D_H
+    at_prefix = max(computed + a, at_boundary) + link  # D_{c-1}
+    suffix = p.suffix_fixed_ms + (L - c) * p.suffix_layer_ms if c < L else 0  # R(c)
+    if schedule == "sequential":
+        return at_prefix + suffix + p.join_ms[action.kind]
+    return max(at_prefix, at_boundary + suffix) + p.join_ms[action.kind]

@@ -1,0 +1,107 @@
+"""Fit a cost-model `Profile` to measured phase times (nonnegative least squares).
+
+Every unknown of `rekv_jax.planning.costmodel` is a cost (or 1 / W), so each group of phases is a
+nonnegative least-squares problem in them. A record of a chunked handoff (`chunks` N > 1) counts
+with the N - 1 extra messages and chunk calls it makes; the per-chunk terms are fitted only when
+such records are given (else they stay 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from scipy.optimize import nnls  # scipy: a dependency of jax
+
+from rekv_jax import sizes
+from rekv_jax.action import ACTION_KINDS, Action
+from rekv_jax.config import ModelConfig
+from rekv_jax.phases import PIPELINED
+from rekv_jax.planning.costmodel import Profile
+
+
+def fit_profile(cfg: ModelConfig, records: Sequence[dict[str, Any]], hardware: str, link: str
+                ) -> Profile:
+    """Least-squares profile from measured summary records of one model, length and batch.
+
+    Each record gives `bits`, `cut`, the phase medians `phases_ms` and, when chunked, `chunks`
+    and `prefill`. Transfer terms are fitted jointly over the boundary and prefix phases (`h0`,
+    `m`, `1 / W`, `restore_b`, `x0_b`; BF16 needs no restore), so `W` is the bandwidth the link
+    actually delivered. Pass records measured without contention (the sequential schedule; a
+    chunked record's `boundary` is the link time of the ids and all N pieces of `h_c`, its
+    `suffix` the sum of its N chunk calls) for per-phase costs that add up. A pipelined record
+    gives only its quantize and suffix sums (its link phases interleave). `J` is the median join
+    per action kind (over all records for a kind that has none).
+    """
+    if not records:
+        raise ValueError("fit_profile needs at least one record")
+    models = {r.get("model", cfg.name) for r in records}
+    if models != {cfg.name}:
+        raise ValueError(f"records are for {sorted(models)}, the config is {cfg.name!r}")
+    keys = {(r["seq_len"], r["batch"]) for r in records}
+    if len(keys) != 1:
+        raise ValueError(f"records span several (seq_len, batch): {sorted(keys)}")
+    (seq_len, batch), L = keys.pop(), cfg.num_layers
+    low = sorted({r["bits"] for r in records if 0 < r["cut"] and r["bits"] < 16}, reverse=True)
+    b_h, b_tok = sizes.boundary_bytes(cfg, seq_len, batch), sizes.token_bytes(seq_len, batch)
+    chunks = {id(r): r.get("chunks", 1) for r in records}
+    # Messages: unknowns [h0, m, 1/W, restore_b and x0_b for b in low]. The boundary phase holds
+    # the token IDs, plus h_c for a joint action (in N messages); the prefix phase the prefix
+    # and its restore.
+    rows, ys = [], []
+    for r in (r for r in records if r.get("prefill") != PIPELINED):
+        c, ph, n = r["cut"], r["phases_ms"], chunks[id(r)]
+        joint = 0 < c < L
+        rows.append([1.0, n - 1.0, b_tok + joint * b_h] + [0.0] * 2 * len(low))
+        ys.append(ph["boundary"])
+        if c > 0:
+            per_bits = [float(r["bits"] == b) for b in low]
+            rows.append([0.0, 1.0, c * sizes.kv_layer_bytes(cfg, seq_len, batch, r["bits"])]
+                        + [c * x for x in per_bits] + per_bits)
+            ys.append(ph["prefix"])
+    h0, m, inv_w, *rest = _lstsq(rows, ys, "boundary and prefix times")
+    restore, restore_fixed = rest[:len(low)], rest[len(low):]
+    if not inv_w > 0:
+        raise ValueError("cannot fit a link bandwidth: transfer time does not grow with bytes")
+    # Quantize: [q0 (per call: one per chunk), α_b for b in low].
+    quant = [r for r in records if r["bits"] < 16 and r["cut"] > 0]
+    q0, *alpha = (_lstsq([[float(chunks[id(r)])] + [float(r["cut"]) if r["bits"] == b else 0.0
+                                                     for b in low] for r in quant],
+                         [r["phases_ms"]["quantize"] for r in quant], "quantize times")
+                  if low else [0.0])
+    # Suffix: [r0 (per call), γ, embed, κ (per layer of each chunk after the first)].
+    suf = [r for r in records if r["cut"] < L]
+    has_embed = any(r["cut"] == 0 for r in suf)
+    has_chunks = any(chunks[id(r)] > 1 for r in suf)
+    r0, gamma, *extra = _lstsq(
+        [[float(chunks[id(r)]), float(L - r["cut"])] + ([float(r["cut"] == 0)] if has_embed else [])
+         + ([float((L - r["cut"]) * (chunks[id(r)] - 1))] if has_chunks else []) for r in suf],
+        [r["phases_ms"]["suffix"] for r in suf], "suffix times")
+    embed = extra.pop(0) if has_embed else 0.0
+    kappa = extra.pop(0) if has_chunks else 0.0
+    joins = {k: [r["phases_ms"]["join"] for r in records
+                 if Action(r["bits"], r["cut"], L).kind == k] for k in ACTION_KINDS}
+    everything = [t for ts in joins.values() for t in ts]  # for a kind without records
+    join = {k: float(np.median(ts or everything)) for k, ts in joins.items()}
+    return Profile.for_config(
+        cfg, seq_len, batch, hardware=hardware, link=link, link_gbps=1e-6 / inv_w,
+        source="fitted",
+        quantize_ms={16: 0.0} | dict(zip(low, alpha, strict=True)),
+        restore_ms={16: 0.0} | dict(zip(low, restore, strict=True)),
+        restore_fixed_ms=dict(zip(low, restore_fixed, strict=True)),
+        suffix_layer_ms=gamma, join_ms=join, embed_ms=embed, quantize_fixed_ms=q0,
+        boundary_fixed_ms=h0, message_ms=m, suffix_fixed_ms=r0, chunk_layer_ms=kappa,
+        attention_share=sizes.attention_share(cfg, seq_len))
+
+
+def _lstsq(rows: list[list[float]], ys: list[float], what: str) -> list[float]:
+    """Nonnegative least squares. Clipping an unconstrained fit instead would keep the partner
+    of a clipped term (a restore's per-call cost of its per-layer one) fitted to the negative
+    value: noise in 2 reps of one cut mispredicted a Q4 transfer by +390% that way."""
+    a = np.asarray(rows, dtype=np.float64)
+    if a.size == 0 or np.linalg.matrix_rank(a) < a.shape[1]:
+        raise ValueError(f"not enough distinct cuts/precisions in the records to fit {what}")
+    scale = np.abs(a).max(axis=0)  # column scaling: bytes and layer counts differ by 1e9
+    coef = nnls(a / scale, np.asarray(ys, dtype=np.float64))[0] / scale
+    return [float(v) for v in coef]

@@ -1,0 +1,2 @@
+"""The quality gate: WikiText-2 and its tokenizer, NIAH prompts, perplexity and the eligibility
+rule."""

@@ -1,0 +1,239 @@
+"""`rekv doctor`: a self-check to run on a fresh allocation before trusting any measurement.
+
+Checks, each pass or fail: the Pallas quantization kernels bitwise against the XLA reference
+computed on `jax.devices("cpu")`; the suffix bitwise equal to `prefill` at two cuts for each
+family (Qwen2, Qwen3, Llama) with this process's attention backend; the quantizer's RMS
+round-trip error on Gaussian data within `RMS_ERR_BAND` of its theoretical value (its speed is
+reported: a missed target is not a failure); one short two-process handoff whose first tokens
+and caches check out. The model benchmark is information (INFO), a measurement, not a verdict.
+On a GPU the shapes are real (published configs, synthetic shared-layer weights; a few minutes
+on an H100/H200); on CPU the same checks run on small shapes in well under a minute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import quant as kernels
+from rekv_jax import sizes
+from rekv_jax.action import Action
+from rekv_jax.config import Llama3RopeScaling, ModelConfig
+from rekv_jax.handoff.check import SUFFIX_ACROSS
+from rekv_jax.model.loader import synthetic_model
+from rekv_jax.model.transformer import attention_backend, prefill, run_prefix, run_suffix
+from rekv_jax.study import bench
+from rekv_jax.study.experiment import Experiment
+from rekv_jax.transport import TransportError
+from rekv_jax.transport.launch import run_cli, visible_gpus
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One line of the report."""
+
+    name: str
+    passed: bool | None  # None: a measurement, not a verdict (printed as INFO)
+    detail: str
+    seconds: float
+    data: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """What the checks run on: real shapes on a GPU, small ones on CPU."""
+
+    quant_rows: tuple[int, ...]  # quantizer input [S, K, H] (S odd: ragged blocks)
+    families: dict[str, ModelConfig]
+    exact_seq_len: int
+    exact_cuts: tuple[float, ...]  # as fractions of L (each cut at least 1)
+    bench_model: str
+    bench_seq_len: int
+    handoff_seq_len: int
+
+
+def _tiny_llama() -> ModelConfig:
+    return dataclasses.replace(ModelConfig.preset("tiny"), name="tiny-llama", model_type="llama",
+                               qkv_bias=False, rope_scaling=Llama3RopeScaling(8.0, 1.0, 4.0, 64))
+
+
+def shapes_for(platform: str) -> Shapes:
+    """Real shapes on a GPU, small ones elsewhere."""
+    if platform == "gpu":
+        return Shapes((8191, 4, 128), {f: ModelConfig.preset(p) for f, p in (
+            ("qwen2", "qwen2.5-7b"), ("qwen3", "qwen3-8b"), ("llama", "llama-3.1-8b"))},
+            2048, (0.0, 0.5), "qwen2.5-7b", 8192, 1024)
+    # the bench_model run reuses the programs the tiny exactness check compiled
+    return Shapes((33, 2, 64), {"qwen2": ModelConfig.preset("tiny"),
+                                "qwen3": ModelConfig.preset("tiny-qwen3"), "llama": _tiny_llama()},
+                  64, (0.5,), "tiny", 64, 64)
+
+
+def _timed(name: str, fn: Callable[[], tuple[bool | None, str, dict]]) -> Check:
+    t0 = time.perf_counter()
+    try:
+        passed, detail, data = fn()
+    except Exception as e:  # a check that crashes is a failed check, reported with its reason
+        passed, detail, data = False, f"{type(e).__name__}: {e}".splitlines()[0], {}
+    return Check(name, passed, detail, time.perf_counter() - t0, data)
+
+
+def _same_bits(a: jax.Array, b: jax.Array) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(
+        a.view(f"u{a.itemsize}"), b.view(f"u{b.itemsize}"))
+
+
+def check_kernels(shape: tuple[int, ...]) -> tuple[bool, str, dict]:
+    """Pallas kernels (interpret mode off a GPU) against the reference on the CPU device."""
+    interpret = jax.default_backend() != "gpu"
+    cpu = jax.devices("cpu")[0]
+    rng = np.random.default_rng(0)
+    groups = rng.standard_normal((*shape[:-1], shape[-1] // 64, 64))
+    groups *= np.exp2(rng.uniform(-30, 12, groups.shape[:-1] + (1,)))  # f16-subnormal scales too
+    mismatches = []
+    for dtype in (jnp.bfloat16, jnp.float32):
+        x = jnp.asarray(groups.reshape(shape), dtype)
+        for bits in (8, 4):
+            ref = kernels.quantize_xla(jax.device_put(x, cpu), bits, sizes.GROUP_SIZE)
+            got = kernels.quantize(x, bits, sizes.GROUP_SIZE, interpret=interpret)
+            back = kernels.dequantize(got, interpret=interpret)
+            same = (_same_bits(got.values, ref.values) and _same_bits(got.scales, ref.scales)
+                    and _same_bits(back, kernels.dequantize_xla(ref)))
+            if not same:
+                mismatches.append(f"q{bits}/{jnp.dtype(dtype).name}")
+    detail = f"{shape} bf16+f32 q8+q4 " + ("bitwise" if not mismatches else
+                                            f"differ: {', '.join(mismatches)}")
+    return not mismatches, detail, {"shape": list(shape), "mismatches": mismatches}
+
+
+def check_exact(cfg: ModelConfig, seq_len: int, fractions: tuple[float, ...]
+                ) -> tuple[bool, str, dict]:
+    """prefill vs run_prefix + run_suffix at the cuts `max(1, f * L)`, bitwise (bf16)."""
+    params = synthetic_model(cfg).params
+    tokens = jax.random.randint(jax.random.key(1), (1, seq_len), 0, cfg.vocab_size, jnp.int32)
+    kv, logits = prefill(cfg, params, tokens)
+    cuts, bad = [max(1, int(f * cfg.num_layers)) for f in fractions], []
+    for cut in cuts:
+        h_c, prefix = run_prefix(cfg, params, tokens, cut)
+        suffix, suffix_logits = run_suffix(cfg, params, h_c, cut)
+        pairs = [(prefix.k, kv.k[:cut]), (prefix.v, kv.v[:cut]), (suffix.k, kv.k[cut:]),
+                 (suffix.v, kv.v[cut:]), (suffix_logits, logits)]
+        if not all(_same_bits(a, b) for a, b in pairs):
+            bad.append(cut)
+    backend = attention_backend(cfg, jnp.bfloat16)
+    detail = f"{cfg.name} S={seq_len} {backend} cuts {cuts}: " + (
+        "bitwise" if not bad else f"differ at cuts {bad}")
+    return not bad, detail, {"model": cfg.name, "seq_len": seq_len, "attention": backend,
+                             "cuts": cuts, "differ": bad}
+
+
+# Measured / expected RMS error may depart this far from 1. bench_quant's bf16 Gaussians have
+# light tails (smaller group maxima), measured 1.5-3.5% under the estimate; a quantizer that
+# truncates instead of rounding doubles the error, a wrong scale or code layout does worse.
+RMS_ERR_BAND = 0.1
+
+
+def gaussian_rms_rel_err(bits: int, group_size: int = sizes.GROUP_SIZE) -> float:
+    """Expected RMS relative round-trip error of the contract on N(0, 1) data, from first
+    principles: in each group all but the max (restored exactly) carry a uniform rounding error
+    of variance s^2 / 12, s = max|x| / qmax, so err^2 = (G - 1) / G * E[max^2] / (12 qmax^2);
+    E[max^2] of G half-normals is the integral of 2 m P(max > m)."""
+    m = np.linspace(0.0, 12.0, 12001)
+    below = np.array([math.erf(v / math.sqrt(2.0)) for v in m]) ** group_size
+    f = 2 * m * (1 - below)
+    e_max2 = float(np.sum((f[1:] + f[:-1]) / 2 * np.diff(m)))  # trapezoid rule (numpy >= 1.26)
+    return math.sqrt((group_size - 1) / group_size * e_max2 / (12 * kernels.QMAX[bits] ** 2))
+
+
+def check_bench_quant(cfg: ModelConfig, seq_len: int) -> tuple[bool, str, dict]:
+    """bench_quant summary; passes when Q8's and Q4's RMS round-trip error on Gaussian data lie
+    within `RMS_ERR_BAND` of `gaussian_rms_rel_err` (the 0.8 / 0.5 speed target is reported)."""
+    r = bench.bench_quant(cfg, seq_len, trials=3)
+    run = r["tunings"][0]
+    fracs = {f"q{b}/{op}": run[f"q{b}"][f"{op}_frac_of_copy"] for b in (8, 4)
+             for op in ("quantize", "dequantize")}
+    expected = r["rms_rel_err_expected"] = {f"q{b}": gaussian_rms_rel_err(b) for b in (8, 4)}
+    measured = r["rms_rel_err_gaussian"]
+    ok = all(abs(measured[k] / expected[k] - 1) <= RMS_ERR_BAND for k in expected)
+    detail = (f"{r['backend']} copy {r['copy_gbps']:.1f} GB/s; of copy: " + ", ".join(
+        f"{k} {v:.2f}" for k, v in fracs.items()) + f"; target {r['target_frac_of_copy']} "
+        f"{'met' if r['meets_target'] else 'NOT met'}; rms err " + ", ".join(
+        f"{k} {measured[k]:.3g} (expected {v:.3g})" for k, v in expected.items())
+        + f" within {RMS_ERR_BAND:.0%}: {'yes' if ok else 'NO'}")
+    return ok, detail, r
+
+
+def check_bench_model(cfg: ModelConfig, seq_len: int) -> tuple[None, str, dict]:
+    """bench_model summary: information, not a verdict (no speed is right on every machine)."""
+    r = bench.bench_model(cfg, seq_len, reps=3)
+    s, d = r["run_suffix"], r["decode_step"]
+    detail = (f"{cfg.name} S={seq_len} {r['attention']}: suffix {s['ms_per_layer']:.2f} ms/layer "
+              f"= {s['frac_of_matmul']:.2f} of matmul ({r['matmul_tflops']:.1f} TFLOP/s); "
+              f"decode {d['ms']:.2f} ms = {d['ratio_to_byte_bound']:.2f}x byte bound")
+    return None, detail, r
+
+
+def check_handoff(seq_len: int) -> tuple[bool, str, dict]:
+    """A short two-process handoff (tiny model): first tokens and caches must check out, and
+    the decode side's suffix must equal the prefill process's own (by checksum) on every rep.
+
+    It runs as `rekv handoff` (i.e. `experiment.launch_pair`) in a child process: the decode side
+    initializes `jax.distributed`, which must come before any computation of this process."""
+    action = Action.parse("q8:r=2", ModelConfig.preset("tiny").num_layers)
+    exp = Experiment(model="tiny", seq_len=seq_len, actions=(action,), schedules=("overlapped",),
+                     warmup=1, reps=3, timeout=120.0)
+    try:
+        out = run_cli(["handoff", "--json", "--experiment", exp.to_json()], "handoff",
+                      4 * exp.timeout)
+    except (ValueError, TransportError, TimeoutError) as e:
+        return False, str(e), {}
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    summaries = [r for r in records if r["kind"] == "summary"]
+    ok = len(summaries) == 1 and all(  # the suffix bitwise, and the same in both processes
+        s["first_token_match"] and s["cache_check"].startswith("suffix bitwise")
+        and s["cache_check"].endswith(SUFFIX_ACROSS) for s in summaries)
+    detail = "; ".join(f"{s['action']} {s['median_ms']:.1f} ms, {s['cache_check']}"
+                       for s in summaries)
+    return ok, detail, {"summaries": summaries}
+
+
+def run_checks() -> list[Check]:
+    """Every check, on this platform's shapes. The two-process handoff runs first, before this
+    process starts JAX (whose GPU backend would hold memory the pair needs), on the shapes of
+    the platform that `visible_gpus` predicts; it is reported last."""
+    guess = shapes_for("gpu" if visible_gpus() else "cpu")
+    handoff = _timed("handoff", lambda: check_handoff(guess.handoff_seq_len))
+    shapes = shapes_for(jax.default_backend())
+    checks = [_timed("pallas_kernels", lambda: check_kernels(shapes.quant_rows))]
+    for family, cfg in shapes.families.items():
+        checks.append(_timed(f"exact_suffix/{family}",
+                             lambda cfg=cfg: check_exact(cfg, shapes.exact_seq_len,
+                                                         shapes.exact_cuts)))
+    model = ModelConfig.preset(shapes.bench_model)
+    checks.append(_timed("bench_quant", lambda: check_bench_quant(model, shapes.bench_seq_len)))
+    checks.append(_timed("bench_model", lambda: check_bench_model(model, shapes.bench_seq_len)))
+    return [*checks, handoff]
+
+
+def report(checks: list[Check]) -> dict[str, Any]:
+    """The JSON form: device, overall verdict (of the checks that give one) and every check."""
+    return {"kind": "doctor", **bench.device_info(),
+            "passed": all(c.passed for c in checks if c.passed is not None),
+            "checks": [dataclasses.asdict(c) for c in checks]}
+
+
+def print_table(checks: list[Check]) -> None:
+    """The readable form: one line per check."""
+    width = max(len(c.name) for c in checks)
+    for c in checks:
+        verdict = "INFO" if c.passed is None else "PASS" if c.passed else "FAIL"
+        print(f"{verdict}  {c.name:<{width}}  {c.seconds:6.1f} s  {c.detail}")

@@ -1,0 +1,175 @@
+"""`Summary`: the measured result of one handoff action under one schedule and setup.
+
+The handoff emits one per action and schedule, the sweep stores them (`sweep.jsonl`), the report
+turns them into tables and figures, and `rekv select` joins them with the quality gate. The JSON
+form (`to_json` / `from_json`) writes the action as its text (`q8:r=2`) with `bits`, `cut`,
+`suffix_len` and `num_layers` beside it, so every line is readable on its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from rekv_jax.action import Action
+from rekv_jax.jsonl import read_jsonl
+from rekv_jax.phases import PROMPT_PHASES
+from rekv_jax.study import stats
+
+# The schedule of a record: overlapped, sequential or chunked for a joint action; "n/a" for
+# transfer-only and full recomputation, which have nothing to overlap.
+RECORD_SCHEDULES = ("overlapped", "sequential", "chunked", "n/a")
+
+
+def record_schedule(action: Action, schedule: str) -> str:
+    """The schedule a record of `action` run under `schedule` states (RECORD_SCHEDULES)."""
+    return schedule if action.kind == "joint" else "n/a"
+
+
+def serializes(transport: str, schedule: str, platform: str) -> bool:
+    """Whether a record's overlapped schedule ran serialized on the device: on a GPU the
+    collective transport's cross-process ppermute is its own program on the compute stream, so
+    it runs before or after the suffix program, not beside it (see rekv_jax/transport). Such a
+    record states `serialized: true`; its times are not an overlapped schedule's."""
+    return transport == "collective" and schedule == "overlapped" and platform == "gpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """Where a record was measured; every table and figure is made per setup."""
+
+    hardware: str
+    transport: str
+    link_gbps: float | None  # the paced link (None: unpaced)
+    batch: int
+    interval: str  # costmodel.INTERVALS
+    prefill: str  # costmodel.PREFILL_MODES
+    prefill_devices: int
+    decode_devices: int
+    pinning: str = ""  # Summary.pinning
+
+    def sort_key(self) -> tuple:
+        """Tables list setups in this order (an unpaced link first)."""
+        return tuple(-1 if v is None else v for v in dataclasses.astuple(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """Median latency with its bootstrap CI, phase medians, payload and checks of one action."""
+
+    model: str
+    seq_len: int  # S
+    batch: int  # B
+    action: Action
+    transport: str
+    schedule: str  # one of RECORD_SCHEDULES
+    link_gbps: float | None  # the paced link (None: unpaced)
+    hardware: str
+    reps_ms: tuple[float, ...]  # every timed rep's total
+    phases_ms: dict[str, float]  # median per phase (costmodel.PROMPT_PHASES)
+    payload_bytes: int
+    median_ms: float = float("nan")  # filled from reps_ms when not given
+    ci95_ms: tuple[float, float] = (float("nan"), float("nan"))  # bootstrap CI of the median
+    first_token_match: bool = True  # every rep's first token equals a one-process prefill's
+    cache_check: str = ""  # what held of the cache (e.g. "bitwise")
+    fallbacks: int = 0  # reps whose prefix transfer failed and were recomputed
+    predicted_ms: float | None = None  # the cost model's prediction, when one was made
+    weights: str = ""  # where the weights came from (loader.LoadedModel.weights)
+    interval: str = "ready"  # costmodel.INTERVALS: timed from the prefill state, or the prompt
+    prefill: str = "full"  # costmodel.PREFILL_MODES: the prefill side ran all L layers or 0..c-1
+    prefill_devices: int = 1  # tensor-parallel devices of each side (rekv_jax.sharding)
+    decode_devices: int = 1
+    paired: bool = False  # its reps alternated with the other schedule's: rep i is a pair
+    # bytes the prefill side's transport sent per handoff (measured; the largest over the reps):
+    # payload_bytes (Eqs. 5, 7) plus the token ids and, where sent, the first token
+    sent_bytes: int | None = None
+    serialized: bool = False  # overlapped, but serialized on the device (`serializes`)
+    # CPU sides on one machine: "pinned: prefill cpu 0, decode cpu 1" or "cores shared"
+    # (`transport.cores`); "" elsewhere (GPUs, one process, a multi-host pair, older lines)
+    pinning: str = ""
+    chunks: int = 1  # token chunks of the chunked schedule / pipelined prefill (1: unchunked)
+
+    def __post_init__(self) -> None:
+        if self.schedule not in RECORD_SCHEDULES:
+            raise ValueError(f"record {self.action}: schedule {self.schedule!r} not in "
+                             f"{RECORD_SCHEDULES}")
+        if not self.reps_ms:
+            raise ValueError(f"record {self.action} has no reps_ms")
+        object.__setattr__(self, "reps_ms", tuple(float(t) for t in self.reps_ms))
+        if self.median_ms != self.median_ms:  # NaN: not given
+            object.__setattr__(self, "median_ms", stats.median(self.reps_ms))
+            object.__setattr__(self, "ci95_ms", stats.median_ci(self.reps_ms))
+        object.__setattr__(self, "ci95_ms", tuple(self.ci95_ms))
+        object.__setattr__(self, "phases_ms", {"prefill": 0.0, **self.phases_ms})  # older lines
+        missing = set(PROMPT_PHASES) - set(self.phases_ms)
+        if missing:
+            raise ValueError(f"record {self.action}: phases_ms lacks {sorted(missing)}")
+
+    @property
+    def setup(self) -> Setup:
+        """Where it was measured; every table and figure is made per setup."""
+        return Setup(self.hardware, self.transport, self.link_gbps, self.batch, self.interval,
+                     self.prefill, self.prefill_devices, self.decode_devices, self.pinning)
+
+    @property
+    def family(self) -> str:
+        """The mechanism: `BF16 transfer`, `Q8 transfer`, `Q4 transfer`, `BF16 recompute` (any
+        BF16 cut < L, full recomputation included), `joint Q8` or `joint Q4`."""
+        prec = self.action.precision.upper()
+        if self.action.kind == "transfer":
+            return f"{prec} transfer"
+        return "BF16 recompute" if self.action.bits == 16 else f"joint {prec}"
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (`kind: "summary"`); inverse of `from_json`."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        a = self.action
+        return {"kind": "summary", **d, "action": str(a), "bits": a.bits, "cut": a.cut,
+                "suffix_len": a.suffix_len, "num_layers": a.num_layers,
+                "reps_ms": list(self.reps_ms), "ci95_ms": list(self.ci95_ms)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Summary:
+        """Parse a summary line; a clear ValueError names missing or inconsistent fields."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        required = {f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING} | {"cut", "suffix_len"}
+        missing = sorted(required - set(d))
+        if missing:
+            raise ValueError(f"record {d.get('action')!r} lacks fields {missing}")
+        num_layers = d.get("num_layers", d["cut"] + d["suffix_len"])
+        action = Action.parse(d["action"], num_layers)
+        if (action.bits, action.cut) != (d.get("bits", action.bits), d["cut"]):
+            raise ValueError(f"record {d['action']!r}: bits {d.get('bits')} / cut {d['cut']} "
+                             f"do not match the action")
+        return cls(**{k: v for k, v in d.items() if k in names} | {"action": action})
+
+
+def read_summaries(paths: str | Path | Iterable[str | Path]) -> list[Summary]:
+    """The summary lines of one or more JSONL files (other kinds of lines are skipped)."""
+    paths = [paths] if isinstance(paths, str | Path) else list(paths)
+    return [Summary.from_json(d) for path in paths for d in read_jsonl(path)
+            if d.get("kind", "summary") == "summary"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rep:
+    """One timed handoff of an action (the handoff's `kind: "rep"` line), checked on its own."""
+
+    action: Action
+    schedule: str  # one of RECORD_SCHEDULES (record_schedule)
+    rep: int  # index among the timed reps (warmups excluded)
+    total_ms: float
+    phases_ms: dict[str, float]
+    fallback: bool = False
+    timeline_ms: dict[str, float] = dataclasses.field(default_factory=dict)  # handoff.TIMELINE
+    sent_bytes: int = 0  # what the prefill side's transport sent
+    first_token_match: bool = True  # equals a single-process prefill's first token
+    cache_check: str = ""  # what held of this rep's cache (cache_check.check_cache)
+    serialized: bool = False  # overlapped, but serialized on the device (`serializes`)
+    chunks: int = 1  # token chunks of the chunked schedule / pipelined prefill (1: unchunked)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "rep", **dataclasses.asdict(self), "action": str(self.action)}

@@ -1,0 +1,241 @@
+"""`rekv profile` and `rekv sweep`: measured handoffs over models x lengths x actions (paper §4).
+
+A sweep runs one process pair per model (`Pair`: `rekv handoff --session` in a subprocess, its
+prefill side a child of that), which runs all of that model's experiments in order: its start
+profiles, then its grid (decided from them), crossover links, Fig. 3 and batch runs
+(`sweep_plan`), building the weights once per process. The link is calibrated in a child on the
+cores of the pairs' decode side (`calibrate_pair_link`). Profiles are fitted from the
+sequential schedule (phases measured without contention) and predict every measured action;
+`rekv_jax.study.report` turns the records into Table 1 / Fig. 2 / Table 3 / crossover outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from tqdm import tqdm
+
+from rekv_jax import phases, sizes
+from rekv_jax.config import ModelConfig
+from rekv_jax.model.loader import load_config
+from rekv_jax.planning import costmodel, profile_fit
+from rekv_jax.study import report, tables
+from rekv_jax.study.calibrate import LinkCalibration, calibrate_link_in_child
+from rekv_jax.study.experiment import SESSION_DONE, Experiment
+from rekv_jax.study.records import Summary
+from rekv_jax.study.sweep_plan import (
+    COSTS,
+    CPU_MEMORY_GBPS,
+    SweepPreset,
+    analytic_profile_of,
+    estimate,
+    estimate_text,
+    grid_experiments,
+    plan_pairs,
+    profile_experiment,
+    start_experiments,
+    tail_experiments,
+)
+from rekv_jax.transport.cores import usable_cpus
+from rekv_jax.transport.launch import CliSession, pair_environments, visible_gpus
+
+
+class Pair:
+    """One process pair of a sweep (`rekv handoff --session`), started at once: its processes
+    load their modules meanwhile, then wait for the first experiment (which decides the rest);
+    `run` gives it one experiment after another, and returns each one's summary records.
+
+    With `cache_dir`, compiled programs persist there, so the two sides and later pairs of the
+    same shapes compile each program once (compilation is not part of any timed interval). Its
+    launcher gives each side a GPU or a memory share of one, or on CPU its own cores unless not
+    `pin` (`transport.launch.pair_environments`)."""
+
+    def __init__(self, model: str, cache_dir: Path | None = None, timeout: float = 1800.0,
+                 pin: bool = True) -> None:
+        env = dict(os.environ)
+        if cache_dir is not None:
+            env |= {"JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+                    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+        self._timeout = timeout  # per experiment
+        self._session = CliSession(["handoff", "--json", "--session"] + ["--no-pin"] * (not pin),
+                                   f"handoff pair ({model})", env)
+
+    def run(self, exp: Experiment) -> list[Summary]:
+        lines = self._session.ask(exp.to_json(), SESSION_DONE, self._timeout)
+        records = [json.loads(line) for line in lines]
+        return [Summary.from_json(r) for r in records if r["kind"] == "summary"]
+
+    def close(self) -> None:
+        """End its experiments and wait for its processes to exit."""
+        self._session.close()
+
+    def __enter__(self) -> Pair:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._session.__exit__(*exc)
+
+
+def run_experiment(exp: Experiment, cache_dir: Path | None = None, timeout: float = 1800.0
+                   ) -> list[Summary]:
+    """One experiment in a pair of its own; its summary records."""
+    with Pair(exp.model, cache_dir, timeout) as pair:
+        return pair.run(exp)
+
+
+def calibrate_pair_link(model: str, seq_len: int, transport: str, pin: bool = True
+                        ) -> LinkCalibration:
+    """`calibrate_link` in a child on the cores a pair's decode side gets (`pin`: its own half;
+    else all of them)."""
+    env = pair_environments(visible_gpus(), os.environ, transport=transport,
+                            cpus=usable_cpus() if pin else None)["decode"]
+    return calibrate_link_in_child(model, seq_len, env)
+
+
+def fit(cfg: ModelConfig, records: list[Summary]) -> costmodel.Profile:
+    """A profile from the uncontended (sequential / single-mechanism) summaries of one setup."""
+    uncontended = [r for r in records if r.schedule != "overlapped"]
+    first = uncontended[0]
+    link = f"{first.transport} {tables.link_label(first.link_gbps)}"
+    return profile_fit.fit_profile(cfg, [r.to_json() for r in uncontended], first.hardware, link)
+
+
+def profile(model: str, seq_len: int, transport: str, link_gbps: float | None,
+            reps: int = 5, warmup: int = 2, cache_dir: Path | None = None) -> costmodel.Profile:
+    """`rekv profile`: short sequential handoffs at two cuts per precision, then a fit."""
+    exp = profile_experiment(model, seq_len, transport, link_gbps, reps, warmup)
+    return fit(load_config(model), run_experiment(exp, cache_dir))
+
+
+def sweep(preset: SweepPreset, out: Path, reps: int = 30, warmup: int = 3, pin: bool = True
+          ) -> tuple[list[Summary], list[costmodel.Profile]]:
+    """Run the whole sweep, write DIR/sweep.jsonl, DIR/sweep.csv and the report files.
+
+    One pair per model runs all of its experiments. With `preset.cut_spread`, each length is
+    first profiled in that pair (short sequential handoffs; DIR/start_profiles.jsonl), and its
+    grid is the balanced one (`balanced_grid`). A fit that fails (ValueError) costs only its
+    predictions: the sweep goes on, writes every output and names what it could not fit, and
+    why, in one line on stderr. On CPU each side runs on its own cores unless not `pin`."""
+    out.mkdir(parents=True, exist_ok=True)
+    records, profiles, starts = [], [], []
+    no_start, unfitted, skipped = [], [], []
+    models = preset.models
+    with (open(out / "sweep.jsonl", "w") as log, tempfile.TemporaryDirectory() as tmp,
+          contextlib.ExitStack() as running):
+        # the link first, uncontended (it times the suffix); each next pair starts (loads its
+        # modules) while the last one exits
+        link = preset.link_gbps or calibrate_pair_link(
+            models[0], preset.mid_length, preset.transport, pin).link_gbps
+        pair = running.enter_context(Pair(models[0], Path(tmp), pin=pin))
+        for i, model in enumerate(tqdm(models, desc="sweep", unit="pair", file=sys.stderr)):
+            cfg = load_config(model)
+            start = {}  # length -> start profile
+            for exp in start_experiments(preset, model, link):
+                try:
+                    start[exp.seq_len] = fit(cfg, pair.run(exp))
+                except ValueError as e:
+                    no_start.append(f"{_setup_text(model, exp.seq_len, link)} ({e})")
+            starts += start.values()
+            fits = {}  # length -> the fit of its grid on the paced link
+            for exp in grid_experiments(preset, model, link, start, reps, warmup):
+                got = _logged(pair.run(exp), log, records)  # every action, both schedules
+                try:
+                    prof = fit(cfg, got)
+                except ValueError as e:
+                    unfitted.append(f"{_setup_text(model, exp.seq_len, exp.link_gbps)} ({e})")
+                    continue
+                if exp.link_gbps == link:
+                    fits[exp.seq_len] = prof
+                profiles.append(prof)
+                log.write(json.dumps(prof.to_json()) + "\n")
+            # Fig. 3 and batch runs take their cut from the start profile, else the grid's fit
+            tail, missing = tail_experiments(preset, model, link, start, fits, reps, warmup)
+            skipped += missing
+            for exp in tail:
+                _logged(pair.run(exp), log, records)
+            last = pair
+            if i + 1 < len(models):
+                pair = running.enter_context(Pair(models[i + 1], Path(tmp), pin=pin))
+            last.close()
+    if preset.cut_spread is not None:
+        (out / "start_profiles.jsonl").write_text(
+            "".join(json.dumps(p.to_json()) + "\n" for p in starts))
+    if no_start:
+        print("sweep: no start profile, so cuts L/3 and 2L/3 in place of the balanced ones, for "
+              + "; ".join(no_start), file=sys.stderr)
+    if unfitted:  # a skipped run's grid fit failed too
+        print("sweep: no cost-model fit, so no predictions, for " + "; ".join(unfitted)
+              + (f"; not run for want of a fitted cut: {', '.join(skipped)}" if skipped else ""),
+              file=sys.stderr)
+    records = [dataclasses.replace(r, predicted_ms=tables.record_prediction(r, profiles))
+               for r in records]
+    write_csv(records, out / "sweep.csv")
+    report.write_report(records, out, profiles)
+    return records, profiles
+
+
+def _logged(got: list[Summary], log, records: list[Summary]) -> list[Summary]:
+    """`got`, written to the sweep's log and added to its records."""
+    for r in got:
+        log.write(json.dumps(r.to_json()) + "\n")
+    log.flush()
+    records.extend(got)
+    return got
+
+
+def _setup_text(model: str, seq_len: int, link_gbps: float | None) -> str:
+    return f"{model} at {seq_len} tokens over the {tables.link_label(link_gbps)} link"
+
+
+def dry_run(name: str, preset: SweepPreset, reps: int, warmup: int, quick: bool = False,
+            pin: bool = True) -> str:
+    """`rekv sweep --dry-run`: the pairs, experiments, handoffs and programs of a sweep of
+    `preset` (named `name`, `quick` or not: its `COSTS`), and its wall time estimated from those
+    parts. A GPU preset's predicted medians are `planner.analytic_profile`'s; a preset
+    calibrated here (the CPU one) measures its suffix layer (`calibrate_link`, which the sweep
+    runs too) and prices handoffs with a roofline of that measured compute rate."""
+    costs = COSTS[preset.machine]
+    if preset.link_gbps is not None:
+        link, profile_of = preset.link_gbps, analytic_profile_of()
+        note = (f"planner.analytic_profile (assumed H100-class rates, not measured) on the "
+                f"{link:.3g} GB/s link")
+    else:
+        cal = calibrate_pair_link(preset.models[0], preset.mid_length, preset.transport,
+                              pin)
+        tflops = sizes.layer_flops(load_config(cal.model), cal.seq_len) / (
+            cal.suffix_layer_ms * 1e9)
+        link, profile_of = cal.link_gbps, analytic_profile_of(tflops=tflops,
+                                                              hbm_gbps=CPU_MEMORY_GBPS)
+        note = (f"a roofline at the compute rate measured here ({cal.suffix_layer_ms:.2f} ms per "
+                f"{cal.model} suffix layer at {cal.seq_len} tokens on {cal.cpus}: "
+                f"{tflops * 1e3:.3g} "
+                f"GFLOP/s) and an assumed {CPU_MEMORY_GBPS:g} GB/s memory, on the calibrated "
+                f"{link:.4g} GB/s link")
+    pairs = plan_pairs(preset, link, reps, warmup, profile_of)
+    est = estimate(pairs, costs, link, profile_of)
+    title = f"rekv sweep --preset {name}{' --quick' * quick}: plan ({reps} reps, {warmup} warmup)"
+    return estimate_text(title,
+                         pairs, est, costs, note, preset.unpaced_block)
+
+
+def write_csv(records: list[Summary], path: Path) -> None:
+    """One row per summary: setup, action, median, CI and phase medians."""
+    fields = ["model", "seq_len", "batch", "hardware", "transport", "link_gbps",
+              "prefill_devices", "decode_devices", "action", "bits", "cut", "schedule",
+              "interval", "prefill", "paired", "median_ms", "ci95_lo", "ci95_hi",
+              "predicted_ms", *(f"{p}_ms" for p in phases.PROMPT_PHASES), "payload_bytes",
+              "first_token_match", "cache_check"]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fields, extrasaction="ignore")
+        w.writeheader()
+        for r in records:
+            w.writerow({**r.to_json(), "ci95_lo": r.ci95_ms[0], "ci95_hi": r.ci95_ms[1],
+                        **{f"{p}_ms": v for p, v in r.phases_ms.items()}})

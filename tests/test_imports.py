@@ -1,0 +1,154 @@
+"""Imports run one way (issue 19 item 2), read from the source with `ast`, lazy imports included:
+a module imports only its own package and the packages below it, and no modules import each
+other in a cycle."""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TOP = ""  # rekv_jax/*.py: the shared vocabulary
+KERNELS = "pallas_kernels"
+# package -> the packages it may import besides its own
+ALLOWED = {
+    KERNELS: set(),
+    TOP: {KERNELS},
+    "model": {TOP, KERNELS},
+    "transport": {TOP, KERNELS},
+    "handoff": {"model", "transport", TOP, KERNELS},
+    "planning": {"model", "transport", TOP, KERNELS},
+    "quality": {"handoff", "model", "transport", TOP, KERNELS},
+    "study": {"quality", "handoff", "planning", "model", "transport", TOP, KERNELS},
+    "cli": {"study", "quality", "handoff", "planning", "model", "transport", TOP, KERNELS},
+}
+
+
+def modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Dotted name -> file, for every module of rekv_jax and pallas_kernels under `root`."""
+    out = {}
+    for top in ("rekv_jax", KERNELS):
+        for f in sorted((root / top).rglob("*.py")):
+            parts = f.relative_to(root).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return out
+
+
+def imports(name: str, file: pathlib.Path, known: set[str]) -> set[str]:
+    """The project modules `name` imports anywhere in its file (functions included)."""
+    is_pkg = file.name == "__init__.py"
+    out = set()
+    for node in ast.walk(ast.parse(file.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = name.split(".")[:len(name.split(".")) - node.level + is_pkg]
+                base = ".".join([*pkg, *([base] if base else [])])
+            out |= {f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+                    for a in node.names}
+    return {m for m in out if m in known and m != name}
+
+
+def package(module: str) -> str:
+    """`rekv_jax.handoff.core` -> "handoff"; `rekv_jax.sizes` and `rekv_jax` -> TOP."""
+    parts = module.split(".")
+    if parts[0] == KERNELS:
+        return KERNELS
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in ALLOWED) else TOP
+
+
+def graph(root: pathlib.Path) -> dict[str, set[str]]:
+    found = modules(root)
+    return {m: imports(m, f, set(found)) for m, f in found.items()}
+
+
+def violations(deps: dict[str, set[str]]) -> list[str]:
+    """Every import that runs against the layers, and every unknown package."""
+    bad = []
+    for m, targets in sorted(deps.items()):
+        own = package(m)
+        if own not in ALLOWED:
+            bad.append(f"{m}: package {own!r} has no place in the layers (add it to ALLOWED)")
+            continue
+        for t in sorted(targets):
+            to = package(t)
+            if to != own and to not in ALLOWED[own]:
+                bad.append(f"{m} imports {t} ({to or 'top level'} is not below "
+                           f"{own or 'top level'})")
+    return bad
+
+
+def cycles(deps: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in deps.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                out.append(sorted(scc))
+
+    for v in sorted(deps):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_imports_run_one_way():
+    deps = graph(ROOT)
+    assert "rekv_jax.cli.main" in deps  # the layout this test checks is the tree's
+    assert not violations(deps), "\n".join(violations(deps))
+
+
+def test_no_import_cycles():
+    assert not cycles(graph(ROOT)), cycles(graph(ROOT))
+
+
+def test_the_check_finds_planted_violations(tmp_path):
+    files = {
+        "pallas_kernels/quant.py": "def f():\n    from rekv_jax import sizes\n",
+        "rekv_jax/__init__.py": "",
+        "rekv_jax/sizes.py": "from rekv_jax.model import transformer\n",
+        "rekv_jax/model/__init__.py": "",
+        "rekv_jax/model/transformer.py": "import rekv_jax.sizes\n",
+        "rekv_jax/quality/__init__.py": "",
+        "rekv_jax/quality/gate.py": "from rekv_jax.planning.costmodel import x\n",
+        "rekv_jax/planning/__init__.py": "",
+        "rekv_jax/planning/costmodel.py": "",
+        "rekv_jax/study/__init__.py": "",
+        "rekv_jax/study/a.py": "def f():\n    from rekv_jax.study import b\n",
+        "rekv_jax/study/b.py": "from rekv_jax.study.a import f\nfrom rekv_jax.cli import main\n",
+        "rekv_jax/cli/__init__.py": "",
+        "rekv_jax/cli/main.py": "from . import other\n",
+        "rekv_jax/cli/other.py": "",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    deps = graph(tmp_path)
+    assert deps["rekv_jax.cli.main"] == {"rekv_jax.cli.other"}  # relative imports resolve
+    assert [v.split(" (")[0] for v in violations(deps)] == [
+        "pallas_kernels.quant imports rekv_jax.sizes",
+        "rekv_jax.quality.gate imports rekv_jax.planning.costmodel",
+        "rekv_jax.sizes imports rekv_jax.model.transformer",
+        "rekv_jax.study.b imports rekv_jax.cli.main",
+    ]
+    assert cycles(deps) == [["rekv_jax.model.transformer", "rekv_jax.sizes"],
+                            ["rekv_jax.study.a", "rekv_jax.study.b"]]
