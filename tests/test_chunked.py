@@ -27,14 +27,7 @@ from rekv_jax.handoff.core import (
 )
 from rekv_jax.handoff.generate import Request, generate
 from rekv_jax.handoff.payload import pack_prefix, unpack_prefix
-from rekv_jax.model.transformer import (
-    new_cache,
-    prefill,
-    run_chunk,
-    run_prefix,
-    run_suffix,
-    token_chunks,
-)
+from rekv_jax.model import new_cache, prefill, run_chunk, run_prefix, run_suffix, token_chunks
 from rekv_jax.quality.gate import reconstruct_cache
 from rekv_jax.study.experiment import Experiment, run_local
 from rekv_jax.study.records import Rep, Summary

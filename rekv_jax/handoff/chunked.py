@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
 from rekv_jax.handoff.outcome import Handoff, elapsed_ms, finish_send, outcome
-from rekv_jax.handoff.payload import pack_prefix, recv_prefix
+from rekv_jax.handoff.payload import recv_prefix, send_prefix
 from rekv_jax.kv import KVCache
 from rekv_jax.model.transformer import (
     Params,
@@ -92,10 +92,8 @@ def send_pipelined(transport: Transport, cfg: ModelConfig, params: Params, token
             boundary_at_ms = boundary_at_ms or elapsed_ms(t0, time.perf_counter())
             transport.send(name, out, timeout)
             phases.append(name.removeprefix(f"{tag}/"))
-        start = time.perf_counter()
-        payload = jax.block_until_ready(pack_prefix(kv.span(a, b), action.bits, backend))
-        quantize_ms += elapsed_ms(start, time.perf_counter()) if action.bits != 16 else 0.0
-        transport.send(f"{tag}/prefix{i}", payload, timeout)
+        quantize_ms += send_prefix(transport, f"{tag}/prefix{i}", kv.span(a, b), action.bits,
+                                   backend, timeout)
         phases.append(f"prefix{i}")
     finish_send(transport, tag, phases, timeout, prefill_ms=prefill_ms,
                  quantize_ms=quantize_ms, boundary_at_ms=boundary_at_ms,

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
 from rekv_jax.handoff.outcome import Handoff, elapsed_ms, finish_send, outcome
-from rekv_jax.handoff.payload import pack_prefix, recv_prefix
+from rekv_jax.handoff.payload import pack_prefix, recv_prefix, send_prefix
 from rekv_jax.kv import KVCache
 from rekv_jax.model.transformer import (
     Params,
@@ -182,10 +182,8 @@ def _send_streamed(transport: Transport, cfg: ModelConfig, params: Params, token
             phases.append("boundary")
         else:
             prefill_ms += elapsed_ms(start, time.perf_counter())
-        start = time.perf_counter()
-        payload = jax.block_until_ready(pack_prefix(kv, action.bits, backend))
-        quantize_ms += elapsed_ms(start, time.perf_counter()) if action.bits != 16 else 0.0
-        transport.send(f"{tag}/layer{layer}", payload, timeout)
+        quantize_ms += send_prefix(transport, f"{tag}/layer{layer}", kv, action.bits, backend,
+                                   timeout)
         phases.append(f"layer{layer}")
     finish_send(transport, tag, phases, timeout, prefill_ms=prefill_ms,
                  quantize_ms=quantize_ms, boundary_at_ms=boundary_at_ms,

@@ -4,6 +4,7 @@ contiguous buffers (BF16, or codes + FP16 scales), their specs, and receiving an
 from __future__ import annotations
 
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -56,3 +57,14 @@ def recv_prefix(transport: Transport, cfg: ModelConfig, action: Action,
     specs = prefix_specs(cfg, action, shape[0], shape[1], dtype, shape[2])
     return unpack_prefix(transport.recv(tag, specs, timeout, paced_after), action.bits, dtype,
                          backend)
+
+
+def send_prefix(transport: Transport, tag: str, prefix: KVCache, bits: int,
+                backend: str | None, timeout: float) -> float:
+    """Quantize (Q) one prefix payload (a streamed layer, a token chunk) and hand it to the link
+    as message `tag`, which moves it while the caller computes on; the quantize ms (0 in BF16)."""
+    start = time.perf_counter()
+    payload = jax.block_until_ready(pack_prefix(prefix, bits, backend))
+    quantize_ms = 1e3 * (time.perf_counter() - start) if bits != 16 else 0.0
+    transport.send(tag, payload, timeout)
+    return quantize_ms
