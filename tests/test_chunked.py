@@ -96,8 +96,9 @@ def test_one_chunk_is_the_unchunked_prefill_and_chunks_differ_little():
 
 
 def handoff(cfg, params, tokens, action, chunks, pipelined):
-    """One chunked (ready) or pipelined (prompt) handoff over a local link."""
-    sender, receiver = LocalTransport.pair()
+    """One chunked (ready) or pipelined (prompt) handoff over a local link paced to 1 MB/s, so
+    the prefix (tens of KB) is still in flight when the first chunk's suffix starts."""
+    sender, receiver = LocalTransport.pair(link_gbps=1e-3)
     errors = []
 
     def send():

@@ -54,7 +54,9 @@ def _children(pid: int) -> list[int]:
 def _start_pair_and_kill(victim: str) -> tuple[subprocess.Popen, str, str, list]:
     """Run a two-action handoff, kill `victim` (decode | prefill worker) once the first summary is
     out; return the decode process, its whole stdout and stderr, and the prefill pids."""
-    cmd = HANDOFF + ["--actions", "bf16:full,bf16:recompute", "--timeout", "30"]
+    # 50 reps: the second action is still running when the kill lands (its programs compile
+    # before the first rep, so one rep of it can finish before the first summary is read)
+    cmd = HANDOFF + ["--actions", "bf16:full,bf16:recompute", "--timeout", "30", "--reps", "50"]
     proc = subprocess.Popen(cmd + ["--json"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     lines = []

@@ -11,6 +11,7 @@ from rekv_jax import Action, ModelConfig, sizes
 from rekv_jax.planning import costmodel as cm
 from rekv_jax.planning.costmodel import Profile
 from rekv_jax.planning.profile_fit import fit_profile
+from rekv_jax.study import calibrate as calibrate_module
 from rekv_jax.study import sweep as sweep_module
 from rekv_jax.study import tables
 from rekv_jax.study.calibrate import calibrate_link
@@ -344,7 +345,7 @@ def test_a_pair_of_processes_runs_experiments_in_turn(tmp_path):
 def test_calibrate_link_paces_a_kv_layer_to_the_papers_ratio(monkeypatch):
     """`rekv handoff --link-gbps paper`: one BF16 KV layer takes PAPER_LINK_TO_SUFFIX x the
     measured suffix layer on the calibrated link, and `describe` states those numbers."""
-    monkeypatch.setattr(sweep_module, "suffix_layer_ms", lambda model, seq_len: 2.0)
+    monkeypatch.setattr(calibrate_module, "suffix_layer_ms", lambda model, seq_len: 2.0)
     cal = calibrate_link("tiny", 128)
     kv = sizes.kv_layer_bytes(TINY, 128)  # BF16, batch 1
     assert (cal.model, cal.seq_len, cal.suffix_layer_ms, cal.kv_layer_bytes) == (
