@@ -144,7 +144,7 @@ def test_handoff_is_its_chunked_reference_bitwise(family, seq, chunks, action, p
     want = "bitwise" if action.bits == 16 else "suffix bitwise"
     assert check_cache(kv, action, result, name).startswith(f"{want} vs {name}")
     assert result.suffix_match is (None if pipelined else True)
-    assert result.timeline_ms["suffix_start"] < result.timeline_ms["prefix"]
+    assert result.timeline_ms.suffix_start < result.timeline_ms.prefix
 
 
 @pytest.mark.parametrize("action", ["q8:full", "bf16:recompute"])

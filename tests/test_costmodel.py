@@ -13,7 +13,7 @@ from rekv_jax import sizes
 from rekv_jax.action import ACTION_KINDS, Action, action_space
 from rekv_jax.config import ModelConfig
 from rekv_jax.planning import costmodel as cm
-from rekv_jax.planning.profile_fit import fit_profile
+from rekv_jax.planning.profile_fit import Measurement, fit_profile
 
 TINY = ModelConfig.preset("tiny")
 SETTINGS = settings(max_examples=200, deadline=None)
@@ -111,24 +111,23 @@ def test_phases_per_action_kind():
     L, W = TINY.num_layers, p.link_gbps
     tokens = p.boundary_fixed_ms + cm.transfer_ms(p.token_bytes, W)  # always sent first
     transfer = cm.phase_ms(p, Action(8, L, L))
-    assert transfer["boundary"] == tokens and transfer["suffix"] == 0.0
-    assert transfer["prefix"] == pytest.approx(p.message_ms + p.restore_fixed_ms[8] + L * (
+    assert transfer.boundary == tokens and transfer.suffix == 0.0
+    assert transfer.prefix == pytest.approx(p.message_ms + p.restore_fixed_ms[8] + L * (
         cm.transfer_ms(p.kv_layer_bytes[8], W) + p.restore_ms[8]))
     recompute = cm.phase_ms(p, Action(16, 0, L))
-    assert recompute["quantize"] == recompute["prefix"] == 0.0
-    assert recompute["boundary"] == tokens
-    assert recompute["suffix"] == pytest.approx(p.embed_ms + p.suffix_fixed_ms
-                                                + L * p.suffix_layer_ms)
+    assert recompute.quantize == recompute.prefix == 0.0
+    assert recompute.boundary == tokens
+    assert recompute.suffix == pytest.approx(p.embed_ms + p.suffix_fixed_ms
+                                             + L * p.suffix_layer_ms)
     joint = cm.phase_ms(p, Action(4, 2, L))
-    assert joint["quantize"] == pytest.approx(p.quantize_fixed_ms + 2 * p.quantize_ms[4])
-    assert joint["boundary"] == pytest.approx(
-        tokens + cm.transfer_ms(p.boundary_bytes, W))
-    assert joint["suffix"] == pytest.approx(p.suffix_fixed_ms + (L - 2) * p.suffix_layer_ms)
-    assert cm.phase_ms(p, Action(16, 2, L))["quantize"] == 0.0  # BF16 is not quantized
+    assert joint.quantize == pytest.approx(p.quantize_fixed_ms + 2 * p.quantize_ms[4])
+    assert joint.boundary == pytest.approx(tokens + cm.transfer_ms(p.boundary_bytes, W))
+    assert joint.suffix == pytest.approx(p.suffix_fixed_ms + (L - 2) * p.suffix_layer_ms)
+    assert cm.phase_ms(p, Action(16, 2, L)).quantize == 0.0  # BF16 is not quantized
     for a in action_space(L):
         pred = cm.predict(p, a)
-        assert pred["t_seq_ms"] - pred["t_ov_ms"] == pytest.approx(pred["saved_ms"])
-        assert cm.predicted_ms(p, a, "sequential") == pred["t_seq_ms"]
+        assert pred.t_seq_ms - pred.t_ov_ms == pytest.approx(pred.saved_ms)
+        assert cm.predicted_ms(p, a, "sequential") == pred.t_seq_ms
 
 
 def test_profile_balanced_cut_minimizes_predicted_interior_cuts():
@@ -154,8 +153,7 @@ def test_fit_profile_recovers_the_generating_profile():
     truth = _profile()
     L = TINY.num_layers
     actions = [a for a in action_space(L) if a.cut in (0, 1, 3, 5, L)]
-    records = [{"model": TINY.name, "seq_len": 256, "batch": 2, "bits": a.bits, "cut": a.cut,
-                "phases_ms": cm.phase_ms(truth, a)} for a in actions]
+    records = [Measurement(TINY.name, 256, 2, a, cm.phase_ms(truth, a)) for a in actions]
     fit = fit_profile(TINY, records, hardware="test", link="test link")
     assert fit.source == "fitted" and fit.chunk_layer_ms == 0.0  # no chunked records
     assert fit.attention_share == sizes.attention_share(TINY, 256)
@@ -175,26 +173,27 @@ def test_fit_profile_one_noisy_point_does_not_skew_the_rest():
     constrained to costs >= 0, not clipped afterwards (which put 36 ms on the Q4 transfer)."""
     truth, L = _profile(link_gbps=0.002), TINY.num_layers
     actions = [a for a in action_space(L) if a.cut in (0, 1, 3, L) and (a.bits, a.cut) != (4, 3)]
-    records = [{"model": TINY.name, "seq_len": 256, "batch": 2, "bits": a.bits, "cut": a.cut,
-                "phases_ms": cm.phase_ms(truth, a)} for a in actions]
-    noisy = next(r for r in records if (r["bits"], r["cut"]) == (4, 1))
-    noisy["phases_ms"] = noisy["phases_ms"] | {"prefix": noisy["phases_ms"]["prefix"] + 30.0}
+    records = [Measurement(TINY.name, 256, 2, a, cm.phase_ms(truth, a)) for a in actions]
+    i = next(i for i, r in enumerate(records) if (r.action.bits, r.action.cut) == (4, 1))
+    ph = records[i].phases_ms
+    records[i] = dataclasses.replace(records[i], phases_ms=dataclasses.replace(
+        ph, prefix=ph.prefix + 30.0))
     fit = fit_profile(TINY, records, hardware="test", link="test link")
     full = Action(4, L, L)
-    assert abs(cm.phase_ms(fit, full)["prefix"] - cm.phase_ms(truth, full)["prefix"]) < 30.0
+    assert abs(cm.phase_ms(fit, full).prefix - cm.phase_ms(truth, full).prefix) < 30.0
     assert fit.link_gbps == pytest.approx(0.002, rel=0.01)
 
 
 def test_fit_profile_needs_enough_distinct_points():
     a = Action(8, 3, TINY.num_layers)
-    rec = {"seq_len": 256, "batch": 1, "bits": 8, "cut": 3, "phases_ms": cm.phase_ms(
+    rec = Measurement(TINY.name, 256, 1, a, cm.phase_ms(
         cm.Profile.for_config(TINY, 256, 1, **{k: getattr(_profile(), k) for k in (
             "hardware", "link", "link_gbps", "source", "quantize_ms", "restore_ms",
-            "suffix_layer_ms", "join_ms")}), a)}
+            "suffix_layer_ms", "join_ms")}), a))
     with pytest.raises(ValueError, match="not enough distinct"):
         fit_profile(TINY, [rec], "test", "test link")
     with pytest.raises(ValueError, match="records are for"):
-        fit_profile(TINY, [{**rec, "model": "qwen2.5-7b"}], "test", "test link")
+        fit_profile(TINY, [dataclasses.replace(rec, model="qwen2.5-7b")], "test", "test link")
     with pytest.raises(ValueError, match="at least one record"):
         fit_profile(TINY, [], "test", "test link")
 
@@ -321,23 +320,23 @@ def test_chunked_schedule_flow_line(L, alpha, restore, gamma, gbps, embed, join,
     q0, h0, m, r0, x0 = fixed
     n = chunks
     for a in action_space(L, (8,)):  # exact: BF16's absent quantize phase is the float 0.0
-        ph, t_ov = cm.phase_ms(p, a), cm.predict(p, a)["t_ov_ms"]
+        ph, t_ov = cm.phase_ms(p, a), cm.predict(p, a).t_ov_ms
         got = cm.predicted_ms(p, a, "chunked", chunks=n)
         if a.kind != "joint":
             assert got == t_ov
             continue
         tau = h0 + cm.transfer_ms(p.token_bytes, gbps)
         piece = cm.transfer_ms(p.boundary_bytes, gbps) / n
-        arrive = [ph["quantize"] + tau + (i + 1) * piece + i * m for i in range(n)]
+        arrive = [ph.quantize + tau + (i + 1) * piece + i * m for i in range(n)]
         runs = [r0 + (L - a.cut) * p.chunk_layer(i, n) for i in range(n)]
         done = 0
         for at, run in zip(arrive, runs, strict=True):  # chunk i runs once it is here
             done = max(done, at) + run
-        assert got == max(arrive[-1] + ph["prefix"], done) + ph["join"]
+        assert got == max(arrive[-1] + ph.prefix, done) + ph.join
         if n == 1:
             assert got == t_ov
         assert got <= t_ov + (n - 1) * (m + r0 + (L - a.cut) * kappa)
-        assert got >= arrive[0] + sum(runs) + ph["join"]
+        assert got >= arrive[0] + sum(runs) + ph.join
         if (m, r0, kappa) == (0, 0, 0):  # per-chunk costs nil: chunking never hurts
             assert got <= t_ov
         assert cm.predicted_ms(p, a, "chunked", "prompt", chunks=n) == got + embed + r0 + L * gamma
@@ -403,10 +402,11 @@ def test_fit_profile_recovers_the_per_chunk_terms():
     for a in (a for a in action_space(L) if a.cut in (0, 1, 3, 5, L)):
         for n in (1, 4) if a.kind == "joint" else (1,):
             ph = cm.phase_ms(truth, a)
-            ph["boundary"] += (n - 1) * truth.message_ms
-            ph["suffix"] += (n - 1) * (truth.suffix_fixed_ms + (L - a.cut) * truth.chunk_layer_ms)
-            records.append({"model": TINY.name, "seq_len": 256, "batch": 2, "bits": a.bits,
-                            "cut": a.cut, "chunks": n, "phases_ms": ph})
+            ph = dataclasses.replace(
+                ph, boundary=ph.boundary + (n - 1) * truth.message_ms,
+                suffix=ph.suffix + (n - 1) * (truth.suffix_fixed_ms
+                                              + (L - a.cut) * truth.chunk_layer_ms))
+            records.append(Measurement(TINY.name, 256, 2, a, ph, chunks=n))
     fit = fit_profile(TINY, records, hardware="test", link="test link")
     for f in ("chunk_layer_ms", "message_ms", "suffix_fixed_ms", "suffix_layer_ms", "link_gbps",
               "boundary_fixed_ms", "embed_ms"):

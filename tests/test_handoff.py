@@ -26,7 +26,7 @@ from rekv_jax.handoff.check import SUFFIX_ACROSS, HostReference, check_cache
 from rekv_jax.handoff.core import prepare, receive_handoff, send_handoff, send_prompt
 from rekv_jax.handoff.outcome import TIMELINE, Handoff
 from rekv_jax.handoff.payload import pack_prefix, unpack_prefix
-from rekv_jax.phases import PAPER_SCHEDULES
+from rekv_jax.phases import PAPER_SCHEDULES, Phases
 from rekv_jax.planning.planner import analytic_profile
 from rekv_jax.sizes import action_bytes
 from rekv_jax.study.experiment import Experiment, handoff_order, run_local
@@ -269,7 +269,7 @@ def test_cache_check_does_not_trust_the_payload_code():
 
     def check(prefix: KVCache, against: KVCache | HostReference = reference) -> str:
         return check_cache(against, action, Handoff(KVCache.concat(prefix, suffix), first,
-                                                    0.0, {}))
+                                                    0.0, Phases(0.0, 0.0, 0.0, 0.0, 0.0)))
 
     def restored(bits: int) -> KVCache:
         return unpack_prefix(pack_prefix(reference.layers(0, 4), bits), bits, jnp.bfloat16)
@@ -327,7 +327,7 @@ def test_streamed_equals_non_streamed_bitwise(action):
         assert np.array_equal(split.first_token, jnp.argmax(logits, axis=-1))
         assert check_cache(reference, action, split) == check_cache(reference, action, full)
         assert not check_cache(reference, action, split).startswith("MISMATCH")
-        assert split.phases_ms["prefill"] > 0 or action.cut == 0
+        assert split.phases_ms.prefill > 0 or action.cut == 0
 
 
 def lose_layer(k):
@@ -388,7 +388,7 @@ def test_fig3_twin_prompt_interval_paired_reps():
     summaries = [r for r in out if isinstance(r, Summary)]
     assert [s.schedule for s in summaries] == ["sequential", "overlapped"]
     assert all(s.paired and s.interval == "prompt" and s.first_token_match
-               and s.phases_ms["prefill"] > 0 for s in summaries)
+               and s.phases_ms.prefill > 0 for s in summaries)
     (row,) = fig3_rows(summaries)
     assert row["paired"] and row["reps"] == 3 and row["ci95"][0] <= row["speedup"]
 

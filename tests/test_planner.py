@@ -32,26 +32,26 @@ def test_analytic_plan_is_labelled_and_consistent():
     layer_bytes = 2 * 8192 * QWEN7B.num_kv_heads * QWEN7B.head_dim * 2
     assert layer_bytes == 16 * 2**20
     full = _by_action(out)[str(Action(16, L, L))]
-    assert full.phases_ms["prefix"] == pytest.approx(
+    assert full.phases_ms.prefix == pytest.approx(
         L * layer_bytes / (out.profile.link_gbps * 1e6))
     assert [str(c.action) for c in out.candidates] == [str(a) for a in action_space(L)]
     assert out.best == min(out.candidates, key=lambda c: c.predicted_ms)
     for c in out.candidates:
-        assert c.predicted_ms == cm.predict(out.profile, c.action)["t_ov_ms"]
+        assert c.predicted_ms == cm.predict(out.profile, c.action).t_ov_ms
         assert (c.schedule, c.prefill, c.chunks, c.quality) == ("overlapped", "full", 1,
                                                                  "unchecked")
     for prec, bc in out.balanced_cut.items():  # Prop. 2 finds the best interior cut
         interior = [c for c in out.candidates
                     if c.action.precision == prec and 0 < c.action.cut < L]
         fastest = min(c.predicted_ms for c in interior)
-        assert min(c.predicted_ms for c in interior if c.action.cut in bc["cuts"]) == fastest
-        assert bc["suffix_lens"] == [L - c for c in bc["cuts"]]
+        assert min(c.predicted_ms for c in interior if c.action.cut in bc.cuts) == fastest
+        assert bc.suffix_lens == tuple(L - c for c in bc.cuts)
 
 
 def test_analytic_bf16_transfer_is_the_papers_link_time():
     # §4.4: 448 MiB in 202.13 ms on the H100 TCP path defines the default link.
     (bf16,) = planner.plan(QWEN7B, 8192, actions=[Action(16, 28, 28)]).candidates
-    assert bf16.phases_ms["prefix"] == pytest.approx(202.13)
+    assert bf16.phases_ms.prefix == pytest.approx(202.13)
     assert bf16.payload_bytes == 448 * 2**20
 
 
@@ -69,7 +69,7 @@ def test_sequential_schedule_and_restricted_actions():
     acts = [Action(8, c, TINY.num_layers) for c in (2, 4)]
     out = planner.plan(TINY, 256, actions=acts, schedules=("sequential",))
     assert [str(c.action) for c in out.candidates] == ["q8:r=4", "q8:r=2"]
-    assert all(c.predicted_ms == cm.predict(out.profile, c.action)["t_seq_ms"]
+    assert all(c.predicted_ms == cm.predict(out.profile, c.action).t_seq_ms
                for c in out.candidates)
 
 
@@ -203,8 +203,8 @@ def test_predicted_crossover_brackets_the_analytic_break_even_link():
     w_star = L * p.kv_layer_bytes[16] / (p.embed_ms + L * p.suffix_layer_ms) / 1e6  # GB/s
     links = list(np.geomspace(w_star / 10, w_star * 10, 101))
     by_link = planner.preferred_by_link(p, [Action(16, L, L), Action(16, 0, L)], links)
-    assert by_link[0]["best"] == "bf16:recompute" and by_link[-1]["best"] == "bf16:full"
+    assert by_link[0].best == "bf16:recompute" and by_link[-1].best == "bf16:full"
     (change,) = planner.crossovers(by_link)
-    lo, hi = change["between_gbps"]
-    assert (change["from"], change["to"]) == ("bf16:recompute", "bf16:full")
+    lo, hi = change.between_gbps
+    assert (change.before, change.after) == ("bf16:recompute", "bf16:full")
     assert lo <= w_star <= hi

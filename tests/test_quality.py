@@ -17,7 +17,7 @@ from rekv_jax.kv import KVCache
 from rekv_jax.model.loader import SHIPPED_MODEL, load_model
 from rekv_jax.model.params import load_hf, restore_params
 from rekv_jax.model.transformer import forward, prefill
-from rekv_jax.phases import PHASES
+from rekv_jax.phases import Phases
 from rekv_jax.quality import data
 from rekv_jax.quality import gate as quality
 from rekv_jax.study import selection
@@ -64,7 +64,7 @@ def timing(action: str, ms: float, schedule: str = "n/a", batch: int = 1) -> Sum
     """A measured summary of a 6-layer model "m" at 512 tokens whose reps all took `ms`."""
     return Summary(model="m", seq_len=512, batch=batch, action=Action.parse(action, 6),
                    transport="local", schedule=schedule, link_gbps=None, hardware="test",
-                   reps_ms=(ms,) * 3, phases_ms=dict.fromkeys(PHASES, 0.0), payload_bytes=0)
+                   reps_ms=(ms,) * 3, phases_ms=Phases(0.0, 0.0, 0.0, 0.0, 0.0), payload_bytes=0)
 
 
 def test_select_picks_fastest_eligible_action():

@@ -9,7 +9,7 @@ import pytest
 from rekv_jax import sizes
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
-from rekv_jax.phases import PHASES
+from rekv_jax.phases import Phases
 from rekv_jax.planning.costmodel import predicted_ms, t_ov
 from rekv_jax.planning.planner import analytic_profile
 from rekv_jax.study import report, stats
@@ -28,7 +28,7 @@ def _rec(action: str, median: float, schedule: str = "overlapped", link: float |
          seq_len: int = 256, **extra) -> Summary:
     a = Action.parse(action, L)
     reps = tuple(median * (1 + 0.002 * np.arange(-14.5, 15)))  # 30 reps around the median
-    phases = dict(zip(PHASES, (0.1, 1.0, 0.6 * median, 0.5 * median, 0.2), strict=True))
+    phases = Phases(0.1, 1.0, 0.6 * median, 0.5 * median, 0.2)
     return Summary(model="tiny", seq_len=seq_len, batch=1, action=a, transport="local",
                    schedule=schedule, link_gbps=link, hardware="test cpu", reps_ms=reps,
                    phases_ms=phases,
@@ -124,7 +124,7 @@ def test_table3_payloads_schedule_gain_and_efficiency():
     assert s["action"] == "bf16:r=2"  # BF16 at the best joint cut, as in the paper
     assert s["gain"] == pytest.approx(1.5) and s["gain_ci95"][0] <= 1.5 <= s["gain_ci95"][1]
     ov, seq = recs[-1], recs[-2]
-    ideal = t_ov(*(seq.phases_ms[p] for p in PHASES))  # Eq. 9 from the uncontended phases
+    ideal = t_ov(*seq.phases_ms.ready)  # Eq. 9 from the uncontended phases
     assert s["efficiency_sequential_phases"] == pytest.approx(ov.median_ms / ideal)
     assert "efficiency_own_phases" not in s  # ~1 by construction: not reported
     assert "Schedule gain 1.50×" in study_tables.table3_markdown(recs)

@@ -10,7 +10,7 @@ import pytest
 from rekv_jax import Action, ModelConfig, sizes
 from rekv_jax.planning import costmodel as cm
 from rekv_jax.planning.costmodel import Profile
-from rekv_jax.planning.profile_fit import fit_profile
+from rekv_jax.planning.profile_fit import Measurement, fit_profile
 from rekv_jax.study import calibrate as calibrate_module
 from rekv_jax.study import sweep as sweep_module
 from rekv_jax.study import tables
@@ -82,9 +82,9 @@ def _tiny_profile(seq_len: int = 32, batch: int = 1, link_gbps: float = 0.002,
         restore_fixed_ms={8: 0.4, 4: 0.5})
 
 
-def _records(prof: Profile, actions: list[Action]) -> list[dict]:
-    return [{"model": prof.model, "seq_len": prof.seq_len, "batch": prof.batch, "bits": a.bits,
-             "cut": a.cut, "phases_ms": cm.phase_ms(prof, a)} for a in actions]
+def _records(prof: Profile, actions: list[Action]) -> list[Measurement]:
+    return [Measurement(prof.model, prof.seq_len, prof.batch, a, cm.phase_ms(prof, a))
+            for a in actions]
 
 
 @pytest.mark.parametrize("suffix_layer_ms, cut, near", [(0.001, 1, 2), (1e4, 5, 4)])
@@ -208,7 +208,8 @@ def _fake_run(exp, cache_dir=None, timeout=None) -> list[Summary]:
     for a, s in done:
         t = cm.predicted_ms(prof, a, "sequential" if s == "sequential" else "overlapped",
                             exp.interval, exp.prefill)
-        phases = cm.phase_ms(prof, a) | {"prefill": 1.0 if exp.interval == "prompt" else 0.0}
+        phases = dataclasses.replace(cm.phase_ms(prof, a),
+                                     prefill=1.0 if exp.interval == "prompt" else 0.0)
         out.append(Summary(model=exp.model, seq_len=exp.seq_len, batch=exp.batch, action=a,
                            transport=exp.transport, schedule=s, link_gbps=exp.link_gbps,
                            hardware="test", reps_ms=(0.99 * t, t, 1.01 * t), phases_ms=phases,

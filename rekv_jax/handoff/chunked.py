@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
-from rekv_jax.handoff.outcome import Handoff, elapsed_ms, finish_send, outcome
+from rekv_jax.handoff.outcome import Handoff, PrefillTimes, elapsed_ms, finish_send, outcome
 from rekv_jax.handoff.payload import recv_prefix, send_prefix
 from rekv_jax.kv import KVCache
 from rekv_jax.model.transformer import (
@@ -95,9 +95,8 @@ def send_pipelined(transport: Transport, cfg: ModelConfig, params: Params, token
         quantize_ms += send_prefix(transport, f"{tag}/prefix{i}", kv.span(a, b), action.bits,
                                    backend, timeout)
         phases.append(f"prefix{i}")
-    finish_send(transport, tag, phases, timeout, prefill_ms=prefill_ms,
-                 quantize_ms=quantize_ms, boundary_at_ms=boundary_at_ms,
-                 sent_bytes=transport.sent_bytes - sent_before)
+    finish_send(transport, tag, phases, timeout, PrefillTimes(
+        prefill_ms, quantize_ms, boundary_at_ms, transport.sent_bytes - sent_before))
 
 
 def receive_chunked(transport: Transport, cfg: ModelConfig, params: Params, action: Action,

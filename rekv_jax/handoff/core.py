@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
-from rekv_jax.handoff.outcome import Handoff, elapsed_ms, finish_send, outcome
+from rekv_jax.handoff.outcome import Handoff, PrefillTimes, elapsed_ms, finish_send, outcome
 from rekv_jax.handoff.payload import pack_prefix, recv_prefix, send_prefix
 from rekv_jax.kv import KVCache
 from rekv_jax.model.transformer import (
@@ -148,10 +148,9 @@ def _send_state(transport: Transport, state: PrefillState, action: Action, tag: 
         phases.append(f"boundary{i}")
     if payload:
         transport.send(f"{tag}/prefix", payload, timeout)
-    finish_send(transport, tag, phases + ["prefix"] * bool(payload), timeout,
-                 prefill_ms=prefill_ms, quantize_ms=quantize_ms, boundary_at_ms=boundary_at_ms,
-                 sent_bytes=transport.sent_bytes - sent_before,
-                 **({"suffix_sums": list(state.suffix_sums)} if state.suffix_sums else {}))
+    finish_send(transport, tag, phases + ["prefix"] * bool(payload), timeout, PrefillTimes(
+        prefill_ms, quantize_ms, boundary_at_ms, transport.sent_bytes - sent_before,
+        state.suffix_sums))
 
 
 def _send_streamed(transport: Transport, cfg: ModelConfig, params: Params, tokens: jax.Array,
@@ -185,9 +184,8 @@ def _send_streamed(transport: Transport, cfg: ModelConfig, params: Params, token
         quantize_ms += send_prefix(transport, f"{tag}/layer{layer}", kv, action.bits, backend,
                                    timeout)
         phases.append(f"layer{layer}")
-    finish_send(transport, tag, phases, timeout, prefill_ms=prefill_ms,
-                 quantize_ms=quantize_ms, boundary_at_ms=boundary_at_ms,
-                 sent_bytes=transport.sent_bytes - sent_before)
+    finish_send(transport, tag, phases, timeout, PrefillTimes(
+        prefill_ms, quantize_ms, boundary_at_ms, transport.sent_bytes - sent_before))
 
 
 def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, action: Action,

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from rekv_jax.kv import KVCache
+from rekv_jax.phases import TIMELINE, Phases, Timeline
 from rekv_jax.transport import Transport, checksums
 
-# events of a handoff's timeline: the boundary arrived, the prefix arrived and was restored, the
-# suffix started and ended, the cache and first token were ready
-TIMELINE = ("boundary", "prefix", "suffix_start", "suffix_end", "end")
+__all__ = ["TIMELINE", "Handoff", "PrefillTimes", "elapsed_ms", "finish_send", "outcome"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,10 +24,8 @@ class Handoff:
     kv: KVCache  # [L, B, S, K, H]
     first_token: jax.Array  # [B]
     total_ms: float
-    phases_ms: dict[str, float]  # keyed by costmodel.PROMPT_PHASES
-    # when each event happened, ms after the interval's start (TIMELINE): shows whether the
-    # suffix ran while the prefix was still in flight
-    timeline_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+    phases_ms: Phases
+    timeline_ms: Timeline | None = None  # None: not timed (a reference cache)
     sent_bytes: int = 0  # what the prefill side's transport put on the wire for this handoff
     fallback: bool = False  # True if the prefix transfer failed and the cache was recomputed
     # whether the recomputed suffix KV's checksums equal those of the prefill process's own
@@ -39,11 +37,33 @@ def elapsed_ms(start: float, stop: float) -> float:
     return 1e3 * (stop - start)
 
 
+@dataclasses.dataclass(frozen=True)
+class PrefillTimes:
+    """What the prefill side tells the decode side after sending (its `TAG/prefill` message)."""
+
+    prefill_ms: float  # its own compute of the prompt (0: timed from the ready state)
+    quantize_ms: float  # Q
+    boundary_at_ms: float  # when it sent the boundary, ms after the interval's start
+    sent_bytes: int  # what its transport put on the wire for this handoff
+    # checksums of its own suffix KV (PrefillState.suffix_sums); empty: not computed
+    suffix_sums: tuple[int, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        sums = d.pop("suffix_sums")
+        return d | ({"suffix_sums": list(sums)} if sums else {})
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> PrefillTimes:
+        return cls(d["prefill_ms"], d["quantize_ms"], d["boundary_at_ms"], d["sent_bytes"],
+                   tuple(d.get("suffix_sums", ())))
+
+
 def finish_send(transport: Transport, tag: str, phases: list[str], timeout: float,
-                 **sent: float | list[int]) -> None:
+                sent: PrefillTimes) -> None:
     """Post the prefill side's times and bytes sent, then wait for every phase's ack (the decode
     side's errors surface here)."""
-    transport.send_meta(f"{tag}/prefill", sent)
+    transport.send_meta(f"{tag}/prefill", sent.to_json())
     for phase in phases:
         transport.wait_ack(f"{tag}/{phase}", timeout)
 
@@ -60,21 +80,21 @@ def outcome(transport: Transport, tag: str, timeout: float, t0: float, prefix: K
     kv, first = jax.block_until_ready((kv, first))
     t_end = time.perf_counter()
 
-    sent = transport.recv_meta(f"{tag}/prefill", timeout)
+    sent = PrefillTimes.from_json(transport.recv_meta(f"{tag}/prefill", timeout))
     suffix_match = None  # compared after the interval: a device-to-host sync
-    if "suffix_sums" in sent and suffix is not None and not fell_back:
-        suffix_match = checksums([suffix.k, suffix.v]) == sent["suffix_sums"]
-    phases = {
-        "prefill": sent["prefill_ms"],
-        "quantize": sent["quantize_ms"],
+    if sent.suffix_sums and suffix is not None and not fell_back:
+        suffix_match = tuple(checksums([suffix.k, suffix.v])) == sent.suffix_sums
+    phases = Phases(
+        prefill=sent.prefill_ms,
+        quantize=sent.quantize_ms,
         # the link time of the boundary: from when the prefill side sent it to its arrival
-        "boundary": max(elapsed_ms(t0, t_boundary) - sent["boundary_at_ms"], 0.0),
+        boundary=max(elapsed_ms(t0, t_boundary) - sent.boundary_at_ms, 0.0),
         # what the prefix adds after the boundary (a streamed prefix is mostly there before)
-        "prefix": max(elapsed_ms(t_boundary, t_prefix), 0.0),
-        "suffix": elapsed_ms(t_start, t_suffix),
-        "join": elapsed_ms(max(t_prefix, t_suffix), t_end),
-    }
-    events = (t_boundary, t_prefix, t_start, t_suffix, t_end)
-    timeline = dict(zip(TIMELINE, (elapsed_ms(t0, t) for t in events), strict=True))
-    return Handoff(kv, first, elapsed_ms(t0, t_end), phases, timeline, sent["sent_bytes"],
+        prefix=max(elapsed_ms(t_boundary, t_prefix), 0.0),
+        suffix=elapsed_ms(t_start, t_suffix),
+        join=elapsed_ms(max(t_prefix, t_suffix), t_end),
+    )
+    timeline = Timeline(*(elapsed_ms(t0, t) for t in (t_boundary, t_prefix, t_start, t_suffix,
+                                                      t_end)))
+    return Handoff(kv, first, elapsed_ms(t0, t_end), phases, timeline, sent.sent_bytes,
                    fell_back, suffix_match)

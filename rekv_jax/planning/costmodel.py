@@ -2,8 +2,8 @@
 
 Phases of an action `(b, c)`, in ms: `Q_b(c)` quantize the prefix, `H` send the boundary `h_c`,
 `X_b(c)` send and restore the prefix, `R(c)` run the suffix (to the first token's logits), `J`
-join (assemble the cache, pick the token; it differs by action kind). Keys of `phases_ms`:
-quantize, boundary, prefix, suffix, join.
+join (assemble the cache, pick the token; it differs by action kind): the fields of a
+`phases.Phases`.
 
     T_seq = Q + H + X + R + J          (Eq. 8)      T_ov = Q + H + max(X, R) + J   (Eq. 9)
     T_seq - T_ov = min(X, R)           (Eq. 10)
@@ -89,7 +89,7 @@ from typing import Any
 from rekv_jax import sizes
 from rekv_jax.action import ACTION_KINDS, Action
 from rekv_jax.config import ModelConfig
-from rekv_jax.phases import CHUNKED, PHASES, PIPELINED, check_chunks, check_modes
+from rekv_jax.phases import CHUNKED, PIPELINED, Phases, check_chunks, check_modes
 
 _BITS_FIELDS = ("kv_layer_bytes", "quantize_ms", "restore_ms")  # dicts keyed by bits
 
@@ -296,8 +296,8 @@ def load_profiles(path: str | Path) -> list[Profile]:
     return profiles
 
 
-def phase_ms(profile: Profile, action: Action) -> dict[str, float]:
-    """Predicted `Q, H, X, R, J` of `action` under `profile`, keyed like a record's phases_ms."""
+def phase_ms(profile: Profile, action: Action) -> Phases:
+    """Predicted `Q, H, X, R, J` of `action` under `profile` (ready interval: no prefill)."""
     p = profile
     if action.num_layers != p.num_layers:
         raise ValueError(f"action {action} is for {action.num_layers} layers, "
@@ -307,26 +307,35 @@ def phase_ms(profile: Profile, action: Action) -> dict[str, float]:
     # token IDs, always first, with h_c in the same message for a joint action
     boundary = p.boundary_fixed_ms + transfer_ms(p.token_bytes + interior * p.boundary_bytes, W)
     if c == 0:  # the decode side embeds the tokens and runs all L layers
-        return {"quantize": 0.0, "boundary": boundary, "prefix": 0.0,
-                "suffix": p.embed_ms + p.suffix_fixed_ms + L * p.suffix_layer_ms,
-                "join": p.join_ms["recompute"]}
+        return Phases(quantize=0.0, boundary=boundary, prefix=0.0,
+                      suffix=p.embed_ms + p.suffix_fixed_ms + L * p.suffix_layer_ms,
+                      join=p.join_ms["recompute"])
     p._check_bits(action.bits)
-    return {
-        "quantize": (p.quantize_fixed_ms + c * p.quantize_ms[action.bits]
-                     if action.bits < 16 else 0.0),
-        "boundary": boundary,
-        "prefix": p.prefix_ms(action.bits, c),
-        "suffix": p.suffix_fixed_ms + (L - c) * p.suffix_layer_ms if interior else 0.0,
-        "join": p.join_ms[action.kind],
-    }
+    return Phases(
+        quantize=(p.quantize_fixed_ms + c * p.quantize_ms[action.bits]
+                  if action.bits < 16 else 0.0),
+        boundary=boundary,
+        prefix=p.prefix_ms(action.bits, c),
+        suffix=p.suffix_fixed_ms + (L - c) * p.suffix_layer_ms if interior else 0.0,
+        join=p.join_ms[action.kind],
+    )
 
 
-def predict(profile: Profile, action: Action) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """The cost model's phases, T_seq, T_ov and the overlap saving (ms) of one action."""
+
+    action: Action
+    phases_ms: Phases
+    t_seq_ms: float  # Eq. 8
+    t_ov_ms: float  # Eq. 9
+    saved_ms: float  # Eq. 10
+
+
+def predict(profile: Profile, action: Action) -> Prediction:
     """Phase times, T_seq, T_ov and the overlap saving (ms) of `action` under `profile`."""
     ph = phase_ms(profile, action)
-    args = [ph[k] for k in PHASES]
-    return {"action": str(action), "phases_ms": ph, "t_seq_ms": t_seq(*args),
-            "t_ov_ms": t_ov(*args), "saved_ms": saved(ph["prefix"], ph["suffix"])}
+    return Prediction(action, ph, t_seq(*ph.ready), t_ov(*ph.ready), saved(ph.prefix, ph.suffix))
 
 
 def predicted_ms(profile: Profile, action: Action, schedule: str = "overlapped",
@@ -343,7 +352,8 @@ def predicted_ms(profile: Profile, action: Action, schedule: str = "overlapped",
     if schedule == CHUNKED:
         ready = chunked_ms(profile, action, chunks)
     else:
-        ready = predict(profile, action)["t_seq_ms" if schedule == "sequential" else "t_ov_ms"]
+        pred = predict(profile, action)
+        ready = pred.t_seq_ms if schedule == "sequential" else pred.t_ov_ms
     return ready + (prompt_compute_ms(profile, profile.num_layers) if interval == "prompt" else 0)
 
 
@@ -352,14 +362,14 @@ def chunked_ms(profile: Profile, action: Action, chunks: int) -> float:
     p, ph = profile, phase_ms(profile, action)
     c, L = action.cut, p.num_layers
     if not 0 < c < L:  # no boundary to chunk
-        return t_ov(*(ph[k] for k in PHASES))
-    start = ph["quantize"] + p.boundary_fixed_ms + transfer_ms(p.token_bytes, p.link_gbps)
+        return t_ov(*ph.ready)
+    start = ph.quantize + p.boundary_fixed_ms + transfer_ms(p.token_bytes, p.link_gbps)
     piece = transfer_ms(p.boundary_bytes, p.link_gbps) / chunks
     arrive = [start + (i + 1) * piece + i * p.message_ms for i in range(chunks)]  # A_i
     run = [p.suffix_fixed_ms + (L - c) * p.chunk_layer(i, chunks) for i in range(chunks)]  # R_i
     tails = list(accumulate(reversed(run)))[::-1]  # Σ_{i>=k} R_i
     suffix_done = max(a + t for a, t in zip(arrive, tails, strict=True))  # F
-    return max(arrive[-1] + ph["prefix"], suffix_done) + ph["join"]
+    return max(arrive[-1] + ph.prefix, suffix_done) + ph.join
 
 
 def pipelined_ms(profile: Profile, action: Action, chunks: int, schedule: str = "overlapped"

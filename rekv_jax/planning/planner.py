@@ -23,7 +23,15 @@ from rekv_jax import sizes
 from rekv_jax.action import Action, action_space
 from rekv_jax.config import ModelConfig
 from rekv_jax.jsonl import read_jsonl
-from rekv_jax.phases import CHUNKED, PIPELINED, PREFILL_MODES, SCHEDULES, check_modes
+from rekv_jax.phases import (
+    CHUNKED,
+    PHASES,
+    PIPELINED,
+    PREFILL_MODES,
+    SCHEDULES,
+    Phases,
+    check_modes,
+)
 from rekv_jax.planning.costmodel import Profile, phase_ms, predicted_ms
 
 # The paper's H100 TCP path moves the 8K Qwen2.5-7B BF16 cache (448 MiB) in 202.13 ms (§4.4).
@@ -113,7 +121,7 @@ class Candidate:
     prefill: str  # costmodel.PREFILL_MODES
     chunks: int  # token chunks (1: unchunked)
     predicted_ms: float  # the total for the plan's interval
-    phases_ms: dict[str, float]  # the action's unchunked ready-interval phases (costmodel.PHASES)
+    phases_ms: Phases  # the action's unchunked ready-interval phases (no prefill)
     payload_bytes: int
     quality: str  # QUALITY
     gated_chunks: int | None = None  # the chunks of the gate result used (None: unchecked)
@@ -130,8 +138,22 @@ class Candidate:
         return {"action": str(a), "kind": a.kind, "bits": a.bits, "cut": a.cut,
                 "suffix_len": a.suffix_len, "schedule": self.schedule, "prefill": self.prefill,
                 "chunks": self.chunks, "predicted_ms": self.predicted_ms,
-                "phases_ms": self.phases_ms, "payload_bytes": self.payload_bytes,
+                "phases_ms": self.phases_ms.to_json(PHASES), "payload_bytes": self.payload_bytes,
                 "quality": self.quality, "gated_chunks": self.gated_chunks}
+
+
+@dataclasses.dataclass(frozen=True)
+class BalancedCut:
+    """Proposition 2 for one precision: c* (Eq. 11 with the profile's fixed terms) and the cuts
+    (with their suffix lengths) that can minimize T_ov."""
+
+    c_star: float
+    cuts: tuple[int, ...]
+    suffix_lens: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"c_star": self.c_star, "cuts": list(self.cuts),
+                "suffix_lens": list(self.suffix_lens)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +167,7 @@ class Plan:
     profile: Profile
     candidates: tuple[Candidate, ...]
     best: Candidate  # the fastest eligible candidate (with a gate), else the fastest
-    balanced_cut: dict[str, dict[str, Any]]  # precision -> Prop. 2's c*, cuts, suffix lengths
+    balanced_cut: dict[str, BalancedCut]  # precision (e.g. "q8") -> Prop. 2's cuts
     quality_file: str | None  # the gate results the choice respected (None: unchecked)
 
     @property
@@ -161,7 +183,8 @@ class Plan:
         out = {"kind": "plan", "model": self.model, "seq_len": self.seq_len, "batch": self.batch,
                "interval": self.interval, "quality_file": self.quality_file,
                "profile": {k: v for k, v in self.profile.to_json().items() if k != "kind"},
-               "best": self.best.to_json(), "balanced_cut": self.balanced_cut,
+               "best": self.best.to_json(),
+               "balanced_cut": {k: b.to_json() for k, b in self.balanced_cut.items()},
                "candidates": [c.to_json() for c in self.candidates]}
         return out | ({"note": self.note} if self.note else {})
 
@@ -256,19 +279,36 @@ def _standing(verdicts: dict[tuple[str, int], bool] | None, action: Action, chun
     return "unchecked", None
 
 
-def _balanced_cuts(profile: Profile) -> dict[str, dict[str, Any]]:
+def _balanced_cuts(profile: Profile) -> dict[str, BalancedCut]:
     """Per precision: c* (Eq. 11 with the profile's fixed terms) and the cuts Prop. 2 allows."""
     out = {}
     for bits in sorted(profile.quantize_ms, reverse=True):
         c_star, cuts = profile.balanced_cut(bits)
-        out[Action(bits, cuts[0], profile.num_layers).precision] = {
-            "c_star": c_star, "cuts": list(cuts),
-            "suffix_lens": [profile.num_layers - c for c in cuts]}
+        out[Action(bits, cuts[0], profile.num_layers).precision] = BalancedCut(
+            c_star, cuts, tuple(profile.num_layers - c for c in cuts))
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class LinkChoice:
+    """The fastest action at one link bandwidth, and its time."""
+
+    link_gbps: float
+    best: str  # Action in its text form
+    ms: float  # predicted or measured
+
+
+@dataclasses.dataclass(frozen=True)
+class Crossover:
+    """The preferred action changes from `before` to `after` between two link bandwidths."""
+
+    before: str  # Action in its text form
+    after: str
+    between_gbps: tuple[float, float]
+
+
 def preferred_by_link(profile: Profile, actions: Sequence[Action], links: Sequence[float],
-                      schedule: str = "overlapped") -> list[dict[str, Any]]:
+                      schedule: str = "overlapped") -> list[LinkChoice]:
     """The predicted fastest of `actions` at each link bandwidth (GB/s), the profile re-targeted."""
     if not actions:
         raise ValueError("no candidate actions")
@@ -277,14 +317,14 @@ def preferred_by_link(profile: Profile, actions: Sequence[Action], links: Sequen
         p = profile.at_link(w)
         ms = {str(a): predicted_ms(p, a, schedule) for a in actions}
         best = min(ms, key=ms.get)
-        out.append({"link_gbps": w, "best": best, "predicted_ms": ms[best]})
+        out.append(LinkChoice(w, best, ms[best]))
     return out
 
 
-def crossovers(by_link: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def crossovers(by_link: Sequence[LinkChoice]) -> list[Crossover]:
     """Where the preferred action changes between consecutive links of `preferred_by_link`."""
-    return [{"from": a["best"], "to": b["best"], "between_gbps": [a["link_gbps"], b["link_gbps"]]}
-            for a, b in zip(by_link, by_link[1:], strict=False) if a["best"] != b["best"]]
+    return [Crossover(a.best, b.best, (a.link_gbps, b.link_gbps))
+            for a, b in zip(by_link, by_link[1:], strict=False) if a.best != b.best]
 
 
 def plan_text(result: Plan, top: int = 12) -> str:
@@ -319,8 +359,8 @@ def plan_text(result: Plan, top: int = 12) -> str:
             fastest_way.setdefault((c.prefill, c.schedule), c)
     lines.append("fastest per schedule: " + "; ".join(
         f"{c.label} {c.predicted_ms:.2f} ms" for c in fastest_way.values()))
-    lines += [f"balanced cut c* (Prop. 2), {prec}: {b['c_star']:.2f} -> cut(s) {b['cuts']} "
-              f"(suffix {b['suffix_lens']})" for prec, b in result.balanced_cut.items()]
+    lines += [f"balanced cut c* (Prop. 2), {prec}: {b.c_star:.2f} -> cut(s) {list(b.cuts)} "
+              f"(suffix {list(b.suffix_lens)})" for prec, b in result.balanced_cut.items()]
     rows: dict[tuple[Action, str, str], Candidate] = {}
     for c in cands:  # one row per action and schedule: its fastest (fewest) chunks
         rows.setdefault((c.action, c.prefill, c.schedule), c)

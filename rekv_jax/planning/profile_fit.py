@@ -8,8 +8,8 @@ such records are given (else they stay 0).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 from scipy.optimize import nnls  # scipy: a dependency of jax
@@ -17,16 +17,29 @@ from scipy.optimize import nnls  # scipy: a dependency of jax
 from rekv_jax import sizes
 from rekv_jax.action import ACTION_KINDS, Action
 from rekv_jax.config import ModelConfig
-from rekv_jax.phases import PIPELINED
+from rekv_jax.phases import PIPELINED, Phases
 from rekv_jax.planning.costmodel import Profile
 
 
-def fit_profile(cfg: ModelConfig, records: Sequence[dict[str, Any]], hardware: str, link: str
-                ) -> Profile:
-    """Least-squares profile from measured summary records of one model, length and batch.
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """What the fit needs of one measured summary (`study.records.Summary` has these fields)."""
 
-    Each record gives `bits`, `cut`, the phase medians `phases_ms` and, when chunked, `chunks`
-    and `prefill`. Transfer terms are fitted jointly over the boundary and prefix phases (`h0`,
+    model: str
+    seq_len: int  # S
+    batch: int  # B
+    action: Action
+    phases_ms: Phases  # the phase medians
+    chunks: int = 1  # token chunks (1: unchunked)
+    prefill: str = "full"  # phases.PREFILL_MODES
+
+
+def fit_profile(cfg: ModelConfig, records: Sequence[Measurement], hardware: str, link: str
+                ) -> Profile:
+    """Least-squares profile from measured summaries of one model, length and batch.
+
+    Each record gives its action, the phase medians and, when chunked, its chunks and prefill
+    mode. Transfer terms are fitted jointly over the boundary and prefix phases (`h0`,
     `m`, `1 / W`, `restore_b`, `x0_b`; BF16 needs no restore), so `W` is the bandwidth the link
     actually delivered. Pass records measured without contention (the sequential schedule; a
     chunked record's `boundary` is the link time of the ids and all N pieces of `h_c`, its
@@ -36,52 +49,54 @@ def fit_profile(cfg: ModelConfig, records: Sequence[dict[str, Any]], hardware: s
     """
     if not records:
         raise ValueError("fit_profile needs at least one record")
-    models = {r.get("model", cfg.name) for r in records}
+    models = {r.model for r in records}
     if models != {cfg.name}:
         raise ValueError(f"records are for {sorted(models)}, the config is {cfg.name!r}")
-    keys = {(r["seq_len"], r["batch"]) for r in records}
+    if any(r.action.num_layers != cfg.num_layers for r in records):
+        raise ValueError(f"records' actions are not all for {cfg.num_layers} layers")
+    keys = {(r.seq_len, r.batch) for r in records}
     if len(keys) != 1:
         raise ValueError(f"records span several (seq_len, batch): {sorted(keys)}")
     (seq_len, batch), L = keys.pop(), cfg.num_layers
-    low = sorted({r["bits"] for r in records if 0 < r["cut"] and r["bits"] < 16}, reverse=True)
+    low = sorted({r.action.bits for r in records if 0 < r.action.cut and r.action.bits < 16},
+                 reverse=True)
     b_h, b_tok = sizes.boundary_bytes(cfg, seq_len, batch), sizes.token_bytes(seq_len, batch)
-    chunks = {id(r): r.get("chunks", 1) for r in records}
     # Messages: unknowns [h0, m, 1/W, restore_b and x0_b for b in low]. The boundary phase holds
     # the token IDs, plus h_c for a joint action (in N messages); the prefix phase the prefix
     # and its restore.
     rows, ys = [], []
-    for r in (r for r in records if r.get("prefill") != PIPELINED):
-        c, ph, n = r["cut"], r["phases_ms"], chunks[id(r)]
+    for r in (r for r in records if r.prefill != PIPELINED):
+        c, bits, ph, n = r.action.cut, r.action.bits, r.phases_ms, r.chunks
         joint = 0 < c < L
         rows.append([1.0, n - 1.0, b_tok + joint * b_h] + [0.0] * 2 * len(low))
-        ys.append(ph["boundary"])
+        ys.append(ph.boundary)
         if c > 0:
-            per_bits = [float(r["bits"] == b) for b in low]
-            rows.append([0.0, 1.0, c * sizes.kv_layer_bytes(cfg, seq_len, batch, r["bits"])]
+            per_bits = [float(bits == b) for b in low]
+            rows.append([0.0, 1.0, c * sizes.kv_layer_bytes(cfg, seq_len, batch, bits)]
                         + [c * x for x in per_bits] + per_bits)
-            ys.append(ph["prefix"])
+            ys.append(ph.prefix)
     h0, m, inv_w, *rest = _lstsq(rows, ys, "boundary and prefix times")
     restore, restore_fixed = rest[:len(low)], rest[len(low):]
     if not inv_w > 0:
         raise ValueError("cannot fit a link bandwidth: transfer time does not grow with bytes")
     # Quantize: [q0 (per call: one per chunk), α_b for b in low].
-    quant = [r for r in records if r["bits"] < 16 and r["cut"] > 0]
-    q0, *alpha = (_lstsq([[float(chunks[id(r)])] + [float(r["cut"]) if r["bits"] == b else 0.0
-                                                     for b in low] for r in quant],
-                         [r["phases_ms"]["quantize"] for r in quant], "quantize times")
+    quant = [r for r in records if r.action.bits < 16 and r.action.cut > 0]
+    q0, *alpha = (_lstsq([[float(r.chunks)] + [float(r.action.cut) if r.action.bits == b else 0.0
+                                               for b in low] for r in quant],
+                         [r.phases_ms.quantize for r in quant], "quantize times")
                   if low else [0.0])
     # Suffix: [r0 (per call), γ, embed, κ (per layer of each chunk after the first)].
-    suf = [r for r in records if r["cut"] < L]
-    has_embed = any(r["cut"] == 0 for r in suf)
-    has_chunks = any(chunks[id(r)] > 1 for r in suf)
+    suf = [r for r in records if r.action.cut < L]
+    has_embed = any(r.action.cut == 0 for r in suf)
+    has_chunks = any(r.chunks > 1 for r in suf)
     r0, gamma, *extra = _lstsq(
-        [[float(chunks[id(r)]), float(L - r["cut"])] + ([float(r["cut"] == 0)] if has_embed else [])
-         + ([float((L - r["cut"]) * (chunks[id(r)] - 1))] if has_chunks else []) for r in suf],
-        [r["phases_ms"]["suffix"] for r in suf], "suffix times")
+        [[float(r.chunks), float(r.action.suffix_len)]
+         + ([float(r.action.cut == 0)] if has_embed else [])
+         + ([float(r.action.suffix_len * (r.chunks - 1))] if has_chunks else []) for r in suf],
+        [r.phases_ms.suffix for r in suf], "suffix times")
     embed = extra.pop(0) if has_embed else 0.0
     kappa = extra.pop(0) if has_chunks else 0.0
-    joins = {k: [r["phases_ms"]["join"] for r in records
-                 if Action(r["bits"], r["cut"], L).kind == k] for k in ACTION_KINDS}
+    joins = {k: [r.phases_ms.join for r in records if r.action.kind == k] for k in ACTION_KINDS}
     everything = [t for ts in joins.values() for t in ts]  # for a kind without records
     join = {k: float(np.median(ts or everything)) for k, ts in joins.items()}
     return Profile.for_config(

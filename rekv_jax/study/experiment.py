@@ -42,7 +42,14 @@ from rekv_jax.handoff.core import (
 from rekv_jax.handoff.outcome import Handoff
 from rekv_jax.model.loader import load_model
 from rekv_jax.model.transformer import Params, attention_backend, prefill
-from rekv_jax.phases import FALLBACKS, PAPER_SCHEDULES, PROMPT_PHASES, SCHEDULES, check_modes
+from rekv_jax.phases import (
+    FALLBACKS,
+    PAPER_SCHEDULES,
+    PROMPT_PHASES,
+    SCHEDULES,
+    Phases,
+    check_modes,
+)
 from rekv_jax.sharding import shard_params
 from rekv_jax.sizes import action_bytes
 from rekv_jax.study.records import Rep, Summary, record_schedule, serializes
@@ -354,7 +361,8 @@ def summarize(cfg: ModelConfig, exp: Experiment, action: Action, schedule: str,
         transport=exp.transport, schedule=record_schedule(action, schedule),
         link_gbps=exp.link_gbps, hardware=hardware(),
         reps_ms=tuple(r.total_ms for r in reps),
-        phases_ms={p: float(np.median([r.phases_ms[p] for r in reps])) for p in PROMPT_PHASES},
+        phases_ms=Phases(**{p: float(np.median([getattr(r.phases_ms, p) for r in reps]))
+                            for p in PROMPT_PHASES}),
         payload_bytes=action_bytes(cfg, action, exp.seq_len, exp.batch)["total_bytes"],
         first_token_match=all(r.first_token_match for r in reps), cache_check=cache_check,
         fallbacks=sum(r.fallback for r in reps), weights=weights,

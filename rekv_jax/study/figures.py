@@ -91,7 +91,7 @@ def crossover_figure(records: Sequence[Summary], path: str | Path,
             ax.plot(grid, ys, "-", color=color, alpha=0.6)
     if profile is not None:
         for c in crossovers(_predicted_preference(profile, by_link)):
-            ax.axvline(math.sqrt(math.prod(c["between_gbps"])), color="gray", linestyle=":")
+            ax.axvline(math.sqrt(math.prod(c.between_gbps)), color="gray", linestyle=":")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("paced link bandwidth (GB/s)")

@@ -15,7 +15,7 @@ from typing import Any
 
 from rekv_jax.action import Action
 from rekv_jax.jsonl import read_jsonl
-from rekv_jax.phases import PROMPT_PHASES
+from rekv_jax.phases import Phases, Timeline
 from rekv_jax.study import stats
 
 # The schedule of a record: overlapped, sequential or chunked for a joint action; "n/a" for
@@ -68,7 +68,7 @@ class Summary:
     link_gbps: float | None  # the paced link (None: unpaced)
     hardware: str
     reps_ms: tuple[float, ...]  # every timed rep's total
-    phases_ms: dict[str, float]  # median per phase (costmodel.PROMPT_PHASES)
+    phases_ms: Phases  # median per phase
     payload_bytes: int
     median_ms: float = float("nan")  # filled from reps_ms when not given
     ci95_ms: tuple[float, float] = (float("nan"), float("nan"))  # bootstrap CI of the median
@@ -102,10 +102,6 @@ class Summary:
             object.__setattr__(self, "median_ms", stats.median(self.reps_ms))
             object.__setattr__(self, "ci95_ms", stats.median_ci(self.reps_ms))
         object.__setattr__(self, "ci95_ms", tuple(self.ci95_ms))
-        object.__setattr__(self, "phases_ms", {"prefill": 0.0, **self.phases_ms})  # older lines
-        missing = set(PROMPT_PHASES) - set(self.phases_ms)
-        if missing:
-            raise ValueError(f"record {self.action}: phases_ms lacks {sorted(missing)}")
 
     @property
     def setup(self) -> Setup:
@@ -126,7 +122,8 @@ class Summary:
         """A JSON-ready dict (`kind: "summary"`); inverse of `from_json`."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         a = self.action
-        return {"kind": "summary", **d, "action": str(a), "bits": a.bits, "cut": a.cut,
+        return {"kind": "summary", **d, "action": str(a), "phases_ms": self.phases_ms.to_json(),
+                "bits": a.bits, "cut": a.cut,
                 "suffix_len": a.suffix_len, "num_layers": a.num_layers,
                 "reps_ms": list(self.reps_ms), "ci95_ms": list(self.ci95_ms)}
 
@@ -144,7 +141,12 @@ class Summary:
         if (action.bits, action.cut) != (d.get("bits", action.bits), d["cut"]):
             raise ValueError(f"record {d['action']!r}: bits {d.get('bits')} / cut {d['cut']} "
                              f"do not match the action")
-        return cls(**{k: v for k, v in d.items() if k in names} | {"action": action})
+        try:
+            phases = Phases.from_json(d["phases_ms"])
+        except ValueError as e:
+            raise ValueError(f"record {action}: {e}") from None
+        return cls(**{k: v for k, v in d.items() if k in names}
+                   | {"action": action, "phases_ms": phases})
 
 
 def read_summaries(paths: str | Path | Iterable[str | Path]) -> list[Summary]:
@@ -162,9 +164,9 @@ class Rep:
     schedule: str  # one of RECORD_SCHEDULES (record_schedule)
     rep: int  # index among the timed reps (warmups excluded)
     total_ms: float
-    phases_ms: dict[str, float]
+    phases_ms: Phases
     fallback: bool = False
-    timeline_ms: dict[str, float] = dataclasses.field(default_factory=dict)  # handoff.TIMELINE
+    timeline_ms: Timeline | None = None  # None: not timed ({} in JSON)
     sent_bytes: int = 0  # what the prefill side's transport sent
     first_token_match: bool = True  # equals a single-process prefill's first token
     cache_check: str = ""  # what held of this rep's cache (cache_check.check_cache)
@@ -172,4 +174,19 @@ class Rep:
     chunks: int = 1  # token chunks of the chunked schedule / pipelined prefill (1: unchunked)
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": "rep", **dataclasses.asdict(self), "action": str(self.action)}
+        """A JSON-ready dict (`kind: "rep"`); inverse of `from_json`."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        timeline = self.timeline_ms.to_json() if self.timeline_ms else {}
+        return {"kind": "rep", **d, "action": str(self.action),
+                "phases_ms": self.phases_ms.to_json(), "timeline_ms": timeline}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], num_layers: int) -> Rep:
+        """Parse a rep line of an action of a `num_layers`-layer model (a rep line names the
+        action by its text only, which needs the layer count)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        timeline = d.get("timeline_ms")
+        return cls(**{k: v for k, v in d.items() if k in names}
+                   | {"action": Action.parse(d["action"], num_layers),
+                      "phases_ms": Phases.from_json(d["phases_ms"]),
+                      "timeline_ms": Timeline.from_json(timeline) if timeline else None})

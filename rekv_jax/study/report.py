@@ -84,7 +84,7 @@ def handoff_table(records: Sequence[Summary], header: bool = True) -> str:
              + "".join(f"{p[:8]:>10}" for p in phases) + f"{'MiB':>9}  first  cache"] * header
     for r in records:
         ci = f"[{r.ci95_ms[0]:.2f}, {r.ci95_ms[1]:.2f}]"
-        times = "".join(f"{r.phases_ms[p]:>10.2f}" for p in phases)
+        times = "".join(f"{getattr(r.phases_ms, p):>10.2f}" for p in phases)
         schedule = "serialized" if r.serialized else r.schedule
         lines.append(f"{str(r.action):<16}{schedule:<12}{r.median_ms:>10.2f}{ci:>18}{times}"
                      f"{r.payload_bytes / sizes.MIB:>9.2f}  {str(r.first_token_match):<6} "
@@ -139,11 +139,11 @@ def _why_little(row: Row, records: Sequence[Summary]) -> str:
     if bf16 is None or not suffix:
         return "(Too few actions measured to say why BF16 transfer is not beaten.)"
     r = min(suffix, key=lambda r: r.action.cut)
-    per_layer = r.phases_ms["suffix"] / r.action.suffix_len
+    per_layer = r.phases_ms.suffix / r.action.suffix_len
     gbps = row["setup"].link_gbps
     link = "unpaced loopback" if gbps is None else link_label(gbps)
     return (f"Why so little: over {link} the whole BF16 prefix moves in "
-            f"{bf16.phases_ms['prefix']:.2f} ms ({bf16.phases_ms['prefix'] / bf16.action.cut:.2f}"
+            f"{bf16.phases_ms.prefix:.2f} ms ({bf16.phases_ms.prefix / bf16.action.cut:.2f}"
             f" ms per layer) while one suffix layer costs {per_layer:.2f} ms here, so there is "
             "little link time to save by quantizing or to hide behind recomputation; the paper's "
             "regime is a link whose per-layer time is comparable to a suffix layer "

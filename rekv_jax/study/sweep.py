@@ -105,7 +105,9 @@ def fit(cfg: ModelConfig, records: list[Summary]) -> costmodel.Profile:
     uncontended = [r for r in records if r.schedule != "overlapped"]
     first = uncontended[0]
     link = f"{first.transport} {tables.link_label(first.link_gbps)}"
-    return profile_fit.fit_profile(cfg, [r.to_json() for r in uncontended], first.hardware, link)
+    measured = [profile_fit.Measurement(r.model, r.seq_len, r.batch, r.action, r.phases_ms,
+                                        r.chunks, r.prefill) for r in uncontended]
+    return profile_fit.fit_profile(cfg, measured, first.hardware, link)
 
 
 def profile(model: str, seq_len: int, transport: str, link_gbps: float | None,
@@ -238,4 +240,4 @@ def write_csv(records: list[Summary], path: Path) -> None:
         w.writeheader()
         for r in records:
             w.writerow({**r.to_json(), "ci95_lo": r.ci95_ms[0], "ci95_hi": r.ci95_ms[1],
-                        **{f"{p}_ms": v for p, v in r.phases_ms.items()}})
+                        **{f"{p}_ms": v for p, v in r.phases_ms.to_json().items()}})

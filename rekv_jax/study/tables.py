@@ -10,9 +10,8 @@ from typing import Any
 import numpy as np
 
 from rekv_jax import sizes
-from rekv_jax.phases import PHASES
 from rekv_jax.planning.costmodel import Profile, predicted_ms, t_ov
-from rekv_jax.planning.planner import crossovers, preferred_by_link
+from rekv_jax.planning.planner import LinkChoice, crossovers, preferred_by_link
 from rekv_jax.study import stats
 from rekv_jax.study.records import Setup, Summary
 
@@ -225,7 +224,7 @@ def table3_rows(records: Sequence[Summary], joint_bits: int = 8, seed: int = 0) 
                 gain, ci = stats.ratio_ci(seq.reps_ms, ov.reps_ms, seed=seed)
                 # Eq. 9's ideal from the uncontended phases of the sequential run (the
                 # overlapped run's own phases are segments of its timeline: ~1 by construction)
-                ideal = t_ov(*(seq.phases_ms[p] for p in PHASES))
+                ideal = t_ov(*seq.phases_ms.ready)
                 row["schedule"] = {
                     "action": pick, "sequential_ms": seq.median_ms,
                     "overlapped_ms": ov.median_ms, "gain": gain, "gain_ci95": list(ci),
@@ -358,7 +357,7 @@ def _profile_of(profiles: Sequence[Profile], key: tuple) -> Profile | None:
 
 
 def _predicted_preference(profile: Profile, by_link: dict[float, dict[str, Summary]],
-                          n_grid: int = 200) -> list[dict[str, Any]]:
+                          n_grid: int = 200) -> list[LinkChoice]:
     """The profile's preferred action on a fine link grid spanning the measured links."""
     actions = list(dict.fromkeys(r.action for acts in by_link.values() for r in acts.values()))
     grid = np.geomspace(min(by_link) / 2, max(by_link) * 2, n_grid)
@@ -379,7 +378,7 @@ def crossover_rows(records: Sequence[Summary], profiles: Sequence[Profile] = ())
             if profile is not None:
                 actions = [r.action for r in acts.values()]
                 (pred,) = preferred_by_link(profile, actions, [link])
-                row["predicted_best"], row["predicted_ms"] = pred["best"], pred["predicted_ms"]
+                row["predicted_best"], row["predicted_ms"] = pred.best, pred.ms
             rows.append(row)
     return rows
 
@@ -402,14 +401,14 @@ def crossover_markdown(records: Sequence[Summary], profiles: Sequence[Profile] =
             out.append(f"| {r['link_gbps']:g} | {r['measured_best']} | {r['measured_ms']:.2f} | "
                        f"{pred} | " + " | ".join(f"{r['families_ms'][f]:.2f}" if f in
                                                  r["families_ms"] else "–" for f in fams) + " |")
-        measured = crossovers([{"link_gbps": r["link_gbps"], "best": r["measured_best"]}
+        measured = crossovers([LinkChoice(r["link_gbps"], r["measured_best"], r["measured_ms"])
                                for r in sel])
-        text = [f"{c['from']} → {c['to']} between {c['between_gbps'][0]:g} and "
-                f"{c['between_gbps'][1]:g} GB/s" for c in measured]
+        text = [f"{c.before} → {c.after} between {c.between_gbps[0]:g} and "
+                f"{c.between_gbps[1]:g} GB/s" for c in measured]
         out += ["", "Measured crossovers: " + ("; ".join(text) or "none in this range") + "."]
         if (profile := _profile_of(profiles, key)) is not None:
             predicted = crossovers(_predicted_preference(profile, by_link))
-            text = [f"{c['from']} → {c['to']} at ≈ {math.sqrt(math.prod(c['between_gbps'])):.3g} "
+            text = [f"{c.before} → {c.after} at ≈ {math.sqrt(math.prod(c.between_gbps)):.3g} "
                     "GB/s" for c in predicted]
             out.append(f"Predicted crossovers ({profile.source} profile, {profile.hardware}, "
                        "among the measured actions): "
