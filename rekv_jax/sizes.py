@@ -11,6 +11,7 @@ query sees (the roofline of `planner.analytic_profile` and `scripts/bench_model.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from rekv_jax.action import BITS, Action
@@ -75,8 +76,48 @@ def token_bytes(seq_len: int, batch: int = 1) -> int:
     return batch * seq_len * TOKEN_ID_BYTES
 
 
+@dataclasses.dataclass(frozen=True)
+class HandoffBytes:
+    """What one action `(bits, cut)` sends (Eqs. 5, 7): the prefix at `bits`, the BF16 boundary
+    `h_c` (joint only) or the token IDs (full recomputation only)."""
+
+    model: str
+    seq_len: int  # S
+    batch: int  # B
+    bits: int
+    cut: int  # c
+    suffix_len: int  # r = L - c
+    kind: str  # Action.kind
+    boundary_bytes: int  # B_H, 0 unless joint
+    kv_layer_bytes_bf16: int  # B_KV: one BF16 KV layer (for scale)
+    prefix_payload_bytes: int  # layers 0..c-1 at `bits`
+    token_bytes: int  # int32 token IDs, 0 unless full recomputation
+    total_bytes: int
+
+    @property
+    def boundary_mib(self) -> float:
+        return self.boundary_bytes / MIB
+
+    @property
+    def kv_layer_mib_bf16(self) -> float:
+        return self.kv_layer_bytes_bf16 / MIB
+
+    @property
+    def prefix_payload_mib(self) -> float:
+        return self.prefix_payload_bytes / MIB
+
+    @property
+    def total_mib(self) -> float:
+        return self.total_bytes / MIB
+
+    def to_json(self) -> dict[str, int | float | str]:
+        """The fields and their sizes in MiB (`rekv bytes --json`)."""
+        return dataclasses.asdict(self) | {k: getattr(self, k) for k in (
+            "boundary_mib", "kv_layer_mib_bf16", "prefix_payload_mib", "total_mib")}
+
+
 def handoff_bytes(cfg: ModelConfig, seq_len: int, bits: int, cut: int, batch: int = 1
-                  ) -> dict[str, int | float | str]:
+                  ) -> HandoffBytes:
     """Bytes sent by the action (bits, cut): `cut == L` full KV at `bits` (no boundary),
     `cut == 0` token IDs only (bits ignored), else the `bits` prefix plus the BF16 boundary (Eq. 7).
     """
@@ -90,20 +131,13 @@ def handoff_bytes(cfg: ModelConfig, seq_len: int, bits: int, cut: int, batch: in
         prefix = prefix_bytes(cfg, seq_len, cut, bits, batch)
         boundary = 0 if cut == L else boundary_bytes(cfg, seq_len, batch)
         tokens = 0
-    total = prefix + boundary + tokens
-    layer16 = kv_layer_bytes(cfg, seq_len, batch)
-    return {
-        "model": cfg.name, "seq_len": seq_len, "batch": batch, "bits": bits, "cut": cut,
-        "suffix_len": L - cut, "kind": kind,
-        "boundary_bytes": boundary, "kv_layer_bytes_bf16": layer16,
-        "prefix_payload_bytes": prefix, "token_bytes": tokens, "total_bytes": total,
-        "boundary_mib": boundary / MIB, "kv_layer_mib_bf16": layer16 / MIB,
-        "prefix_payload_mib": prefix / MIB, "total_mib": total / MIB,
-    }
+    return HandoffBytes(cfg.name, seq_len, batch, bits, cut, L - cut, kind, boundary,
+                        kv_layer_bytes(cfg, seq_len, batch), prefix, tokens,
+                        prefix + boundary + tokens)
 
 
 def action_bytes(cfg: ModelConfig, action: Action, seq_len: int, batch: int = 1
-                 ) -> dict[str, int | float | str]:
+                 ) -> HandoffBytes:
     """`handoff_bytes` of an `Action` (checked against the config's layer count)."""
     if action.num_layers != cfg.num_layers:
         raise ValueError(f"action {action} is for {action.num_layers} layers, "
@@ -111,21 +145,42 @@ def action_bytes(cfg: ModelConfig, action: Action, seq_len: int, batch: int = 1
     return handoff_bytes(cfg, seq_len, action.bits, action.cut, batch)
 
 
-def model_sizes(cfg: ModelConfig, seq_len: int, batch: int = 1) -> dict[str, int | float]:
+@dataclasses.dataclass(frozen=True)
+class ModelSizes:
+    """Per-layer and whole-model payload sizes of one model, length and batch (Eqs. 1-3, 7)."""
+
+    seq_len: int  # S
+    batch: int  # B
+    boundary_bytes: int  # B_H
+    kv_layer_bytes_bf16: int  # B_KV
+    kv_layer_bytes_q8: int
+    kv_layer_bytes_q4: int
+    full_kv_bytes_bf16: int  # L B_KV
+    token_bytes: int
+
+    @property
+    def boundary_to_kv_layer(self) -> float:
+        """B_H / B_KV = n_h / (2 n_kv) when D = n_h * H (Eq. 3)."""
+        return self.boundary_bytes / self.kv_layer_bytes_bf16
+
+    @property
+    def min_saving_suffix_bf16(self) -> int:
+        """The smallest r with r * B_KV > B_H (Eq. 6): a BF16 cut's suffix that saves bytes."""
+        return self.boundary_bytes // self.kv_layer_bytes_bf16 + 1
+
+    def to_json(self) -> dict[str, int | float]:
+        """The fields and the break-even (`rekv info --json`)."""
+        return dataclasses.asdict(self) | {
+            "boundary_to_kv_layer": self.boundary_to_kv_layer,
+            "min_saving_suffix_bf16": self.min_saving_suffix_bf16}
+
+
+def model_sizes(cfg: ModelConfig, seq_len: int, batch: int = 1) -> ModelSizes:
     """Per-layer and whole-model payload sizes, and the boundary break-even (Eqs. 3, 6)."""
-    b_h = boundary_bytes(cfg, seq_len, batch)
     b_kv = kv_layer_bytes(cfg, seq_len, batch)
-    return {
-        "seq_len": seq_len, "batch": batch,
-        "boundary_bytes": b_h,
-        "kv_layer_bytes_bf16": b_kv,
-        "kv_layer_bytes_q8": kv_layer_bytes(cfg, seq_len, batch, 8),
-        "kv_layer_bytes_q4": kv_layer_bytes(cfg, seq_len, batch, 4),
-        "full_kv_bytes_bf16": cfg.num_layers * b_kv,
-        "token_bytes": token_bytes(seq_len, batch),
-        "boundary_to_kv_layer": b_h / b_kv,  # B_H / B_KV = n_h / (2 n_kv) when D = n_h * H
-        "min_saving_suffix_bf16": b_h // b_kv + 1,  # smallest r with r * B_KV > B_H (Eq. 6)
-    }
+    return ModelSizes(seq_len, batch, boundary_bytes(cfg, seq_len, batch), b_kv,
+                      *(kv_layer_bytes(cfg, seq_len, batch, bits) for bits in (8, 4)),
+                      cfg.num_layers * b_kv, token_bytes(seq_len, batch))
 
 
 def layer_weight_count(cfg: ModelConfig) -> int:
@@ -168,14 +223,21 @@ def kv_shards(cfg: ModelConfig, devices: int) -> int:
     return math.gcd(cfg.num_kv_heads, devices)
 
 
-def parallel_links(cfg: ModelConfig, prefill_devices: int = 1, decode_devices: int = 1
-                   ) -> dict[str, int]:
+@dataclasses.dataclass(frozen=True)
+class Links:
+    """Parallel links a handoff between sharded sides uses at once, per part."""
+
+    prefix: int
+    boundary: int
+
+
+def parallel_links(cfg: ModelConfig, prefill_devices: int = 1, decode_devices: int = 1) -> Links:
     """Links a handoff between sharded sides uses at once, counting one link per receiving decode
     device: the prefix crosses as lcm of both sides' KV shards pieces (cut along K, each piece to
     a decode device holding it), `h_c` as lcm(N, M) pieces cut along D."""
-    pieces = {"prefix": math.lcm(kv_shards(cfg, prefill_devices), kv_shards(cfg, decode_devices)),
-              "boundary": math.lcm(prefill_devices, decode_devices)}
-    return {name: min(n, decode_devices) for name, n in pieces.items()}
+    prefix = math.lcm(kv_shards(cfg, prefill_devices), kv_shards(cfg, decode_devices))
+    boundary = math.lcm(prefill_devices, decode_devices)
+    return Links(min(prefix, decode_devices), min(boundary, decode_devices))
 
 
 def link_bytes(nbytes: int, links: int) -> int:

@@ -138,4 +138,4 @@ def test_local_handoff_between_meshes(sides):
                                       f"prefix on {sides[0]} devices and a suffix on {sides[1]}")
     action = Action.parse("q8:r=2", 6)
     assert summary["payload_bytes"] == sizes.action_bytes(
-        ModelConfig.preset("tiny"), action, 32)["total_bytes"]
+        ModelConfig.preset("tiny"), action, 32).total_bytes

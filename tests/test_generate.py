@@ -68,7 +68,7 @@ def test_cli_two_processes_prints_every_field():
     ids = tok.encode(PROMPT).ids
     assert record["tokens"] == single_process_tokens(str(SHIPPED_MODEL), ids, 6, "bfloat16")
     assert record["payload_bytes"] == action_bytes(
-        cfg, Action.parse("bf16:r=2", cfg.num_layers), len(ids))["total_bytes"]
+        cfg, Action.parse("bf16:r=2", cfg.num_layers), len(ids)).total_bytes
 
 
 def test_cli_without_prompt_is_a_user_error(tmp_path):

@@ -67,7 +67,7 @@ def check_summaries(records: list[dict], actions: str, seq_len: int, reps: int =
         if action.kind == "joint" and s["interval"] == "ready":  # the prefill process's own
             want += SUFFIX_ACROSS  # suffix, computed before the interval, checked on every rep
         assert s["cache_check"] == want, s
-        assert s["payload_bytes"] == action_bytes(cfg, action, seq_len)["total_bytes"]
+        assert s["payload_bytes"] == action_bytes(cfg, action, seq_len).total_bytes
         assert s["sent_bytes"] == expected_sent_bytes(cfg, action, seq_len, prefill=prefill), s
         assert len(s["reps_ms"]) == reps and s["fallbacks"] == 0
         assert set(s["phases_ms"]) == {"prefill", "quantize", "boundary", "prefix", "suffix",

@@ -179,7 +179,7 @@ def test_serialized_prefix_equals_byte_formula(bits, cut):
     if cut < cfg.num_layers:
         parts.append(h_c)  # interior cut: the BF16 boundary travels too
     sent = sum(len(np.asarray(p).tobytes()) for p in parts)
-    assert sent == sizes.handoff_bytes(cfg, S, bits, cut, B)["total_bytes"]
+    assert sent == sizes.handoff_bytes(cfg, S, bits, cut, B).total_bytes
 
 
 def test_xla_backend_is_refused_on_a_gpu(monkeypatch):

@@ -32,7 +32,7 @@ def _rec(action: str, median: float, schedule: str = "overlapped", link: float |
     return Summary(model="tiny", seq_len=seq_len, batch=1, action=a, transport="local",
                    schedule=schedule, link_gbps=link, hardware="test cpu", reps_ms=reps,
                    phases_ms=phases,
-                   payload_bytes=sizes.action_bytes(TINY, a, seq_len)["total_bytes"],
+                   payload_bytes=sizes.action_bytes(TINY, a, seq_len).total_bytes,
                    cache_check="ok", **extra)
 
 
@@ -116,10 +116,9 @@ def test_unpaced_and_prompt_records_take_their_own_profile_and_interval():
 def test_table3_payloads_schedule_gain_and_efficiency():
     recs = _sweep() + [_rec("bf16:r=2", 30.0, "sequential"), _rec("bf16:r=2", 20.0)]
     (row,) = study_tables.table3_rows(recs)
-    assert row["payload_mib"]["BF16 transfer"] == sizes.handoff_bytes(TINY, 256, 16, L)[
-        "total_mib"]
-    assert row["payload_mib"]["joint Q8 (q8:r=2)"] == sizes.handoff_bytes(TINY, 256, 8, L - 2)[
-        "total_mib"]
+    assert row["payload_mib"]["BF16 transfer"] == sizes.handoff_bytes(TINY, 256, 16, L).total_mib
+    assert row["payload_mib"]["joint Q8 (q8:r=2)"] == sizes.handoff_bytes(
+        TINY, 256, 8, L - 2).total_mib
     s = row["schedule"]
     assert s["action"] == "bf16:r=2"  # BF16 at the best joint cut, as in the paper
     assert s["gain"] == pytest.approx(1.5) and s["gain_ci95"][0] <= 1.5 <= s["gain_ci95"][1]

@@ -50,9 +50,9 @@ def test_handoff_between_meshes(transport, sides):
 def test_links_and_per_link_bytes():
     tiny = ModelConfig.preset("tiny")  # 2 KV heads
     assert sizes.kv_shards(tiny, 4) == 2 and sizes.kv_shards(tiny, 3) == 1
-    assert sizes.parallel_links(tiny) == {"prefix": 1, "boundary": 1}
-    assert sizes.parallel_links(tiny, 4, 2) == {"prefix": 2, "boundary": 2}
-    assert sizes.parallel_links(tiny, 2, 4) == {"prefix": 2, "boundary": 4}
+    assert sizes.parallel_links(tiny) == sizes.Links(prefix=1, boundary=1)
+    assert sizes.parallel_links(tiny, 4, 2) == sizes.Links(prefix=2, boundary=2)
+    assert sizes.parallel_links(tiny, 2, 4) == sizes.Links(prefix=2, boundary=4)
     assert sizes.link_bytes(10, 4) == 3 and sizes.link_bytes(8, 4) == 2
     one = Profile.for_config(tiny, 256, quantize_ms={16: 0.0}, restore_ms={16: 0.0},
                              suffix_layer_ms=1.0, join_ms=0.0, hardware="x", link="y",
@@ -62,7 +62,7 @@ def test_links_and_per_link_bytes():
                              join_ms=0.0, hardware="x", link="y", link_gbps=1.0, source="analytic")
     assert two.beta(16) == one.beta(16) / 2  # two parallel links per KV layer
     assert two.boundary_bytes == one.boundary_bytes // 2
-    whole = sizes.action_bytes(tiny, Action.parse("q8:r=2", 6), 256)["total_bytes"]
+    whole = sizes.action_bytes(tiny, Action.parse("q8:r=2", 6), 256).total_bytes
     assert whole == sizes.prefix_bytes(tiny, 256, 4, 8) + sizes.boundary_bytes(tiny, 256)
 
 

@@ -17,11 +17,11 @@ def test_paper_payloads_qwen25_7b_8k():
     assert sizes.boundary_bytes(QWEN7B, 8192) == 56 * MIB
     assert sizes.kv_layer_bytes(QWEN7B, 8192) == 16 * MIB
     assert sizes.kv_layer_bytes(QWEN7B, 8192, bits=8) == 8.25 * MIB
-    assert sizes.handoff_bytes(QWEN7B, 8192, 16, 28)["total_mib"] == 448.00
-    assert sizes.handoff_bytes(QWEN7B, 8192, 8, 28)["total_mib"] == 231.00
+    assert sizes.handoff_bytes(QWEN7B, 8192, 16, 28).total_mib == 448.00
+    assert sizes.handoff_bytes(QWEN7B, 8192, 8, 28).total_mib == 231.00
     joint = sizes.handoff_bytes(QWEN7B, 8192, 8, 15)
-    assert joint["total_mib"] == 179.75
-    assert joint["boundary_mib"] == 56.0 and joint["prefix_payload_mib"] == 15 * 8.25
+    assert joint.total_mib == 179.75
+    assert joint.boundary_mib == 56.0 and joint.prefix_payload_mib == 15 * 8.25
 
 
 @pytest.mark.parametrize("name, ratio", [("qwen2.5-7b", 3.5), ("llama-3.1-8b", 2.0)])
@@ -35,17 +35,17 @@ def test_boundary_to_kv_ratio(name, ratio):
 def test_bf16_cut_saves_bytes_iff_eq6(name):
     cfg = ModelConfig.preset(name)
     L = cfg.num_layers
-    full = sizes.handoff_bytes(cfg, 1024, 16, L)["total_bytes"]
+    full = sizes.handoff_bytes(cfg, 1024, 16, L).total_bytes
     assert cfg.hidden_size == cfg.num_heads * cfg.head_dim  # Eq. 3 premise
     threshold = cfg.num_heads / (2 * cfg.num_kv_heads)
     for r in range(1, L):
-        saves = sizes.handoff_bytes(cfg, 1024, 16, L - r)["total_bytes"] < full
+        saves = sizes.handoff_bytes(cfg, 1024, 16, L - r).total_bytes < full
         assert saves == (r > threshold), (name, r)
-    assert sizes.model_sizes(cfg, 1024)["min_saving_suffix_bf16"] == int(threshold) + 1
+    assert sizes.model_sizes(cfg, 1024).min_saving_suffix_bf16 == int(threshold) + 1
 
 
 def test_qwen25_7b_needs_four_suffix_layers():
-    assert sizes.model_sizes(QWEN7B, 8192)["min_saving_suffix_bf16"] == 4
+    assert sizes.model_sizes(QWEN7B, 8192).min_saving_suffix_bf16 == 4
 
 
 @pytest.mark.parametrize("bits", [16, 8, 4])
@@ -56,18 +56,18 @@ def test_eq5_eq7_interior_cut(bits, batch):
     E = 2 * batch * S * cfg.num_kv_heads * cfg.head_dim
     b_kv = E * 2 if bits == 16 else E * bits // 8 + E // 64 * 2
     got = sizes.handoff_bytes(cfg, S, bits, c, batch)
-    assert got["total_bytes"] == c * b_kv + batch * S * cfg.hidden_size * 2
-    assert got["kind"] == "joint" and got["suffix_len"] == cfg.num_layers - c
+    assert got.total_bytes == c * b_kv + batch * S * cfg.hidden_size * 2
+    assert got.kind == "joint" and got.suffix_len == cfg.num_layers - c
 
 
 def test_endpoints_transfer_and_recompute():
     cfg = ModelConfig.preset("tiny")
     transfer = sizes.handoff_bytes(cfg, 256, 4, cfg.num_layers, batch=2)
-    assert transfer["boundary_bytes"] == 0 and transfer["token_bytes"] == 0
-    assert transfer["total_bytes"] == cfg.num_layers * sizes.kv_layer_bytes(cfg, 256, 2, 4)
+    assert transfer.boundary_bytes == 0 and transfer.token_bytes == 0
+    assert transfer.total_bytes == cfg.num_layers * sizes.kv_layer_bytes(cfg, 256, 2, 4)
     recompute = sizes.handoff_bytes(cfg, 256, 16, 0, batch=2)
-    assert recompute["total_bytes"] == recompute["token_bytes"] == 2 * 256 * 4
-    assert recompute["prefix_payload_bytes"] == recompute["boundary_bytes"] == 0
+    assert recompute.total_bytes == recompute.token_bytes == 2 * 256 * 4
+    assert recompute.prefix_payload_bytes == recompute.boundary_bytes == 0
 
 
 def test_action_bytes_matches_handoff_bytes():
@@ -100,7 +100,7 @@ def test_cli_bytes_prints_one_json_line(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1
     out = json.loads(lines[0])
-    assert out == sizes.handoff_bytes(QWEN7B, 8192, 8, 15)
+    assert out == sizes.handoff_bytes(QWEN7B, 8192, 8, 15).to_json()
     assert out["total_mib"] == 179.75
     main(["bytes", "--model", "qwen2.5-7b", "--seq-len", "8192", "--bits", "8", "--cut", "15"])
     assert "= 179.75 MiB" in capsys.readouterr().out  # the readable form says the same
@@ -116,7 +116,7 @@ def test_cli_bytes_bad_cut_is_a_clean_error(capsys):
 def test_cli_info_reports_sizes(capsys):
     main(["info", "--model", "qwen2.5-7b", "--seq-len", "8192", "--json"])
     out = json.loads(capsys.readouterr().out)
-    assert out["sizes"] == sizes.model_sizes(QWEN7B, 8192)
+    assert out["sizes"] == sizes.model_sizes(QWEN7B, 8192).to_json()
     assert out["sizes"]["boundary_to_kv_layer"] == 3.5
 
 

@@ -308,7 +308,7 @@ def test_one_pair_runs_a_sequence_of_experiments(monkeypatch):
     paced, unpaced = summaries[0], summaries[1]
     # (0.5 MB/s: ~200 ms); the unpaced one is not paced to it (~50 ms for its bytes)
     ms_at_link = 1e3 / 0.5e6  # per byte at 0.5 MB/s
-    assert min(paced.reps_ms) > sizes.action_bytes(TINY, bf16, 32)["total_bytes"] * ms_at_link
+    assert min(paced.reps_ms) > sizes.action_bytes(TINY, bf16, 32).total_bytes * ms_at_link
     assert min(unpaced.reps_ms) < unpaced.sent_bytes * ms_at_link
 
 

@@ -177,7 +177,7 @@ def run_role(role: Role, req: Request, transport: Transport, on_token: OnToken =
         tokens=ids, text=tok.decode(ids) if tok else None, ttft_ms=result.total_ms,
         tpot_ms=1e3 * float(np.median(gaps)) if gaps.size else 0.0,
         tokens_per_s=len(ids) / (result.total_ms / 1e3 + decode_s),
-        payload_bytes=action_bytes(cfg, action, S)["total_bytes"], action=str(action),
+        payload_bytes=action_bytes(cfg, action, S).total_bytes, action=str(action),
         prefill=req.prefill, chunks=req.chunks, fallback=result.fallback,
         first_divergence=divergence)
 

@@ -213,10 +213,10 @@ class Profile:
         links = sizes.parallel_links(cfg, prefill_devices, decode_devices)
         return cls(model=cfg.name, num_layers=cfg.num_layers, seq_len=seq_len, batch=batch,
                    kv_layer_bytes={b: sizes.link_bytes(sizes.kv_layer_bytes(cfg, seq_len, batch, b),
-                                                       links["prefix"])
+                                                       links.prefix)
                                    for b in costs["quantize_ms"]},
                    boundary_bytes=sizes.link_bytes(sizes.boundary_bytes(cfg, seq_len, batch),
-                                                   links["boundary"]),
+                                                   links.boundary),
                    token_bytes=sizes.token_bytes(seq_len, batch), **costs)
 
     def at_link(self, link_gbps: float, link: str | None = None) -> Profile:

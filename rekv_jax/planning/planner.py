@@ -237,7 +237,7 @@ def plan(cfg: ModelConfig, seq_len: int, profile: Profile | None = None,
     candidates = []
     for a in actions:
         phases = phase_ms(profile, a)
-        payload = sizes.action_bytes(cfg, a, seq_len, batch)["total_bytes"]
+        payload = sizes.action_bytes(cfg, a, seq_len, batch).total_bytes
         for schedule, prefill, n in ways(a, schedules, prefills, chunks):
             quality, gated = _standing(verdicts, a, n)
             candidates.append(Candidate(

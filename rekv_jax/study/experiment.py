@@ -363,7 +363,7 @@ def summarize(cfg: ModelConfig, exp: Experiment, action: Action, schedule: str,
         reps_ms=tuple(r.total_ms for r in reps),
         phases_ms=Phases(**{p: float(np.median([getattr(r.phases_ms, p) for r in reps]))
                             for p in PROMPT_PHASES}),
-        payload_bytes=action_bytes(cfg, action, exp.seq_len, exp.batch)["total_bytes"],
+        payload_bytes=action_bytes(cfg, action, exp.seq_len, exp.batch).total_bytes,
         first_token_match=all(r.first_token_match for r in reps), cache_check=cache_check,
         fallbacks=sum(r.fallback for r in reps), weights=weights,
         interval=exp.interval, prefill=exp.prefill, prefill_devices=exp.prefill_devices,
