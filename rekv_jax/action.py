@@ -12,10 +12,21 @@ an integer `c`, `full` (`c = L`), `recompute` (`c = 0`) or `r=N` (`c = L - N`).
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Iterator, Sequence
 
 BITS = (16, 8, 4)
-ACTION_KINDS = ("transfer", "recompute", "joint")  # Action.kind
+
+
+class ActionKind(enum.StrEnum):
+    """What an action sends (`Action.kind`)."""
+
+    TRANSFER = "transfer"  # c = L: the full KV
+    RECOMPUTE = "recompute"  # c = 0: the token ids only
+    JOINT = "joint"  # 0 < c < L: the prefix KV and h_c
+
+
+ACTION_KINDS = tuple(k.value for k in ActionKind)  # the values, as plain strings
 _PREC_NAME = {16: "bf16", 8: "q8", 4: "q4"}
 _PREC_BITS = {v: k for k, v in _PREC_NAME.items()}
 
@@ -42,20 +53,20 @@ class Action:
         return self.num_layers - self.cut
 
     @property
-    def kind(self) -> str:
-        """One of ACTION_KINDS: `transfer`, `recompute` or `joint`."""
+    def kind(self) -> ActionKind:
+        """`transfer`, `recompute` or `joint`."""
         if self.cut == self.num_layers:
-            return "transfer"
-        return "recompute" if self.cut == 0 else "joint"
+            return ActionKind.TRANSFER
+        return ActionKind.RECOMPUTE if self.cut == 0 else ActionKind.JOINT
 
     @property
     def precision(self) -> str:
         return _PREC_NAME[self.bits]
 
     def __str__(self) -> str:
-        if self.kind == "transfer":
+        if self.kind == ActionKind.TRANSFER:
             return f"{self.precision}:full"
-        if self.kind == "recompute":
+        if self.kind == ActionKind.RECOMPUTE:
             return "bf16:recompute"
         return f"{self.precision}:r={self.suffix_len}"
 

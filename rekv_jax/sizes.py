@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from rekv_jax.action import BITS, Action
+from rekv_jax.action import BITS, Action, ActionKind
 from rekv_jax.config import ModelConfig
 
 GROUP_SIZE = 64  # elements sharing one scale (paper §2.2)
@@ -87,7 +87,7 @@ class HandoffBytes:
     bits: int
     cut: int  # c
     suffix_len: int  # r = L - c
-    kind: str  # Action.kind
+    kind: ActionKind
     boundary_bytes: int  # B_H, 0 unless joint
     kv_layer_bytes_bf16: int  # B_KV: one BF16 KV layer (for scale)
     prefix_payload_bytes: int  # layers 0..c-1 at `bits`
@@ -125,9 +125,9 @@ def handoff_bytes(cfg: ModelConfig, seq_len: int, bits: int, cut: int, batch: in
     cfg.check_cut(cut)
     L = cfg.num_layers
     if cut == 0:
-        kind, prefix, boundary, tokens = "recompute", 0, 0, token_bytes(seq_len, batch)
+        kind, prefix, boundary, tokens = ActionKind.RECOMPUTE, 0, 0, token_bytes(seq_len, batch)
     else:
-        kind = "transfer" if cut == L else "joint"
+        kind = ActionKind.TRANSFER if cut == L else ActionKind.JOINT
         prefix = prefix_bytes(cfg, seq_len, cut, bits, batch)
         boundary = 0 if cut == L else boundary_bytes(cfg, seq_len, batch)
         tokens = 0

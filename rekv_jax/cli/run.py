@@ -18,7 +18,7 @@ def _handoff_experiment(args: argparse.Namespace):
     from rekv_jax.action import parse_actions
     from rekv_jax.handoff.chunked import DEFAULT_CHUNKS
     from rekv_jax.model.loader import load_config
-    from rekv_jax.phases import PAPER_SCHEDULES
+    from rekv_jax.phases import PAPER_SCHEDULES, PrefillMode, Schedule
     from rekv_jax.study.calibrate import calibrate_link_in_child
     from rekv_jax.study.experiment import DEFAULT_ACTIONS, Experiment, side_environments
 
@@ -32,15 +32,16 @@ def _handoff_experiment(args: argparse.Namespace):
     cfg = load_config(args.model)
     cfg.check_seq_len(args.seq_len)
     schedules = (tuple(args.schedule.split(",")) if args.schedule != "both"
-                 else ("chunked",) if args.prefill == "pipelined" else PAPER_SCHEDULES)
+                 else (Schedule.CHUNKED,) if args.prefill == PrefillMode.PIPELINED
+                 else PAPER_SCHEDULES)
     link = args.link_gbps
     if link == PAPER_LINK and args.role is not None:
         link = None  # one side of a multi-host pair: the link is real, not emulated
     exp = Experiment(  # checks every field before any process starts
         model=args.model, seq_len=args.seq_len, batch=args.batch,
         actions=tuple(parse_actions(args.actions or DEFAULT_ACTIONS, cfg.num_layers)),
-        schedules=schedules, chunks=args.chunks or (DEFAULT_CHUNKS if "chunked" in schedules
-                                                    else 1),
+        schedules=schedules,
+        chunks=args.chunks or (DEFAULT_CHUNKS if Schedule.CHUNKED in schedules else 1),
         transport=args.transport, link_gbps=None if link == PAPER_LINK else link,
         warmup=args.warmup, reps=args.reps, fallback=args.fallback, backend=args.quant_backend,
         seed=args.seed, timeout=args.timeout, interval=args.interval, prefill=args.prefill,
@@ -121,6 +122,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 def cmd_generate(args: argparse.Namespace) -> None:
     from rekv_jax.handoff import generate
     from rekv_jax.handoff.chunked import DEFAULT_CHUNKS
+    from rekv_jax.phases import PrefillMode, Schedule
     from rekv_jax.study.calibrate import calibrate_link_in_child
 
     if args.request:  # the prefill process started by generate.generate
@@ -142,11 +144,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
     link = args.link_gbps
     if link == PAPER_LINK:
         link = calibrate_link_in_child(args.model, len(ids)).link_gbps
-    schedule = "chunked" if args.prefill == "pipelined" else args.schedule
+    schedule = Schedule.CHUNKED if args.prefill == PrefillMode.PIPELINED else args.schedule
     req = generate.Request(
         token_ids=ids, model=args.model, action=args.action, max_new_tokens=args.max_new_tokens,
         dtype=args.dtype, prefill=args.prefill, schedule=schedule, transport=args.transport,
-        chunks=args.chunks or (DEFAULT_CHUNKS if schedule == "chunked" else 1),
+        chunks=args.chunks or (DEFAULT_CHUNKS if schedule == Schedule.CHUNKED else 1),
         link_gbps=link, fallback=args.fallback, compare=args.compare, timeout=args.timeout)
     shown: list[int] = []
 

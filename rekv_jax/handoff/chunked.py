@@ -30,7 +30,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from rekv_jax.action import Action
+from rekv_jax.action import Action, ActionKind
 from rekv_jax.config import ModelConfig
 from rekv_jax.handoff.outcome import Handoff, PrefillTimes, elapsed_ms, finish_send, outcome
 from rekv_jax.handoff.payload import recv_prefix, send_prefix
@@ -44,6 +44,7 @@ from rekv_jax.model.transformer import (
     run_suffix,
     token_chunks,
 )
+from rekv_jax.phases import Fallback
 from rekv_jax.transport import Transport, TransportError
 
 DEFAULT_CHUNKS = 4  # token chunks when none are asked for (the planner may choose better)
@@ -81,14 +82,14 @@ def send_pipelined(transport: Transport, cfg: ModelConfig, params: Params, token
     for i, (a, b) in enumerate(ranges):
         start = time.perf_counter()
         x, kv = run_chunk(cfg, params, tokens[:, a:b], kv, 0, a)  # x [B, T, D] enters layer c
-        out = [x] if action.kind == "joint" else []
-        if action.kind == "transfer" and i == len(ranges) - 1:  # the first token, at the end
+        out = [x] if action.kind == ActionKind.JOINT else []
+        if action.kind == ActionKind.TRANSFER and i == len(ranges) - 1:  # the first token, last
             _, logits = run_suffix(cfg, params, x, L)
             out = [jnp.argmax(logits, axis=-1).astype(jnp.int32)]
         out = jax.block_until_ready(out)
         prefill_ms += elapsed_ms(start, time.perf_counter())
         if out:
-            name = boundary_tag(tag, i if action.kind == "joint" else 0)
+            name = boundary_tag(tag, i if action.kind == ActionKind.JOINT else 0)
             boundary_at_ms = boundary_at_ms or elapsed_ms(t0, time.perf_counter())
             transport.send(name, out, timeout)
             phases.append(name.removeprefix(f"{tag}/"))
@@ -115,7 +116,7 @@ def receive_chunked(transport: Transport, cfg: ModelConfig, params: Params, acti
     # h_c chunk i, prefix chunk i, h_c chunk i+1, ... (each receive waits for the one before)
     boundary_in = [threading.Event() for _ in ranges]
     prefix_in = [threading.Event() for _ in ranges]
-    if action.kind != "joint":  # no h_c chunks: nothing to queue behind
+    if action.kind != ActionKind.JOINT:  # no h_c chunks: nothing to queue behind
         for event in boundary_in:
             event.set()
 
@@ -143,11 +144,11 @@ def receive_chunked(transport: Transport, cfg: ModelConfig, params: Params, acti
     fell_back = False
     pending = transport.background.submit(restore_prefix) if c > 0 else None
     try:
-        if action.kind == "recompute":  # pipelined only: the whole prompt, chunked
+        if action.kind == ActionKind.RECOMPUTE:  # pipelined only: the whole prompt, chunked
             t_boundary = t_start = time.perf_counter()
             suffix, logits = jax.block_until_ready(prefill(cfg, params, tokens, chunks))
             t_suffix = time.perf_counter()
-        elif action.kind == "transfer":  # pipelined only
+        elif action.kind == ActionKind.TRANSFER:  # pipelined only
             sent_first = transport.recv(f"{tag}/boundary", [first_spec], timeout)[0]
             t_boundary = t_start = t_suffix = time.perf_counter()
         else:
@@ -169,7 +170,8 @@ def receive_chunked(transport: Transport, cfg: ModelConfig, params: Params, acti
             t_suffix = time.perf_counter()
         prefix, t_prefix = pending.result() if pending is not None else (None, t_boundary)
     except TransportError:
-        if fallback != "recompute" or action.kind == "recompute" or tokens is None:
+        if (fallback != Fallback.RECOMPUTE or action.kind == ActionKind.RECOMPUTE
+                or tokens is None):
             raise
         fell_back, prefix, t_prefix = True, None, t_boundary
         t_start = time.perf_counter()

@@ -31,7 +31,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from rekv_jax.action import Action
+from rekv_jax.action import Action, ActionKind
 from rekv_jax.config import ModelConfig
 from rekv_jax.handoff.outcome import Handoff, PrefillTimes, elapsed_ms, finish_send, outcome
 from rekv_jax.handoff.payload import pack_prefix, recv_prefix, send_prefix
@@ -44,7 +44,15 @@ from rekv_jax.model.transformer import (
     run_suffix,
     token_chunks,
 )
-from rekv_jax.phases import CHUNKED, FALLBACKS, PIPELINED, check_chunks, check_modes
+from rekv_jax.phases import (
+    FALLBACKS,
+    Fallback,
+    Interval,
+    PrefillMode,
+    Schedule,
+    check_chunks,
+    check_modes,
+)
 from rekv_jax.transport import Transport, TransportError, checksums
 
 
@@ -67,8 +75,9 @@ def check_schedule(schedule: str, prefill_mode: str, chunks: int, seq_len: int) 
     (`costmodel.check_chunks`) as a handoff runs them: chunked with N >= 2 chunks, and a
     pipelined prefill under it only."""
     check_chunks(schedule, prefill_mode, chunks, seq_len)
-    if (schedule == CHUNKED) != (chunks > 1) or (prefill_mode == PIPELINED) > (chunks > 1):
-        raise ValueError(f"a handoff runs {chunks} chunks under schedule {schedule!r} with a "
+    pipelined = prefill_mode == PrefillMode.PIPELINED
+    if (schedule == Schedule.CHUNKED) != (chunks > 1) or pipelined > (chunks > 1):
+        raise ValueError(f"a handoff runs {chunks} chunks under schedule '{schedule}' with a "
                          f"{prefill_mode} prefill: the chunked schedule needs N >= 2, a "
                          "pipelined prefill the chunked schedule")
 
@@ -79,13 +88,13 @@ def prepare(cfg: ModelConfig, params: Params, tokens: jax.Array, action: Action,
 
     `check_suffix`: also take the checksums of the suffix KV it computes anyway (joint actions;
     a device-to-host sync, so only where this runs outside the timed interval), in `chunks`."""
-    if action.kind == "recompute":
+    if action.kind == ActionKind.RECOMPUTE:
         _, logits = prefill(cfg, params, tokens)
         return PrefillState(tokens, None, None, jnp.argmax(logits, axis=-1).astype(jnp.int32))
     h_c, prefix = run_prefix(cfg, params, tokens, action.cut)
     suffix, logits = run_suffix(cfg, params, h_c, action.cut, chunks=chunks)  # layers c..L-1
     first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    joint = action.kind == "joint"
+    joint = action.kind == ActionKind.JOINT
     sums = tuple(checksums([suffix.k, suffix.v])) if joint and check_suffix else ()
     return PrefillState(tokens, h_c if joint else None, prefix, first, sums)
 
@@ -105,18 +114,18 @@ def send_handoff(transport: Transport, state: PrefillState, action: Action, tag:
 
 
 def send_prompt(transport: Transport, cfg: ModelConfig, params: Params, tokens: jax.Array,
-                action: Action, tag: str, prefill_mode: str = "full", backend: str | None = None,
-                timeout: float = 60.0, chunks: int = 1) -> None:
+                action: Action, tag: str, prefill_mode: str = PrefillMode.FULL,
+                backend: str | None = None, timeout: float = 60.0, chunks: int = 1) -> None:
     """Prefill side of one handoff timed from the prompt's arrival: `full` runs all L layers
     (`prepare`), then hands off as `send_handoff`; `split` streams layers 0..c-1 as computed;
     `pipelined` streams token chunks of layers 0..c-1 as computed (`chunked.send_pipelined`)."""
-    check_modes("prompt", prefill_mode)
+    check_modes(Interval.PROMPT, prefill_mode)
     transport.agree(f"{tag}/go", {}, timeout)
     t0 = time.perf_counter()
-    if prefill_mode == "split":
+    if prefill_mode == PrefillMode.SPLIT:
         _send_streamed(transport, cfg, params, tokens, action, tag, backend, timeout, t0)
         return
-    if prefill_mode == "pipelined":
+    if prefill_mode == PrefillMode.PIPELINED:
         from rekv_jax.handoff.chunked import send_pipelined  # it builds on this module
 
         send_pipelined(transport, cfg, params, tokens, action, tag, backend, timeout, chunks)
@@ -189,9 +198,9 @@ def _send_streamed(transport: Transport, cfg: ModelConfig, params: Params, token
 
 
 def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, action: Action,
-                    batch: int, seq_len: int, tag: str, schedule: str = "overlapped",
-                    fallback: str = "error", backend: str | None = None,
-                    timeout: float = 60.0, prefill_mode: str = "full", chunks: int = 1
+                    batch: int, seq_len: int, tag: str, schedule: str = Schedule.OVERLAPPED,
+                    fallback: str = Fallback.ERROR, backend: str | None = None,
+                    timeout: float = 60.0, prefill_mode: str = PrefillMode.FULL, chunks: int = 1
                     ) -> Handoff:
     """Decode side of one handoff: receive, recompute, restore, join; time every phase.
 
@@ -203,21 +212,24 @@ def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, acti
     check_schedule(schedule, prefill_mode, chunks, seq_len)
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
-    check_modes("ready" if prefill_mode == "full" else "prompt", prefill_mode)
-    if prefill_mode == "pipelined" or (schedule == "chunked" and action.kind == "joint"):
+    check_modes(Interval.READY if prefill_mode == PrefillMode.FULL else Interval.PROMPT,
+                prefill_mode)
+    pipelined = prefill_mode == PrefillMode.PIPELINED
+    if pipelined or (schedule == Schedule.CHUNKED and action.kind == ActionKind.JOINT):
         from rekv_jax.handoff.chunked import receive_chunked  # it builds on this module
 
         return receive_chunked(transport, cfg, params, action, batch, seq_len, tag, chunks,
-                               prefill_mode == "pipelined", fallback, backend, timeout)
-    split, c = prefill_mode == "split", action.cut
+                               pipelined, fallback, backend, timeout)
+    split, c = prefill_mode == PrefillMode.SPLIT, action.cut
     dtype = params["embed"].dtype
     token_spec = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
     first_spec = jax.ShapeDtypeStruct((batch,), jnp.int32)
     h_c_spec = jax.ShapeDtypeStruct((batch, seq_len, cfg.hidden_size), dtype)
     if split:  # the ids came alone; the boundary is h_c, or the first token (transfer-only)
-        specs = {"joint": [h_c_spec], "transfer": [first_spec], "recompute": []}[action.kind]
+        specs = {ActionKind.JOINT: [h_c_spec], ActionKind.TRANSFER: [first_spec],
+                 ActionKind.RECOMPUTE: []}[action.kind]
     else:
-        specs = [token_spec, first_spec] + [h_c_spec] * (action.kind == "joint")
+        specs = [token_spec, first_spec] + [h_c_spec] * (action.kind == ActionKind.JOINT)
     transport.agree(f"{tag}/go", {}, timeout)
     t0 = time.perf_counter()
     boundary_in = threading.Event()  # the boundary's receive ended (its bytes are paced first)
@@ -238,9 +250,9 @@ def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, acti
             prefix = KVCache.concat(*layers)
         return jax.block_until_ready(prefix), time.perf_counter()
 
-    def run_suffix_now(kind: str) -> tuple[KVCache, jax.Array, float, float]:
+    def run_suffix_now(kind: ActionKind) -> tuple[KVCache, jax.Array, float, float]:
         start = time.perf_counter()
-        if kind == "recompute":
+        if kind == ActionKind.RECOMPUTE:
             kv, logits = prefill(cfg, params, tokens)
         else:
             kv, logits = run_suffix(cfg, params, h_c, c)
@@ -255,7 +267,7 @@ def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, acti
     # transfer-only over a transport that pulls without waiting for a message (both phases in
     # flight at once; a paced link still delivers the boundary first), else beside the
     # overlapped suffix
-    early = c > 0 and (split or action.kind == "transfer" and transport.pull_first)
+    early = c > 0 and (split or action.kind == ActionKind.TRANSFER and transport.pull_first)
     pending = transport.background.submit(restore_prefix) if early else None
     try:
         if specs:
@@ -265,27 +277,28 @@ def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, acti
                 boundary_in.set()
             if not split:
                 tokens, sent_first, *boundary = boundary
-            h_c = boundary[0] if action.kind == "joint" else None
-            sent_first = boundary[0] if split and action.kind == "transfer" else sent_first
+            h_c = boundary[0] if action.kind == ActionKind.JOINT else None
+            sent_first = boundary[0] if split and action.kind == ActionKind.TRANSFER else sent_first
         t_boundary = t_prefix = time.perf_counter()
-        if action.kind == "recompute":
-            suffix, logits, t_start, t_suffix = run_suffix_now("recompute")
+        if action.kind == ActionKind.RECOMPUTE:
+            suffix, logits, t_start, t_suffix = run_suffix_now(ActionKind.RECOMPUTE)
         else:
-            overlapped = action.kind == "joint" and schedule == "overlapped"
+            overlapped = action.kind == ActionKind.JOINT and schedule == Schedule.OVERLAPPED
             if overlapped and pending is None:  # transfer + restore ...
                 pending = transport.background.submit(restore_prefix)
             if overlapped:
                 suffix, logits, t_start, t_suffix = run_suffix_now("suffix")  # ... meanwhile
             prefix, t_prefix = pending.result() if pending is not None else restore_prefix()
-            if action.kind == "joint" and schedule == "sequential":
+            if action.kind == ActionKind.JOINT and schedule == Schedule.SEQUENTIAL:
                 suffix, logits, t_start, t_suffix = run_suffix_now("suffix")
-            elif action.kind == "transfer":
+            elif action.kind == ActionKind.TRANSFER:
                 t_start = t_suffix = t_prefix
     except TransportError:
-        if fallback != "recompute" or action.kind == "recompute" or tokens is None:
+        if (fallback != Fallback.RECOMPUTE or action.kind == ActionKind.RECOMPUTE
+                or tokens is None):
             raise
         fell_back, prefix, t_prefix = True, None, t_boundary
-        suffix, logits, t_start, t_suffix = run_suffix_now("recompute")
+        suffix, logits, t_start, t_suffix = run_suffix_now(ActionKind.RECOMPUTE)
     finally:
         if pending is not None and not pending.done():  # left running (a failure here): its
             transport.background.abandon()  # recv ends by its timeout; later handoffs don't wait

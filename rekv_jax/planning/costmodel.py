@@ -87,9 +87,9 @@ from pathlib import Path
 from typing import Any
 
 from rekv_jax import sizes
-from rekv_jax.action import ACTION_KINDS, Action
+from rekv_jax.action import ACTION_KINDS, Action, ActionKind
 from rekv_jax.config import ModelConfig
-from rekv_jax.phases import CHUNKED, PIPELINED, Phases, check_chunks, check_modes
+from rekv_jax.phases import Interval, Phases, PrefillMode, Schedule, check_chunks, check_modes
 
 _BITS_FIELDS = ("kv_layer_bytes", "quantize_ms", "restore_ms")  # dicts keyed by bits
 
@@ -309,7 +309,7 @@ def phase_ms(profile: Profile, action: Action) -> Phases:
     if c == 0:  # the decode side embeds the tokens and runs all L layers
         return Phases(quantize=0.0, boundary=boundary, prefix=0.0,
                       suffix=p.embed_ms + p.suffix_fixed_ms + L * p.suffix_layer_ms,
-                      join=p.join_ms["recompute"])
+                      join=p.join_ms[ActionKind.RECOMPUTE])
     p._check_bits(action.bits)
     return Phases(
         quantize=(p.quantize_fixed_ms + c * p.quantize_ms[action.bits]
@@ -338,23 +338,25 @@ def predict(profile: Profile, action: Action) -> Prediction:
     return Prediction(action, ph, t_seq(*ph.ready), t_ov(*ph.ready), saved(ph.prefix, ph.suffix))
 
 
-def predicted_ms(profile: Profile, action: Action, schedule: str = "overlapped",
-                 interval: str = "ready", prefill: str = "full", chunks: int = 1) -> float:
+def predicted_ms(profile: Profile, action: Action, schedule: str = Schedule.OVERLAPPED,
+                 interval: str = Interval.READY,
+                 prefill: str = PrefillMode.FULL, chunks: int = 1) -> float:
     """The predicted total of `action` under a schedule (`SCHEDULES`), timed from the prefill
     state (`ready`) or from the prompt (`prompt`, with a `full`, `split` or `pipelined`
     prefill), in `chunks` token chunks (see the module docstring)."""
     check_modes(interval, prefill)
     check_chunks(schedule, prefill, chunks, profile.seq_len)
-    if prefill == PIPELINED:
+    if prefill == PrefillMode.PIPELINED:
         return pipelined_ms(profile, action, chunks, schedule)
-    if prefill == "split":
+    if prefill == PrefillMode.SPLIT:
         return streamed_ms(profile, action, schedule)
-    if schedule == CHUNKED:
+    if schedule == Schedule.CHUNKED:
         ready = chunked_ms(profile, action, chunks)
     else:
         pred = predict(profile, action)
-        ready = pred.t_seq_ms if schedule == "sequential" else pred.t_ov_ms
-    return ready + (prompt_compute_ms(profile, profile.num_layers) if interval == "prompt" else 0)
+        ready = pred.t_seq_ms if schedule == Schedule.SEQUENTIAL else pred.t_ov_ms
+    prompt = interval == Interval.PROMPT
+    return ready + (prompt_compute_ms(profile, profile.num_layers) if prompt else 0)
 
 
 def chunked_ms(profile: Profile, action: Action, chunks: int) -> float:
@@ -372,7 +374,7 @@ def chunked_ms(profile: Profile, action: Action, chunks: int) -> float:
     return max(arrive[-1] + ph.prefix, suffix_done) + ph.join
 
 
-def pipelined_ms(profile: Profile, action: Action, chunks: int, schedule: str = "overlapped"
+def pipelined_ms(profile: Profile, action: Action, chunks: int, schedule: str = Schedule.OVERLAPPED
                  ) -> float:
     """T_pipelined of `action` (ms from the prompt's arrival): the recursion of the module
     docstring (`chunked` and `overlapped` alike run each chunk as it arrives)."""
@@ -395,7 +397,7 @@ def pipelined_ms(profile: Profile, action: Action, chunks: int, schedule: str = 
             suffix_done, runs = max(suffix_done, link) + run, runs + run
         ready = computed + quantize
         link = max(ready, link) + payload  # D^P_i
-    done = link + runs if schedule == "sequential" else max(link, suffix_done)
+    done = link + runs if schedule == Schedule.SEQUENTIAL else max(link, suffix_done)
     return done + p.join_ms[action.kind]
 
 
@@ -404,14 +406,14 @@ def prompt_compute_ms(profile: Profile, layers: int) -> float:
     return profile.embed_ms + profile.suffix_fixed_ms + layers * profile.suffix_layer_ms
 
 
-def streamed_ms(profile: Profile, action: Action, schedule: str = "overlapped") -> float:
+def streamed_ms(profile: Profile, action: Action, schedule: str = Schedule.OVERLAPPED) -> float:
     """T_split of `action` (ms from the prompt's arrival): the recursion of the module docstring."""
     p = profile
     phase_ms(p, action)  # validates the action against the profile
     c, L, W = action.cut, p.num_layers, p.link_gbps
     tokens = p.boundary_fixed_ms + transfer_ms(p.token_bytes, W)  # τ
     if c == 0:
-        return tokens + prompt_compute_ms(p, L) + p.join_ms["recompute"]
+        return tokens + prompt_compute_ms(p, L) + p.join_ms[ActionKind.RECOMPUTE]
     g = p.suffix_fixed_ms + p.suffix_layer_ms
     a = p.quantize_fixed_ms + p.quantize_ms[action.bits] if action.bits < 16 else 0
     link = p.message_ms + p.restore_fixed_ms[action.bits] + p.beta(action.bits)  # β'
@@ -423,6 +425,6 @@ def streamed_ms(profile: Profile, action: Action, schedule: str = "overlapped") 
     at_boundary = max(computed, done) + boundary  # D_H
     at_prefix = max(computed + a, at_boundary) + link  # D_{c-1}
     suffix = p.suffix_fixed_ms + (L - c) * p.suffix_layer_ms if c < L else 0  # R(c)
-    if schedule == "sequential":
+    if schedule == Schedule.SEQUENTIAL:
         return at_prefix + suffix + p.join_ms[action.kind]
     return max(at_prefix, at_boundary + suffix) + p.join_ms[action.kind]

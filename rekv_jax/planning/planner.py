@@ -20,16 +20,17 @@ from pathlib import Path
 from typing import Any
 
 from rekv_jax import sizes
-from rekv_jax.action import Action, action_space
+from rekv_jax.action import Action, ActionKind, action_space
 from rekv_jax.config import ModelConfig
 from rekv_jax.jsonl import read_jsonl
 from rekv_jax.phases import (
-    CHUNKED,
     PHASES,
-    PIPELINED,
     PREFILL_MODES,
     SCHEDULES,
+    Interval,
     Phases,
+    PrefillMode,
+    Schedule,
     check_modes,
 )
 from rekv_jax.planning.costmodel import Profile, phase_ms, predicted_ms
@@ -54,15 +55,17 @@ def analytic_profile(cfg: ModelConfig, seq_len: int, batch: int = 1,
     # Quantize reads BF16 and writes codes + scales; restore reads those and writes BF16.
     memory = {16: 0.0} | {b: roofline(0, kv16 + sizes.kv_layer_bytes(cfg, seq_len, batch, b))
                           for b in (8, 4)}
+    # the first token: LM head of the last position (transfer-only receives it with the KV)
+    head_ms = roofline(sizes.head_flops(cfg, 1, batch),
+                       sizes.head_weight_count(cfg) * sizes.WEIGHT_BYTES)
     return Profile.for_config(
         cfg, seq_len, batch, hardware=f"analytic ({tflops:g} TFLOP/s, {hbm_gbps:g} GB/s memory)",
         link=f"analytic {link_gbps:g} GB/s", link_gbps=link_gbps, source="analytic",
         quantize_ms=memory, restore_ms=memory,
         suffix_layer_ms=roofline(sizes.layer_flops(cfg, seq_len, batch),
                                  sizes.layer_weight_count(cfg) * sizes.WEIGHT_BYTES),
-        # the first token: LM head of the last position (transfer-only receives it with the KV)
-        join_ms={"transfer": 0.0} | dict.fromkeys(("recompute", "joint"), roofline(
-            sizes.head_flops(cfg, 1, batch), sizes.head_weight_count(cfg) * sizes.WEIGHT_BYTES)),
+        join_ms={ActionKind.TRANSFER: 0.0} | dict.fromkeys((ActionKind.RECOMPUTE, ActionKind.JOINT),
+                                                           head_ms),
         embed_ms=roofline(0, sizes.boundary_bytes(cfg, seq_len, batch)),  # writes [B, S, D] BF16
         # each extra token chunk reads a layer's weights once more; attention grows per chunk
         chunk_layer_ms=roofline(0, sizes.layer_weight_count(cfg) * sizes.WEIGHT_BYTES),
@@ -129,8 +132,9 @@ class Candidate:
     @property
     def label(self) -> str:
         """e.g. `q8:r=13 chunked x4`, `q8:r=13 split overlapped`, `q8:r=13 pipelined x8`."""
-        how = {"full": self.schedule + (f" x{self.chunks}" if self.chunks > 1 else ""),
-               "split": f"split {self.schedule}"}.get(self.prefill, f"pipelined x{self.chunks}")
+        how = {PrefillMode.FULL: self.schedule + (f" x{self.chunks}" if self.chunks > 1 else ""),
+               PrefillMode.SPLIT: f"split {self.schedule}"}.get(self.prefill,
+                                                                f"pipelined x{self.chunks}")
         return f"{self.action} {how}"
 
     def to_json(self) -> dict[str, Any]:
@@ -196,23 +200,23 @@ def ways(action: Action, schedules: Sequence[str], prefills: Sequence[str],
     prefill of some layers; one schedule for an action without a suffix to overlap."""
     out = []
     for prefill in prefills:
-        if prefill == PIPELINED:  # the decode side runs each chunk as it arrives: chunked
-            if action.cut > 0 and CHUNKED in schedules:
-                out += [(CHUNKED, prefill, n) for n in chunks]
-        elif action.kind != "joint":
+        if prefill == PrefillMode.PIPELINED:  # the decode side runs each chunk on arrival: chunked
+            if action.cut > 0 and Schedule.CHUNKED in schedules:
+                out += [(Schedule.CHUNKED, prefill, n) for n in chunks]
+        elif action.kind != ActionKind.JOINT:
             out.append((schedules[0], prefill, 1))
         else:
             for schedule in schedules:
-                if schedule != CHUNKED:
+                if schedule != Schedule.CHUNKED:
                     out.append((schedule, prefill, 1))
-                elif prefill == "full":
+                elif prefill == PrefillMode.FULL:
                     out += [(schedule, prefill, n) for n in chunks]
     return out
 
 
 def plan(cfg: ModelConfig, seq_len: int, profile: Profile | None = None,
          link_gbps: float | None = None, actions: Sequence[Action] | None = None,
-         batch: int = 1, schedules: Sequence[str] = SCHEDULES, interval: str = "ready",
+         batch: int = 1, schedules: Sequence[str] = SCHEDULES, interval: str = Interval.READY,
          prefills: Sequence[str] | None = None, chunks: Sequence[int] = CHUNK_CHOICES,
          gate: Sequence[GateResult] | None = None, gate_file: str | None = None) -> Plan:
     """Predict every (action, schedule, prefill, chunks) and choose the fastest; with `gate`
@@ -220,7 +224,7 @@ def plan(cfg: ModelConfig, seq_len: int, profile: Profile | None = None,
     transfer terms; `interval` chooses the timed interval, whose prefill modes are `prefills`
     (default: all that suit it)."""
     if prefills is None:
-        prefills = PREFILL_MODES if interval == "prompt" else ("full",)
+        prefills = PREFILL_MODES if interval == Interval.PROMPT else (PrefillMode.FULL,)
     for prefill in prefills:
         check_modes(interval, prefill)
     if profile is None:
@@ -308,7 +312,7 @@ class Crossover:
 
 
 def preferred_by_link(profile: Profile, actions: Sequence[Action], links: Sequence[float],
-                      schedule: str = "overlapped") -> list[LinkChoice]:
+                      schedule: str = Schedule.OVERLAPPED) -> list[LinkChoice]:
     """The predicted fastest of `actions` at each link bandwidth (GB/s), the profile re-targeted."""
     if not actions:
         raise ValueError("no candidate actions")

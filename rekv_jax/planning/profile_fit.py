@@ -17,7 +17,7 @@ from scipy.optimize import nnls  # scipy: a dependency of jax
 from rekv_jax import sizes
 from rekv_jax.action import ACTION_KINDS, Action
 from rekv_jax.config import ModelConfig
-from rekv_jax.phases import PIPELINED, Phases
+from rekv_jax.phases import Phases, PrefillMode
 from rekv_jax.planning.costmodel import Profile
 
 
@@ -31,7 +31,7 @@ class Measurement:
     action: Action
     phases_ms: Phases  # the phase medians
     chunks: int = 1  # token chunks (1: unchunked)
-    prefill: str = "full"  # phases.PREFILL_MODES
+    prefill: str = PrefillMode.FULL
 
 
 def fit_profile(cfg: ModelConfig, records: Sequence[Measurement], hardware: str, link: str
@@ -65,7 +65,7 @@ def fit_profile(cfg: ModelConfig, records: Sequence[Measurement], hardware: str,
     # the token IDs, plus h_c for a joint action (in N messages); the prefix phase the prefix
     # and its restore.
     rows, ys = [], []
-    for r in (r for r in records if r.prefill != PIPELINED):
+    for r in (r for r in records if r.prefill != PrefillMode.PIPELINED):
         c, bits, ph, n = r.action.cut, r.action.bits, r.phases_ms, r.chunks
         joint = 0 < c < L
         rows.append([1.0, n - 1.0, b_tok + joint * b_h] + [0.0] * 2 * len(low))

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rekv_jax.action import Action
+from rekv_jax.action import Action, ActionKind
 from rekv_jax.config import ModelConfig
 from rekv_jax.handoff import chunked
 from rekv_jax.handoff.check import HostReference, check_cache, split_reference
@@ -47,7 +47,11 @@ from rekv_jax.phases import (
     PAPER_SCHEDULES,
     PROMPT_PHASES,
     SCHEDULES,
+    Fallback,
+    Interval,
     Phases,
+    PrefillMode,
+    Schedule,
     check_modes,
 )
 from rekv_jax.sharding import shard_params
@@ -85,12 +89,12 @@ class Experiment:
     link_gbps: float | None = None  # pace every receive to this link (None: unpaced)
     warmup: int = 3
     reps: int = 30
-    fallback: str = "error"
+    fallback: str = Fallback.ERROR
     backend: str | None = None  # quantization backend (None: Pallas on GPU, XLA elsewhere)
     seed: int = 0
     timeout: float = 120.0
-    interval: str = "ready"  # costmodel.INTERVALS: timed from the prefill state, or the prompt
-    prefill: str = "full"  # costmodel.PREFILL_MODES: prefill all L layers, or 0..c-1, streamed
+    interval: str = Interval.READY  # timed from the prefill state, or the prompt
+    prefill: str = PrefillMode.FULL  # prefill all L layers, or 0..c-1, streamed
     prefill_devices: int = 1  # tensor-parallel devices per side (rekv_jax.sharding)
     decode_devices: int = 1
     paired: bool = False  # alternate the schedules rep by rep: rep i of each is a pair
@@ -116,7 +120,8 @@ class Experiment:
             raise ValueError(f"fallback must be one of {FALLBACKS}, got {self.fallback!r}")
         check_modes(self.interval, self.prefill)
         for s in self.schedules:  # the chunks are the chunked schedule's
-            check_schedule(s, self.prefill, self.chunks if s == "chunked" else 1, self.seq_len)
+            chunks = self.chunks if s == Schedule.CHUNKED else 1
+            check_schedule(s, self.prefill, chunks, self.seq_len)
         if self.chunks > 1 and self.prefill_devices * self.decode_devices > 1:
             raise ValueError("token chunks run on one device per side")
 
@@ -129,11 +134,12 @@ class Experiment:
 
     def schedules_of(self, action: Action) -> tuple[str, ...]:
         """The schedules an action runs under: only a joint action has anything to overlap."""
-        return self.schedules if action.kind == "joint" else self.schedules[:1]
+        return self.schedules if action.kind == ActionKind.JOINT else self.schedules[:1]
 
     def chunks_of(self, action: Action, schedule: str) -> int:
         """Token chunks of `action` under `schedule` (1: unchunked)."""
-        chunked = schedule == "chunked" and (action.kind == "joint" or self.prefill != "full")
+        chunked = schedule == Schedule.CHUNKED and (action.kind == ActionKind.JOINT
+                                                   or self.prefill != PrefillMode.FULL)
         return self.chunks if chunked else 1
 
 
@@ -255,13 +261,13 @@ def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
         params = shard_params(cfg, params, transport.mesh)
     references = References(cfg, params, tokens, exp) if role == "decode" else None
     for action in exp.actions:
-        ready = role == "prefill" and exp.interval == "ready"
+        ready = role == "prefill" and exp.interval == Interval.READY
         states = {}  # the prefill state per token chunks
         schedules = exp.schedules_of(action)
         results: dict[str, list[Rep]] = {s: [] for s in schedules}
         for schedule, rep in handoff_order(exp, schedules):
             tag = f"{name}{action}/{schedule}/{rep}"
-            chunks, runs_in = exp.chunks if schedule == "chunked" else 1, exp.chunks_of(
+            chunks, runs_in = exp.chunks if schedule == Schedule.CHUNKED else 1, exp.chunks_of(
                 action, schedule)  # what the sides are given, what the action runs in
             if ready and chunks not in states:
                 # its own suffix is checked on every rep (same mesh shapes: across, bits differ)
@@ -276,7 +282,7 @@ def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
                         send_prompt(transport, cfg, params, tokens, action, tag, exp.prefill,
                                     exp.backend, exp.timeout, chunks)
                 except TransportError:
-                    if exp.fallback != "recompute":
+                    if exp.fallback != Fallback.RECOMPUTE:
                         raise
                     # the decode side rebuilds this cache from the token ids and goes on
                 continue
@@ -309,7 +315,7 @@ class References:
         self._cfg, self._params, self._tokens = cfg, params, tokens
         self._devices = (exp.prefill_devices, exp.decode_devices)
         self._sharded = self._devices != (1, 1)
-        self._pipelined = exp.prefill == "pipelined"
+        self._pipelined = exp.prefill == PrefillMode.PIPELINED
         self._cache: dict[tuple[int, int], tuple[HostReference, np.ndarray, str]] = {}
         if not self._sharded:  # compile the model's programs now, beside the prefill side's
             self._reference(0, exp.chunks if self._pipelined else 1)

@@ -13,19 +13,19 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from rekv_jax.action import Action
+from rekv_jax.action import Action, ActionKind
 from rekv_jax.jsonl import read_jsonl
-from rekv_jax.phases import Phases, Timeline
+from rekv_jax.phases import SCHEDULES, Phases, Schedule, Timeline
 from rekv_jax.study import stats
 
 # The schedule of a record: overlapped, sequential or chunked for a joint action; "n/a" for
 # transfer-only and full recomputation, which have nothing to overlap.
-RECORD_SCHEDULES = ("overlapped", "sequential", "chunked", "n/a")
+RECORD_SCHEDULES = (*SCHEDULES, "n/a")
 
 
 def record_schedule(action: Action, schedule: str) -> str:
     """The schedule a record of `action` run under `schedule` states (RECORD_SCHEDULES)."""
-    return schedule if action.kind == "joint" else "n/a"
+    return schedule if action.kind == ActionKind.JOINT else "n/a"
 
 
 def serializes(transport: str, schedule: str, platform: str) -> bool:
@@ -33,7 +33,7 @@ def serializes(transport: str, schedule: str, platform: str) -> bool:
     collective transport's cross-process ppermute is its own program on the compute stream, so
     it runs before or after the suffix program, not beside it (see rekv_jax/transport). Such a
     record states `serialized: true`; its times are not an overlapped schedule's."""
-    return transport == "collective" and schedule == "overlapped" and platform == "gpu"
+    return transport == "collective" and schedule == Schedule.OVERLAPPED and platform == "gpu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +114,7 @@ class Summary:
         """The mechanism: `BF16 transfer`, `Q8 transfer`, `Q4 transfer`, `BF16 recompute` (any
         BF16 cut < L, full recomputation included), `joint Q8` or `joint Q4`."""
         prec = self.action.precision.upper()
-        if self.action.kind == "transfer":
+        if self.action.kind == ActionKind.TRANSFER:
             return f"{prec} transfer"
         return "BF16 recompute" if self.action.bits == 16 else f"joint {prec}"
 

@@ -102,7 +102,7 @@ def calibrate_pair_link(model: str, seq_len: int, transport: str, pin: bool = Tr
 
 def fit(cfg: ModelConfig, records: list[Summary]) -> costmodel.Profile:
     """A profile from the uncontended (sequential / single-mechanism) summaries of one setup."""
-    uncontended = [r for r in records if r.schedule != "overlapped"]
+    uncontended = [r for r in records if r.schedule != phases.Schedule.OVERLAPPED]
     first = uncontended[0]
     link = f"{first.transport} {tables.link_label(first.link_gbps)}"
     measured = [profile_fit.Measurement(r.model, r.seq_len, r.batch, r.action, r.phases_ms,

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
 from rekv_jax.model.loader import load_config
-from rekv_jax.phases import PAPER_SCHEDULES
+from rekv_jax.phases import PAPER_SCHEDULES, Interval, PrefillMode, Schedule
 from rekv_jax.planning import costmodel
 from rekv_jax.planning.planner import PAPER_LINK_GBPS, analytic_profile
 from rekv_jax.study.experiment import Experiment, total_handoffs
@@ -94,7 +94,7 @@ SWEEP_PRESETS = {
     "cpu-paper": SweepPreset(models=("tiny-7b",), lengths=(256, 512), suffix_lens=(),
                              transport="transfer-server", link_gbps=None, crossover_factors=(),
                              joint_bits=(8,), cut_spread=0,
-                             schedules=("overlapped", "sequential", "chunked"), chunks=2),
+                             schedules=tuple(Schedule), chunks=2),
 }
 
 # `--quick`: the same study on fewer models, lengths and cuts (use with fewer reps). The GPU
@@ -163,7 +163,7 @@ def profile_experiment(model: str, seq_len: int, transport: str, link_gbps: floa
     actions = [Action(b, L, L) for b in (16, 8, 4)] + [
         Action(b, c, L) for b in (16, 8, 4) for c in far_cuts(L)] + [Action(16, 0, L)]
     return Experiment(model=model, seq_len=seq_len, actions=tuple(actions),
-                      schedules=("sequential",), transport=transport, link_gbps=link_gbps,
+                      schedules=(Schedule.SEQUENTIAL,), transport=transport, link_gbps=link_gbps,
                       warmup=warmup, reps=reps)
 
 
@@ -214,7 +214,8 @@ def tail_experiments(preset: SweepPreset, model: str, link: float,
         mid = preset.mid_length
         q8_cut = best_cut(start[mid], 8) if mid in start else L - lens[len(lens) // 2]
         crossover = (Action(16, L, L), Action(8, L, L), Action(8, q8_cut, L), Action(16, 0, L))
-        out += [Experiment(model=model, seq_len=mid, actions=crossover, schedules=("overlapped",),
+        out += [Experiment(model=model, seq_len=mid, actions=crossover,
+                           schedules=(Schedule.OVERLAPPED,),
                            transport=preset.transport, link_gbps=round(link * f, 6),
                            warmup=warmup, reps=reps)
                 for f in preset.crossover_factors if f != 1.0]
@@ -237,9 +238,9 @@ def prompt_experiment(model: str, seq_len: int, prof: costmodel.Profile, transpo
     sequential and overlapped as paired reps; the prefill worker runs the full prompt."""
     L = prof.num_layers
     return Experiment(model=model, seq_len=seq_len, actions=(Action(16, best_cut(prof, 16), L),),
-                      schedules=("sequential", "overlapped"), transport=transport,
-                      link_gbps=link_gbps, warmup=warmup, reps=reps, interval="prompt",
-                      prefill="full", paired=True)
+                      schedules=(Schedule.SEQUENTIAL, Schedule.OVERLAPPED), transport=transport,
+                      link_gbps=link_gbps, warmup=warmup, reps=reps, interval=Interval.PROMPT,
+                      prefill=PrefillMode.FULL, paired=True)
 
 
 def batch_experiment(model: str, seq_len: int, batch: int, prof: costmodel.Profile,
@@ -250,7 +251,7 @@ def batch_experiment(model: str, seq_len: int, batch: int, prof: costmodel.Profi
     L = prof.num_layers
     return Experiment(model=model, seq_len=seq_len, batch=batch,
                       actions=(Action(8, best_cut(prof, 8), L), Action(8, L, L)),
-                      schedules=("overlapped",), transport=transport, link_gbps=link_gbps,
+                      schedules=(Schedule.OVERLAPPED,), transport=transport, link_gbps=link_gbps,
                       warmup=warmup, reps=reps)
 
 
