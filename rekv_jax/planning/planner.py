@@ -193,24 +193,33 @@ class Plan:
         return out | ({"note": self.note} if self.note else {})
 
 
+@dataclasses.dataclass(frozen=True)
+class Way:
+    """How a handoff of an action runs: schedule, prefill mode and token chunks."""
+
+    schedule: str  # phases.Schedule
+    prefill: str  # phases.PrefillMode
+    chunks: int = 1  # token chunks (1: unchunked)
+
+
 def ways(action: Action, schedules: Sequence[str], prefills: Sequence[str],
-         chunks: Sequence[int]) -> list[tuple[str, str, int]]:
-    """The distinct (schedule, prefill, chunks) to try for `action`, as `rekv handoff` runs them:
-    chunks (>= 2) only under the chunked schedule, for a joint action's boundary or a pipelined
-    prefill of some layers; one schedule for an action without a suffix to overlap."""
+         chunks: Sequence[int]) -> list[Way]:
+    """The distinct ways to try for `action`, as `rekv handoff` runs them: chunks (>= 2) only
+    under the chunked schedule, for a joint action's boundary or a pipelined prefill of some
+    layers; one schedule for an action without a suffix to overlap."""
     out = []
     for prefill in prefills:
         if prefill == PrefillMode.PIPELINED:  # the decode side runs each chunk on arrival: chunked
             if action.cut > 0 and Schedule.CHUNKED in schedules:
-                out += [(Schedule.CHUNKED, prefill, n) for n in chunks]
+                out += [Way(Schedule.CHUNKED, prefill, n) for n in chunks]
         elif action.kind != ActionKind.JOINT:
-            out.append((schedules[0], prefill, 1))
+            out.append(Way(schedules[0], prefill))
         else:
             for schedule in schedules:
                 if schedule != Schedule.CHUNKED:
-                    out.append((schedule, prefill, 1))
+                    out.append(Way(schedule, prefill))
                 elif prefill == PrefillMode.FULL:
-                    out += [(schedule, prefill, n) for n in chunks]
+                    out += [Way(schedule, prefill, n) for n in chunks]
     return out
 
 
@@ -242,10 +251,11 @@ def plan(cfg: ModelConfig, seq_len: int, profile: Profile | None = None,
     for a in actions:
         phases = phase_ms(profile, a)
         payload = sizes.action_bytes(cfg, a, seq_len, batch).total_bytes
-        for schedule, prefill, n in ways(a, schedules, prefills, chunks):
-            quality, gated = _standing(verdicts, a, n)
+        for w in ways(a, schedules, prefills, chunks):
+            quality, gated = _standing(verdicts, a, w.chunks)
             candidates.append(Candidate(
-                a, schedule, prefill, n, predicted_ms(profile, a, schedule, interval, prefill, n),
+                a, w.schedule, w.prefill, w.chunks,
+                predicted_ms(profile, a, w.schedule, interval, w.prefill, w.chunks),
                 phases, payload, quality, gated))
     if not candidates:
         raise ValueError("no candidate: no action, or no schedule and prefill mode that suit "
