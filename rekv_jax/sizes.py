@@ -95,25 +95,18 @@ class HandoffBytes:
     total_bytes: int
 
     @property
-    def boundary_mib(self) -> float:
-        return self.boundary_bytes / MIB
-
-    @property
-    def kv_layer_mib_bf16(self) -> float:
-        return self.kv_layer_bytes_bf16 / MIB
-
-    @property
-    def prefix_payload_mib(self) -> float:
-        return self.prefix_payload_bytes / MIB
-
-    @property
     def total_mib(self) -> float:
         return self.total_bytes / MIB
 
     def to_json(self) -> dict[str, int | float | str]:
-        """The fields and their sizes in MiB (`rekv bytes --json`)."""
-        return dataclasses.asdict(self) | {k: getattr(self, k) for k in (
-            "boundary_mib", "kv_layer_mib_bf16", "prefix_payload_mib", "total_mib")}
+        """The fields and four of them in MiB (`rekv bytes --json`)."""
+        return dataclasses.asdict(self) | {
+            mib: getattr(self, field) / MIB for mib, field in _IN_MIB.items()}
+
+
+# HandoffBytes.to_json's sizes in MiB: key -> field
+_IN_MIB = {"boundary_mib": "boundary_bytes", "kv_layer_mib_bf16": "kv_layer_bytes_bf16",
+           "prefix_payload_mib": "prefix_payload_bytes", "total_mib": "total_bytes"}
 
 
 def handoff_bytes(cfg: ModelConfig, seq_len: int, bits: int, cut: int, batch: int = 1

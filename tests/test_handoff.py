@@ -24,7 +24,7 @@ from rekv_jax import (
 )
 from rekv_jax.handoff.check import SUFFIX_ACROSS, HostReference, check_cache
 from rekv_jax.handoff.core import prepare, receive_handoff, send_handoff, send_prompt
-from rekv_jax.handoff.outcome import TIMELINE, Handoff
+from rekv_jax.handoff.outcome import TIMELINE, Handoff, PrefillTimes
 from rekv_jax.handoff.payload import pack_prefix, unpack_prefix
 from rekv_jax.phases import PAPER_SCHEDULES, Phases
 from rekv_jax.planning.planner import analytic_profile
@@ -255,6 +255,17 @@ def test_lost_prefix_on_one_rep_falls_back_through_the_runner(monkeypatch):
                                    f"{SUFFIX_ACROSS} (2 of 3 reps); bitwise (1 of 3 reps)")
     with pytest.raises(TransportError, match="connection reset"):  # fallback "error": it fails
         run_local(dataclasses.replace(exp, fallback="error"), lambda r: None)
+
+
+def test_prefill_times_wire_format():
+    """The prefill side's `TAG/prefill` message keeps its keys: suffix_sums only when computed."""
+    plain = PrefillTimes(1.5, 0.25, 2.0, 4096)
+    assert plain.to_json() == {"prefill_ms": 1.5, "quantize_ms": 0.25, "boundary_at_ms": 2.0,
+                               "sent_bytes": 4096}
+    summed = PrefillTimes(1.5, 0.25, 2.0, 4096, (7, 9))
+    assert json.loads(json.dumps(summed.to_json()))["suffix_sums"] == [7, 9]
+    for sent in (plain, summed):
+        assert PrefillTimes.from_json(json.loads(json.dumps(sent.to_json()))) == sent
 
 
 def test_cache_check_does_not_trust_the_payload_code():

@@ -21,7 +21,7 @@ def test_paper_payloads_qwen25_7b_8k():
     assert sizes.handoff_bytes(QWEN7B, 8192, 8, 28).total_mib == 231.00
     joint = sizes.handoff_bytes(QWEN7B, 8192, 8, 15)
     assert joint.total_mib == 179.75
-    assert joint.boundary_mib == 56.0 and joint.prefix_payload_mib == 15 * 8.25
+    assert joint.boundary_bytes == 56 * MIB and joint.prefix_payload_bytes == 15 * 8.25 * MIB
 
 
 @pytest.mark.parametrize("name, ratio", [("qwen2.5-7b", 3.5), ("llama-3.1-8b", 2.0)])
