@@ -225,6 +225,10 @@ class Transport:
         self._closed = False
         self.sent_bytes = 0  # prefill side: bytes of every buffer handed to the link so far
         self._outgoing: dict[str, jax.Array] = {}  # tag -> checksums of the buffers being pushed
+        # decode side: tag -> (wire specs, pulled buffers or the pull's error, when they landed:
+        # `_watch`'s future), see `prefetch`
+        self._prefetched: dict[str, tuple[list, list[jax.Array] | TransportError,
+                                          concurrent.futures.Future[float] | None]] = {}
         # work beside the caller's own thread (the decode side's background receive); one
         # persistent thread per end, stopped by `close`
         self.background = Worker(f"rekv-{role}-background")
@@ -265,6 +269,44 @@ class Transport:
             self._channel.post(f"{tag}/header", header)
         self.sent_bytes += sum(a.nbytes for a in arrays)
 
+    def prefetch(self, tags: Sequence[str], specs: Sequence[Sequence[jax.ShapeDtypeStruct]],
+                 timeout: float = 60.0) -> None:
+        """Decode side: start pulling the buffers of `tags` now, for `recv` to complete later
+        (a `pull_first` transport; a no-op for the others). A link then moves a queue of
+        messages back to back while this thread computes between their receives, instead of
+        idling until each receive asks for the next (the chunked schedules)."""
+        self._require("decode", "prefetch")
+        if not self.pull_first:
+            return
+        deadline = time.monotonic() + timeout
+        for tag, tag_specs in zip(tags, specs, strict=True):
+            wire = [*tag_specs, checksums_spec(tag_specs)]
+            try:
+                pulled = self._pull(tag, wire, deadline)
+                self._prefetched[tag] = wire, pulled, self._watch(pulled)
+            except TransportError as e:  # raised by the receive that asks for it
+                self._prefetched[tag] = wire, e, None
+
+    def discard(self, prefix: str) -> None:
+        """Decode side: forget the prefetched pulls of tags under `prefix` that no receive took
+        (a handoff that failed or fell back)."""
+        for tag in [t for t in self._prefetched if t.startswith(prefix)]:
+            landing = self._prefetched.pop(tag)[2]
+            if landing is not None and not landing.done():
+                self._unwatch()
+
+    def _take_pull(self, tag: str, wire: list, deadline: float
+                   ) -> tuple[list[jax.Array], concurrent.futures.Future[float] | None]:
+        """The prefetched pull of `tag` (see `prefetch`) and its landing, else a new pull."""
+        if tag not in self._prefetched:
+            return self._pull(tag, wire, deadline), None
+        fetched, got, landing = self._prefetched.pop(tag)
+        if [spec_of(s) for s in fetched] != [spec_of(s) for s in wire]:
+            raise ValueError(f"{tag}: prefetched as {fetched}, received as {wire}")
+        if isinstance(got, TransportError):
+            raise got
+        return got, landing
+
     def recv(self, tag: str, specs: Sequence[jax.ShapeDtypeStruct], timeout: float = 60.0,
              paced_after: threading.Event | None = None) -> list[jax.Array]:
         """Decode side: block until the buffers of `tag` are on the local device and verified.
@@ -285,8 +327,8 @@ class Transport:
             self._channel.put(f"{tag}/ready", self._ready(wire))
         try:
             try:
-                *arrays, sums = self._pull(tag, wire, deadline)
-                got, want, landed = self._landed_verdict(tag, arrays, sums, deadline)
+                (*arrays, sums), landing = self._take_pull(tag, wire, deadline)
+                got, want, landed = self._landed_verdict(tag, arrays, sums, deadline, landing)
             except TransportError:
                 if self.pull_first:  # a pull of other buffers than were sent fails: say so
                     self._recheck_header(tag, expected, deadline)
@@ -395,11 +437,20 @@ class Transport:
         raise NotImplementedError
 
     def _landed_verdict(self, tag: str, arrays: list[jax.Array], sums: jax.Array,
-                        deadline: float) -> tuple[list[int], list[int], float | None]:
+                        deadline: float, landing: concurrent.futures.Future[float] | None
+                        ) -> tuple[list[int], list[int], float | None]:
         """Decode side: (computed, sent) checksums of pulled buffers once they landed, and when
-        they landed (time.monotonic; None: not known apart from now). Here: on this thread, for
-        transports whose `_pull` returns materialized buffers."""
+        they landed (time.monotonic; None: not known apart from now; `landing`: `_watch`'s).
+        Here: on this thread, for transports whose `_pull` returns materialized buffers."""
         return *verdict_collect(verdict_dispatch(arrays, sums)), None
+
+    def _watch(self, pulled: list[jax.Array]) -> concurrent.futures.Future[float] | None:
+        """Hook: note when a prefetched pull lands, apart from the receive that takes it (which
+        may come after the device computed a while); None: not known."""
+        return None
+
+    def _unwatch(self) -> None:
+        """Hook: a `_watch` that may never end (its pull was discarded) is left to its thread."""
 
     def _ready(self, specs: Sequence[jax.ShapeDtypeStruct]) -> str:
         """Decode side (`go_ahead` transports): the go-ahead once the header matched."""
