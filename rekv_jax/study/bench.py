@@ -116,18 +116,31 @@ class OpRate:
 
 
 @dataclasses.dataclass(frozen=True)
+class QuantRates:
+    """Both directions of the quantizer at one bit width."""
+
+    quantize: OpRate
+    dequantize: OpRate
+
+    def by_op(self) -> dict[str, OpRate]:
+        return {"quantize": self.quantize, "dequantize": self.dequantize}
+
+    def to_json(self) -> dict[str, float]:
+        return {f"{op}_{k}": v for op, rate in self.by_op().items()
+                for k, v in dataclasses.asdict(rate).items()}
+
+
+@dataclasses.dataclass(frozen=True)
 class QuantRun:
     """One tuning's quantize and dequantize speeds at 8 and 4 bits."""
 
     tuning: Tuning | None  # None: the XLA reference (nothing to tune)
-    rates: dict[int, dict[str, OpRate]]  # bits -> "quantize" / "dequantize" -> speed
+    rates: dict[int, QuantRates]  # bits -> speeds
     meets_target: bool  # every op reaches the target fraction of copy
 
     def to_json(self) -> dict[str, Any]:
         tuning = {} if self.tuning is None else dataclasses.asdict(self.tuning)
-        return {**tuning, **{f"q{b}": {f"{op}_{k}": v for op, r in ops.items()
-                                       for k, v in dataclasses.asdict(r).items()}
-                             for b, ops in self.rates.items()},
+        return {**tuning, **{f"q{b}": r.to_json() for b, r in self.rates.items()},
                 "meets_target": self.meets_target}
 
 
@@ -204,10 +217,10 @@ def bench_quant(cfg: ModelConfig, seq_len: int, batch: int = 1, layers: int | No
     target = 0.5 if on_cpu else 0.8
     runs = []
     for i, t in enumerate(tunings):
-        rates = {b: {op: OpRate.of(moved[b], seconds[i, b, op], copy, layers)
-                     for op in ("quantize", "dequantize")} for b in (8, 4)}
+        rates = {b: QuantRates(*(OpRate.of(moved[b], seconds[i, b, op], copy, layers)
+                                 for op in ("quantize", "dequantize"))) for b in (8, 4)}
         runs.append(QuantRun(None if backend == "xla" else t, rates, all(
-            r.frac_of_copy >= target for ops in rates.values() for r in ops.values())))
+            op.frac_of_copy >= target for r in rates.values() for op in r.by_op().values())))
     return QuantBench(device_info(), backend, cfg.name, (layers, *shape[1:]), per_call,
                       in_bytes / sizes.MIB, copy, target, tuple(runs),
                       {f"q{b}": rms_rel_err(xs[:2], b, backend) for b in (8, 4)})

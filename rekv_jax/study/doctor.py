@@ -240,8 +240,8 @@ def check_bench_quant(cfg: ModelConfig, seq_len: int) -> Finding:
     """bench_quant summary; passes when Q8's and Q4's RMS round-trip error on Gaussian data lie
     within `RMS_ERR_BAND` of `gaussian_rms_rel_err` (the 0.8 / 0.5 speed target is reported)."""
     r = bench.bench_quant(cfg, seq_len, trials=3)
-    fracs = {f"q{b}/{op}": rate.frac_of_copy for b, ops in r.tunings[0].rates.items()
-             for op, rate in ops.items()}
+    fracs = {f"q{b}/{op}": rate.frac_of_copy for b, rates in r.tunings[0].rates.items()
+             for op, rate in rates.by_op().items()}
     expected = {f"q{b}": gaussian_rms_rel_err(b) for b in (8, 4)}
     measured = r.rms_rel_err_gaussian
     ok = all(abs(measured[k] / expected[k] - 1) <= RMS_ERR_BAND for k in expected)
