@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from rekv_jax import sizes
 from rekv_jax.action import Action, action_space
 from rekv_jax.config import ModelConfig
-from rekv_jax.jsonl import read_jsonl
+from rekv_jax.gate_result import GateResult
 from rekv_jax.phases import CHUNKED, PIPELINED, PREFILL_MODES, SCHEDULES, check_modes
 from rekv_jax.planning.costmodel import Profile, phase_ms, predicted_ms
 
@@ -75,33 +74,6 @@ def select_profile(profiles: Sequence[Profile], cfg: ModelConfig, seq_len: int, 
 
 CHUNK_CHOICES = (2, 4, 8, 16)  # token chunks the planner tries for the chunked schedules
 QUALITY = ("eligible", "ineligible", "unchecked")  # a candidate's standing at the gate (§2.4)
-
-
-@dataclasses.dataclass(frozen=True)
-class GateResult:
-    """One action's verdict at the quality gate: a row of `rekv quality --json`."""
-
-    model: str
-    seq_len: int
-    action: str  # Action in its text form, e.g. "q8:r=13"
-    eligible: bool
-    chunks: int = 1  # the token chunks of the scored cache (1: unchunked)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> GateResult:
-        try:
-            return cls(d["model"], int(d["seq_len"]), d["action"], bool(d["eligible"]),
-                       int(d.get("chunks", 1)))
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"not a quality gate result ({e!r} in {sorted(d)})") from None
-
-
-def load_gate(path: str | Path) -> list[GateResult]:
-    """The gate results of a `rekv quality --json` file."""
-    try:
-        return [GateResult.from_json(d) for d in read_jsonl(path)]
-    except ValueError as e:
-        raise ValueError(f"quality {path}: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
