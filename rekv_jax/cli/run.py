@@ -121,6 +121,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 def cmd_generate(args: argparse.Namespace) -> None:
     from rekv_jax.handoff import generate
     from rekv_jax.handoff.chunked import DEFAULT_CHUNKS
+    from rekv_jax.model.loader import tokenizer_of
     from rekv_jax.study.calibrate import calibrate_link_in_child
 
     if args.request:  # the prefill process started by generate.generate
@@ -128,7 +129,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
                              args.coordinator)
         return
     args.model = args.model or str(generate.SHIPPED_MODEL)
-    tok = generate.tokenizer_of(args.model)
+    tok = tokenizer_of(args.model)
     if args.token_ids is not None:
         text = args.token_ids
         if text.startswith("@"):

@@ -16,21 +16,21 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tokenizers import Tokenizer
 
 from rekv_jax.action import Action
-from rekv_jax.config import ModelConfig
 from rekv_jax.handoff.core import check_schedule, receive_handoff, send_prompt
-from rekv_jax.kv import KVCache
-from rekv_jax.model.loader import SHIPPED_MODEL, load_tokenizer
-from rekv_jax.model.params import load_hf
-from rekv_jax.model.transformer import Params, attention_backend, decode_step, prefill
+from rekv_jax.model.loader import SHIPPED_MODEL, load_model
+from rekv_jax.model.transformer import (
+    attention_backend,
+    greedy_decode,
+    greedy_tokens,
+    prefill,
+)
 from rekv_jax.sizes import action_bytes
 from rekv_jax.transport import LocalTransport, Transport, connect
 from rekv_jax.transport.base import Role
@@ -98,36 +98,15 @@ class Generation:
         return d
 
 
-def tokenizer_of(spec: str) -> Tokenizer | None:
-    """The tokenizer beside a trained-model folder or `hf:PATH` checkpoint, if it has one
-    (reads files only: no JAX call, so it may run before jax.distributed starts)."""
-    folder = Path(spec.removeprefix("hf:"))
-    return load_tokenizer(folder) if (folder / "tokenizer.json").is_file() else None
-
-
-def load(spec: str, dtype: str) -> tuple[ModelConfig, Params, Tokenizer | None]:
-    """A trained-model folder or `hf:PATH`, read from its HF safetensors in `dtype` (an orbax
-    restore would synchronize with the peer process), with its tokenizer when it has one."""
-    cfg, params = load_hf(spec.removeprefix("hf:"), jnp.dtype(dtype))
-    return cfg, params, tokenizer_of(spec)
-
-
-def decode_greedy(cfg: ModelConfig, params: Params, kv: KVCache, first: jax.Array, steps: int,
-                  on_token: OnToken = lambda t: None, capacity: int | None = None
-                  ) -> tuple[list[int], list[float]]:
-    """Greedy ids [steps] continuing a prompt cache [L, 1, S, K, H] whose next token is `first`
-    [1], and the time each became known (perf_counter). The cache is padded to `capacity`
-    (default S + steps), so every step runs one compiled program."""
-    S, token = kv.seq_len, first
-    kv = kv.pad(capacity or S + steps)
+def timed(tokens: Iterable[jax.Array], on_token: OnToken = lambda t: None
+          ) -> tuple[list[int], list[float]]:
+    """The ids of greedy tokens [1] (`greedy_tokens`), each passed to `on_token` as it becomes
+    known, and when each did (perf_counter)."""
     ids, times = [], []
-    for i in range(steps):
+    for token in tokens:
         ids.append(int(token[0]))
         times.append(time.perf_counter())
         on_token(ids[-1])
-        if i + 1 < steps:
-            logits, kv = decode_step(cfg, params, kv, token, S + i)
-            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return ids, times
 
 
@@ -142,7 +121,8 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 def run_role(role: Role, req: Request, transport: Transport, on_token: OnToken = lambda t: None
              ) -> Generation | None:
     """One worker: the prefill side sends; the decode side receives, decodes and reports."""
-    cfg, params, tok = load(req.model, req.dtype)
+    model = load_model(req.model, dtype=jnp.dtype(req.dtype), orbax=False)
+    cfg, params, tok = model.cfg, model.params, model.tokenizer
     action = Action.parse(req.action, cfg.num_layers)
     agree_runtime(transport, attention_backend(cfg, params["embed"].dtype), req.timeout)
     transport.agree("request", dataclasses.asdict(req), req.timeout)
@@ -159,20 +139,18 @@ def run_role(role: Role, req: Request, transport: Transport, on_token: OnToken =
                                  chunks=req.chunks)
         t_first = time.perf_counter()
         if tag == "warmup":  # compile the decode step on the padded cache too
-            decode_greedy(cfg, params, result.kv, result.first_token, 2,
-                          capacity=S + req.max_new_tokens)
+            timed(greedy_tokens(cfg, params, result.kv, result.first_token, 2,
+                                S + req.max_new_tokens))
     if role == "prefill":
         return None
-    ids, times = decode_greedy(cfg, params, result.kv, result.first_token, req.max_new_tokens,
-                               on_token)
+    ids, times = timed(greedy_tokens(cfg, params, result.kv, result.first_token,
+                                     req.max_new_tokens), on_token)
     decode_s = times[-1] - t_first
     gaps = np.diff(times)
     divergence = None
     if req.compare:
-        kv, logits = prefill(cfg, params, tokens)
-        first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        reference, _ = decode_greedy(cfg, params, kv, first, req.max_new_tokens)
-        divergence = first_divergence(ids, reference)
+        reference = greedy_decode(cfg, params, *prefill(cfg, params, tokens), req.max_new_tokens)
+        divergence = first_divergence(ids, np.asarray(reference)[0].tolist())
     return Generation(
         tokens=ids, text=tok.decode(ids) if tok else None, ttft_ms=result.total_ms,
         tpot_ms=1e3 * float(np.median(gaps)) if gaps.size else 0.0,
