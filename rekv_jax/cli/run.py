@@ -125,8 +125,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from rekv_jax.study.calibrate import calibrate_link_in_child
 
     if args.request:  # the prefill process started by generate.generate
-        generate.run_process(args.role, generate.Request(**json.loads(args.request)),
-                             args.coordinator)
+        generate.job(generate.Request(**json.loads(args.request))).side(args.role,
+                                                                       args.coordinator)
         return
     args.model = args.model or str(generate.SHIPPED_MODEL)
     tok = tokenizer_of(args.model)

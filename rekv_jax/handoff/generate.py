@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import time
 from collections.abc import Callable, Iterable
 
@@ -32,15 +31,10 @@ from rekv_jax.model.transformer import (
     prefill,
 )
 from rekv_jax.sizes import action_bytes
-from rekv_jax.transport import LocalTransport, Transport, connect
+from rekv_jax.transport import Transport
 from rekv_jax.transport.base import Role
-from rekv_jax.transport.launch import (
-    agree_runtime,
-    pair_environments,
-    start_side,
-    visible_gpus,
-    with_prefill_child,
-)
+from rekv_jax.transport.job import PairJob
+from rekv_jax.transport.launch import agree_runtime, pair_environments, visible_gpus
 
 OnToken = Callable[[int], None]
 DTYPES = ("bfloat16", "float32")
@@ -160,29 +154,17 @@ def run_role(role: Role, req: Request, transport: Transport, on_token: OnToken =
         first_divergence=divergence)
 
 
-def run_local(req: Request, on_token: OnToken = lambda t: None) -> Generation:
-    """Both workers in this process (the `local` transport): prefill on a thread."""
-    return LocalTransport.run_pair(lambda t: run_role("prefill", req, t),
-                                   lambda t: run_role("decode", req, t, on_token),
-                                   req.link_gbps, req.timeout)
-
-
-def run_process(role: Role, req: Request, coordinator: str | None,
-                on_token: OnToken = lambda t: None) -> Generation | None:
-    """This worker over a real transport (jax.distributed is initialized here)."""
-    start_side()
-    with connect(req.transport, role, coordinator, link_gbps=req.link_gbps,
-                 timeout=req.timeout) as transport:
-        return run_role(role, req, transport, on_token)
+def job(req: Request, on_token: OnToken = lambda t: None) -> PairJob[Generation | None]:
+    """The request as the job of both workers (`rekv generate --request`, one process each)."""
+    return PairJob(lambda role, t: run_role(role, req, t, on_token), req.transport,
+                   req.link_gbps, req.timeout,
+                   ("generate", "--request", json.dumps(dataclasses.asdict(req))))
 
 
 def generate(req: Request, on_token: OnToken = lambda t: None) -> Generation:
     """Run both workers: in-process for `local`, else this process decodes and a child
     process (`rekv generate --role prefill`) prefills over loopback."""
     if req.transport == "local":
-        return run_local(req, on_token)
-    cmd = [sys.executable, "-m", "rekv_jax.cli", "generate", "--request",
-           json.dumps(dataclasses.asdict(req)), "--role", "prefill"]
-    return with_prefill_child(cmd, lambda coordinator: run_process("decode", req, coordinator,
-                                                                   on_token), req.timeout,
-                              pair_environments(visible_gpus(), os.environ, None, req.transport))
+        return job(req, on_token).here()
+    return job(req, on_token).launch(pair_environments(visible_gpus(), os.environ, None,
+                                                       req.transport))
