@@ -26,7 +26,7 @@ from tokenizers import Tokenizer
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
 from rekv_jax.gate_result import GateMetrics, GateResult
-from rekv_jax.handoff.payload import pack_prefix, unpack_prefix
+from rekv_jax.handoff.payload import round_trip
 from rekv_jax.kv import KVCache
 from rekv_jax.model.transformer import (
     Params,
@@ -65,9 +65,7 @@ def reconstruct_cache(cfg: ModelConfig, params: Params, tokens: jax.Array, actio
     else:
         h_c, prefix = run_prefix(cfg, params, tokens, c)  # [B, S, D], [c, B, S, K, H]
         suffix, logits = run_suffix(cfg, params, h_c, c, chunks=chunks)  # [L - c, ...], [B, V]
-    # the same payload round trip as the handoff (identity for BF16)
-    prefix = unpack_prefix(pack_prefix(prefix, action.bits), action.bits, prefix.k.dtype)
-    return KVCache.concat(prefix, suffix), logits
+    return KVCache.concat(round_trip(prefix, action.bits), suffix), logits
 
 
 @dataclasses.dataclass(frozen=True)
