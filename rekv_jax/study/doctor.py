@@ -13,7 +13,6 @@ on an H100/H200); on CPU the same checks run on small shapes in well under a min
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from collections.abc import Callable
@@ -33,8 +32,9 @@ from rekv_jax.model.transformer import attention_backend, prefill, run_prefix, r
 from rekv_jax.study import bench
 from rekv_jax.study.experiment import Experiment
 from rekv_jax.study.records import Summary
+from rekv_jax.study.sweep import run_experiment
 from rekv_jax.transport import TransportError
-from rekv_jax.transport.launch import run_cli, visible_gpus
+from rekv_jax.transport.launch import visible_gpus
 
 
 class Record(Protocol):
@@ -267,23 +267,21 @@ def check_handoff(seq_len: int) -> Finding:
     """A short two-process handoff (tiny model): first tokens and caches must check out, and
     the decode side's suffix must equal the prefill process's own (by checksum) on every rep.
 
-    It runs as `rekv handoff` (i.e. `experiment.launch_pair`) in a child process: the decode side
-    initializes `jax.distributed`, which must come before any computation of this process."""
+    It runs as a sweep's experiments do (`sweep.run_experiment`: `rekv handoff` in a child
+    process): the decode side initializes `jax.distributed`, which must come before any
+    computation of this process."""
     action = Action.parse("q8:r=2", ModelConfig.preset("tiny").num_layers)
     exp = Experiment(model="tiny", seq_len=seq_len, actions=(action,), schedules=("overlapped",),
                      warmup=1, reps=3, timeout=120.0)
     try:
-        out = run_cli(["handoff", "--json", "--experiment", exp.to_json()], "handoff",
-                      4 * exp.timeout)
+        summaries = run_experiment(exp, timeout=4 * exp.timeout)
     except (ValueError, TransportError, TimeoutError) as e:
         return Finding(False, str(e))
-    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    summaries = tuple(Summary.from_json(r) for r in records if r["kind"] == "summary")
     ok = len(summaries) == 1 and all(  # the suffix bitwise, and the same in both processes
         s.first_token_match and s.cache_check.startswith("suffix bitwise")
         and s.cache_check.endswith(SUFFIX_ACROSS) for s in summaries)
     detail = "; ".join(f"{s.action} {s.median_ms:.1f} ms, {s.cache_check}" for s in summaries)
-    return Finding(ok, detail, HandoffData(summaries))
+    return Finding(ok, detail, HandoffData(tuple(summaries)))
 
 
 def run_checks() -> list[Check]:
