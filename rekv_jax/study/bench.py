@@ -32,12 +32,12 @@ from rekv_jax.model.transformer import (
     run_prefix,
     run_suffix,
 )
+from rekv_jax.study.device import Device
 
 
 def device_info() -> dict[str, str]:
-    """Platform, device kind and JAX version of the default device."""
-    return {"platform": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
-            "jax": jax.__version__}
+    """Platform, device kind and JAX version of the device (`Device.to_json`)."""
+    return Device.here().to_json()
 
 
 K = TypeVar("K", bound=Hashable)

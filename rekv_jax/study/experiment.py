@@ -19,7 +19,6 @@ import hashlib
 import itertools
 import json
 import os
-import platform
 from collections.abc import Callable, Iterable, Iterator
 from typing import TextIO
 
@@ -44,6 +43,7 @@ from rekv_jax.model.transformer import Params, attention_backend, prefill
 from rekv_jax.phases import FALLBACKS, PAPER_SCHEDULES, PROMPT_PHASES, SCHEDULES, check_modes
 from rekv_jax.sharding import shard_params
 from rekv_jax.sizes import action_bytes
+from rekv_jax.study.device import Device
 from rekv_jax.study.records import Rep, Summary, record_schedule, serializes
 from rekv_jax.transport import Transport, TransportError, checksums
 from rekv_jax.transport.base import Role
@@ -119,13 +119,6 @@ class Experiment:
         """Token chunks of `action` under `schedule` (1: unchunked)."""
         chunked = schedule == "chunked" and (action.kind == "joint" or self.prefill != "full")
         return self.chunks if chunked else 1
-
-
-def hardware() -> str:
-    """A label for the device the decode side computes on."""
-    device = jax.local_devices()[0]
-    kind = getattr(device, "device_kind", device.platform)
-    return f"{device.platform}:{kind} ({platform.machine()}, {jax.local_device_count()} dev)"
 
 
 def fingerprint(cfg: ModelConfig, params: Params) -> str:
@@ -343,7 +336,7 @@ def summarize(cfg: ModelConfig, exp: Experiment, action: Action, schedule: str,
     return Summary(
         model=cfg.name, seq_len=exp.seq_len, batch=exp.batch, action=action,
         transport=exp.transport, schedule=record_schedule(action, schedule),
-        link_gbps=exp.link_gbps, hardware=hardware(),
+        link_gbps=exp.link_gbps, hardware=Device.here().hardware,
         reps_ms=tuple(r.total_ms for r in reps),
         phases_ms={p: float(np.median([r.phases_ms[p] for r in reps])) for p in PROMPT_PHASES},
         payload_bytes=action_bytes(cfg, action, exp.seq_len, exp.batch)["total_bytes"],
