@@ -148,6 +148,30 @@ def test_measured_profile_is_used_and_must_match():
         planner.plan(ModelConfig.preset("qwen2.5-3b"), 256, measured)
 
 
+def test_one_rule_picks_a_profile_for_the_planner_and_the_report():
+    """`find_profile`: same model (layers too), length and batch; a paced link re-targets the
+    first; unpaced, one fitted over an unpaced link wins; `bits` needs that quantizer timed."""
+    base = planner.analytic_profile(TINY, 256, link_gbps=1.0)
+    paced = cm.Profile.from_json({**base.to_json(), "link": "tcp paced 1 GB/s"})
+    unpaced = cm.Profile.from_json({**base.to_json(), "link": "tcp unpaced", "hardware": "U"})
+    no_q4 = dataclasses.replace(paced, **{f: {b: v for b, v in getattr(paced, f).items() if b != 4}
+                                          for f in ("quantize_ms", "restore_ms", "kv_layer_bytes",
+                                                    "restore_fixed_ms")})
+    other = cm.Profile.from_json({**base.to_json(), "num_layers": 7})
+    profiles = [other, paced, unpaced]
+    assert planner.find_profile(profiles, "tiny", 6, 256) == unpaced
+    assert planner.find_profile(profiles, "tiny", 6, 256, link_gbps=4.0) == paced.at_link(4.0)
+    assert planner.find_profile(profiles, "tiny", 7, 256) == other
+    assert planner.find_profile(profiles, "tiny", None, 256, link_gbps=2.0) == other.at_link(2.0)
+    assert planner.find_profile([no_q4], "tiny", 6, 256, bits=8) == no_q4
+    assert planner.find_profile([no_q4], "tiny", 6, 256, bits=4) is None
+    assert planner.find_profile(profiles, "tiny", 6, 512) is None
+    assert planner.find_profile(profiles, "tiny", 6, 256, batch=2) is None
+    assert planner.select_profile(profiles, TINY, 256, link_gbps=3.0) == paced.at_link(3.0)
+    with pytest.raises(ValueError, match="no profile for model 'tiny', seq_len 512"):
+        planner.select_profile(profiles, TINY, 512)
+
+
 def test_cli_plan_with_profile_file_and_link(tmp_path, capsys):
     p = planner.analytic_profile(TINY, 256, link_gbps=1.0)
     path = tmp_path / "gpu.jsonl"

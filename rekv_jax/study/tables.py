@@ -12,7 +12,7 @@ import numpy as np
 from rekv_jax import sizes
 from rekv_jax.phases import PHASES
 from rekv_jax.planning.costmodel import Profile, predicted_ms, t_ov
-from rekv_jax.planning.planner import crossovers, preferred_by_link
+from rekv_jax.planning.planner import crossovers, find_profile, preferred_by_link
 from rekv_jax.study import stats
 from rekv_jax.study.records import (
     BatchRow,
@@ -140,15 +140,10 @@ def table1_markdown(records: Sequence[Summary], joint_bits: int = 8, seed: int =
 
 
 def _profile_for(profiles: Sequence[Profile], r: Summary) -> Profile | None:
-    """The profile that can predict record `r`, re-targeted to its paced link; an unpaced
-    record takes a profile fitted over an unpaced link when there is one."""
-    fits = [p for p in profiles
-            if (p.model, p.num_layers, p.seq_len, p.batch)
-            == (r.model, r.action.num_layers, r.seq_len, r.batch)
-            and (r.action.cut == 0 or r.action.bits in p.quantize_ms)]
-    if r.link_gbps is not None:
-        return fits[0].at_link(r.link_gbps) if fits else None
-    return next((p for p in fits if p.link.endswith("unpaced")), fits[0] if fits else None)
+    """The profile that can predict record `r` (`planner.find_profile`): one that timed its
+    prefix's quantizer, re-targeted to its paced link."""
+    return find_profile(profiles, r.model, r.action.num_layers, r.seq_len, r.batch, r.link_gbps,
+                        r.action.bits if r.action.cut else None)
 
 
 def _predict(profile: Profile, r: Summary, schedule: str = "overlapped") -> float:
@@ -355,9 +350,9 @@ def _crossover_groups(records: Sequence[Summary]
 
 
 def _profile_of(profiles: Sequence[Profile], key: tuple) -> Profile | None:
+    """The profile of a crossover group (`planner.find_profile`; each link re-targets it)."""
     _, _, batch, model, seq_len = key
-    return next((p for p in profiles if (p.model, p.seq_len, p.batch) == (model, seq_len, batch)),
-                None)
+    return find_profile(profiles, model, None, seq_len, batch)
 
 
 def _predicted_preference(profile: Profile, by_link: dict[float, dict[str, Summary]],
