@@ -19,8 +19,9 @@ from jax.sharding import SingleDeviceSharding
 
 from rekv_jax.errors import TransportError
 from rekv_jax.transport import distributed
-from rekv_jax.transport.base import Role, Transport, Worker, wait_for
+from rekv_jax.transport.base import Role, Transport
 from rekv_jax.transport.checksums import verdict_collect, verdict_dispatch
+from rekv_jax.transport.workers import Worker, wait_for
 
 SECRET_BYTES = 16
 
