@@ -37,7 +37,7 @@ def main() -> None:
         cfg = dataclasses.replace(ModelConfig.preset(name), attention=args.attention)
         for seq_len in args.seq_len.split(","):
             print(json.dumps(bench_model(cfg, int(seq_len), args.suffix, args.capacity,
-                                         args.batch, args.reps)), flush=True)
+                                         args.batch, args.reps).to_json()), flush=True)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ def main() -> None:
     args = p.parse_args()
     tunings = [Tuning(b, w) for b, w in itertools.product(args.block_elements, args.num_warps)]
     print(json.dumps(bench_quant(ModelConfig.preset(args.model), args.seq_len, args.batch,
-                                 args.layers, args.backend, args.trials, args.reps, tunings)))
+                                 args.layers, args.backend, args.trials, args.reps,
+                                 tunings).to_json()))
 
 
 if __name__ == "__main__":

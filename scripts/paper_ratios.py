@@ -42,18 +42,17 @@ def run(args: argparse.Namespace) -> list[Summary]:
 def ratios(records: list[Summary]) -> dict:
     """The Table 1 row of the records' one setup, model and length, as JSON."""
     (row,) = tables.table1_rows(records)
-    best = {k: None if row[k] is None else {"action": str(row[k].action),
-                                            "median_ms": round(row[k].median_ms, 2)}
-            for k in ("bf16", "q8", "recompute", "joint")}
-    out = {"model": row["model"], "seq_len": row["seq_len"], "reps": row["reps"],
-           "pinning": row["setup"].pinning, "link_gbps": row["setup"].link_gbps,
-           "hardware": row["setup"].hardware, **best,
+    best = {k: None if r is None else {"action": str(r.action), "median_ms": round(r.median_ms, 2)}
+            for k in ("bf16", "q8", "recompute", "joint") for r in [getattr(row, k)]}
+    out = {"model": row.model, "seq_len": row.seq_len, "reps": row.reps,
+           "pinning": row.setup.pinning, "link_gbps": row.setup.link_gbps,
+           "hardware": row.setup.hardware, **best,
            "first_token_match": all(r.first_token_match for r in records)}
     for key, target in TARGETS.items():
-        s = row[key]
-        out[key] = None if s is None else {"x": round(s["x"], 3), "ci95": [round(c, 3) for c in
-                                           s["ci95"]], "over": s["over"], "target": target,
-                                           "met": s["x"] >= target}
+        s = getattr(row, key)
+        out[key] = None if s is None else {"x": round(s.x, 3), "ci95": [round(c, 3) for c in
+                                           s.ci95], "over": s.over, "target": target,
+                                           "met": s.x >= target}
     return out
 
 

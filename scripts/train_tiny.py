@@ -194,7 +194,8 @@ def main() -> None:
 
     test_ids = data.encode(tok, data.read_split("test", args.wikitext))
     lengths = [int(x) for x in args.eval_lengths.split(",")]
-    evals = {n: quality.bf16_baseline(cfg, params, tok, test_ids, n) for n in lengths}
+    evals = {n: dataclasses.asdict(quality.bf16_baseline(cfg, params, tok, test_ids, n))
+             for n in lengths}
     summary = {"train_seconds": round(train_s, 1), "steps": total,
                "phases": [dataclasses.asdict(p) for p in phases],
                "final_loss": float(np.mean(losses[-20:])), "eval": evals}

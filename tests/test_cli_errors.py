@@ -28,40 +28,43 @@ def _folders(tmp_path):
     return tmp_path
 
 
-# (argv, words the one line must hold); {tmp} is a folder holding the files above
-CASES = [
-    (["info", "--model", "hf:/missing"], ["/missing", "no such"]),
-    (["handoff", "--model", "hf:/missing"], ["/missing", "no such"]),
-    (["quality", "--model", "hf:/missing"], ["/missing", "no such"]),
-    (["handoff", "--model", "hf:{tmp}/empty"], ["empty", "no config.json"]),
-    (["handoff", "--model", "hf:{tmp}/truncated"], ["truncated/config.json", "not valid JSON"]),
-    (["handoff", "--model", "hf:{tmp}/lacking"], ["lacking/config.json", "num_attention_heads"]),
-    (["handoff", "--model", "hf:{tmp}/unreadable"], ["unreadable/config.json", "cannot read"]),
-    (["handoff", "--model", "hf:{tmp}/no_weights"], ["no_weights", "safetensors"]),
-    (["plan", "--profile", "/missing.json"], ["/missing.json", "cannot read"]),
-    (["plan", "--profile", "{tmp}/empty.json"], ["empty.json", "lacks", "suffix_layer_ms"]),
-    (["handoff", "--seq-len", "100000000"], ["4096", "100000000"]),
-    (["handoff", "--actions", "q8:r=99"], ["q8:r=99", "99", "0..6"]),
-    (["handoff", "--actions", "q8:7"], ["q8:7", "0..6"]),
-    (["plan", "--actions", "q4:r=-1"], ["q4:r=-1", "-1"]),
-    (["handoff", "--link-gbps", "0"], ["--link-gbps", "positive"]),
-    (["handoff", "--link-gbps", "-1"], ["--link-gbps", "positive"]),
-    (["handoff", "--link-gbps", "fast"], ["--link-gbps", "fast"]),
-    (["plan", "--link-gbps", "0"], ["positive"]),
-    (["handoff", "--reps", "0"], ["reps", "positive"]),
-    (["handoff", "--warmup", "-1"], ["warmup"]),
-    (["handoff", "--batch", "0"], ["batch", "positive"]),
-    (["handoff", "--timeout", "0"], ["timeout", "positive"]),
-    (["profile", "--reps", "0"], ["reps", "positive"]),
-    (["sweep", "--out", "{tmp}/s", "--link-gbps", "unpaced"], ["paced", "unpaced block"]),
-    (["plan", "--schedule", "both"], ["schedule", "both"]),
-    (["plan", "--chunks", "0"], ["--chunks", "positive"]),
-    (["plan", "--prefill", "streamed"], ["--prefill", "streamed"]),
-    (["plan", "--prefill", "full,pipelined"], ["pipelined prefill streams", "'prompt'"]),
-    (["plan", "--quality", "/missing.jsonl"], ["/missing.jsonl", "cannot read"]),
-    (["plan", "--quality", "{tmp}/empty.json"], ["empty.json", "not a quality gate result"]),
-    (["plan", "--quality", "{tmp}/gate.jsonl"], ["none for model 'tiny' at 8192", "other"]),
-]
+# One case a line: argv | the words its one line must hold, separated by "; " ({tmp}: the
+# folder of `_folders`)
+TABLE = """
+info --model hf:/missing                | /missing; no such
+handoff --model hf:/missing             | /missing; no such
+quality --model hf:/missing             | /missing; no such
+handoff --model hf:{tmp}/empty          | empty; no config.json
+handoff --model hf:{tmp}/truncated      | truncated/config.json; not valid JSON
+handoff --model hf:{tmp}/lacking        | lacking/config.json; num_attention_heads
+handoff --model hf:{tmp}/unreadable     | unreadable/config.json; cannot read
+handoff --model hf:{tmp}/no_weights     | no_weights; safetensors
+plan --profile /missing.json            | /missing.json; cannot read
+plan --profile {tmp}/empty.json         | empty.json; lacks; suffix_layer_ms
+handoff --seq-len 100000000             | 4096; 100000000
+handoff --actions q8:r=99               | q8:r=99; 99; 0..6
+handoff --actions q8:7                  | q8:7; 0..6
+plan --actions q4:r=-1                  | q4:r=-1; -1
+handoff --link-gbps 0                   | --link-gbps; positive
+handoff --link-gbps -1                  | --link-gbps; positive
+handoff --link-gbps fast                | --link-gbps; fast
+plan --link-gbps 0                      | positive
+handoff --reps 0                        | reps; positive
+handoff --warmup -1                     | warmup
+handoff --batch 0                       | batch; positive
+handoff --timeout 0                     | timeout; positive
+profile --reps 0                        | reps; positive
+sweep --out {tmp}/s --link-gbps unpaced | paced; unpaced block
+plan --schedule both                    | schedule; both
+plan --chunks 0                         | --chunks; positive
+plan --prefill streamed                 | --prefill; streamed
+plan --prefill full,pipelined           | pipelined prefill streams; 'prompt'
+plan --quality /missing.jsonl           | /missing.jsonl; cannot read
+plan --quality {tmp}/empty.json         | empty.json; not a quality gate result
+plan --quality {tmp}/gate.jsonl         | none for model 'tiny' at 8192; other
+"""
+CASES = [(argv.split(), words.split("; ")) for argv, words in
+         (line.split(" | ") for line in TABLE.strip().splitlines())]
 
 
 @pytest.mark.parametrize("argv,words", CASES, ids=[" ".join(c[0]) for c in CASES])

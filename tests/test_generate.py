@@ -11,8 +11,8 @@ import pytest
 from test_hf import hf_model
 
 from rekv_jax.action import Action
-from rekv_jax.handoff.generate import Request, first_divergence, generate, load
-from rekv_jax.model.loader import SHIPPED_MODEL
+from rekv_jax.handoff.generate import Request, first_divergence, generate
+from rekv_jax.model.loader import SHIPPED_MODEL, load_model
 from rekv_jax.model.transformer import greedy_decode, prefill
 from rekv_jax.sizes import action_bytes
 
@@ -20,7 +20,8 @@ PROMPT = "The game began development in 2010 , carrying over a large portion of 
 
 
 def single_process_tokens(spec: str, ids: list[int], steps: int, dtype: str) -> list[int]:
-    cfg, params, _ = load(spec, dtype)
+    model = load_model(spec, dtype=jnp.dtype(dtype), orbax=False)
+    cfg, params = model.cfg, model.params
     kv, logits = prefill(cfg, params, jnp.asarray([ids], jnp.int32))
     return np.asarray(greedy_decode(cfg, params, kv, logits, steps))[0].tolist()
 
@@ -33,7 +34,7 @@ def test_first_divergence():
 
 @pytest.mark.parametrize("prefill_mode", ["split", "full"])
 def test_bf16_action_on_shipped_model_decodes_exactly(prefill_mode):
-    _, _, tok = load(str(SHIPPED_MODEL), "bfloat16")
+    tok = load_model(str(SHIPPED_MODEL), orbax=False).tokenizer
     ids = tok.encode(PROMPT).ids
     out = generate(Request(token_ids=ids, action="bf16:r=2", max_new_tokens=8, transport="local",
                            prefill=prefill_mode, compare=True))
@@ -64,7 +65,8 @@ def test_cli_two_processes_prints_every_field():
                            "payload_bytes", "action", "prefill", "chunks", "fallback",
                            "first_divergence"}
     assert record["first_divergence"] is None and len(record["tokens"]) == 6
-    cfg, _, tok = load(str(SHIPPED_MODEL), "bfloat16")
+    model = load_model(str(SHIPPED_MODEL), orbax=False)
+    cfg, tok = model.cfg, model.tokenizer
     ids = tok.encode(PROMPT).ids
     assert record["tokens"] == single_process_tokens(str(SHIPPED_MODEL), ids, 6, "bfloat16")
     assert record["payload_bytes"] == action_bytes(

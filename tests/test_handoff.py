@@ -401,5 +401,5 @@ def test_fig3_twin_prompt_interval_paired_reps():
     assert all(s.paired and s.interval == "prompt" and s.first_token_match
                and s.phases_ms.prefill > 0 for s in summaries)
     (row,) = fig3_rows(summaries)
-    assert row["paired"] and row["reps"] == 3 and row["ci95"][0] <= row["speedup"]
+    assert row.paired and row.reps == 3 and row.ci95[0] <= row.speedup
 

@@ -18,9 +18,9 @@ from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
 from rekv_jax.handoff.core import prepare, receive_handoff, send_handoff
 from rekv_jax.transport import LocalTransport, TransportError, TransportTimeout, distributed
-from rekv_jax.transport.base import Worker, wait_for
 from rekv_jax.transport.local import Board
 from rekv_jax.transport.transfer_server import TransferServerTransport
+from rekv_jax.transport.workers import Worker, wait_for
 
 # one phase, both sides: the header posted by the prefill side, then the ack posted by the decode
 # side and collected at the end; no go-ahead, no separate checksums (they travel with the

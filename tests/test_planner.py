@@ -10,6 +10,7 @@ import pytest
 from rekv_jax.action import Action, action_space
 from rekv_jax.cli.main import main
 from rekv_jax.config import ModelConfig
+from rekv_jax.gate_result import GateResult
 from rekv_jax.planning import costmodel as cm
 from rekv_jax.planning import planner
 
@@ -94,10 +95,10 @@ def test_plan_tries_every_schedule_and_chunk_count_where_they_matter():
 
 
 QWEN7B_GATE = [  # the paper's verdicts at 8K (§4.1, Table 2): joint Q8 passes, joint Q4 fails
-    planner.GateResult("qwen2.5-7b", 8192, "q8:r=13", True),
-    planner.GateResult("qwen2.5-7b", 8192, "q4:r=13", False),
-    planner.GateResult("qwen2.5-7b", 8192, "q4:full", False),
-    planner.GateResult("qwen2.5-7b", 2048, "q4:r=10", True),
+    GateResult("qwen2.5-7b", 8192, "q8:r=13", True),
+    GateResult("qwen2.5-7b", 8192, "q4:r=13", False),
+    GateResult("qwen2.5-7b", 8192, "q4:full", False),
+    GateResult("qwen2.5-7b", 2048, "q4:r=10", True),
 ]
 
 
@@ -118,8 +119,8 @@ def test_the_quality_gate_decides_which_actions_can_be_chosen():
 
 
 def test_a_gate_result_of_a_chunked_cache_counts_for_that_chunking():
-    gate = [planner.GateResult("qwen2.5-7b", 8192, "q8:r=13", True),
-            planner.GateResult("qwen2.5-7b", 8192, "q8:r=13", False, chunks=4)]
+    gate = [GateResult("qwen2.5-7b", 8192, "q8:r=13", True),
+            GateResult("qwen2.5-7b", 8192, "q8:r=13", False, chunks=4)]
     out = planner.plan(QWEN7B, 8192, actions=[Action(8, 15, 28)], gate=gate)
     standing = {(c.schedule, c.chunks): (c.quality, c.gated_chunks) for c in out.candidates}
     assert standing[("chunked", 4)] == ("ineligible", 4)
@@ -133,7 +134,7 @@ def test_gate_results_must_cover_the_plan():
     with pytest.raises(ValueError, match="no eligible candidate"):
         planner.plan(QWEN7B, 8192, gate=QWEN7B_GATE[1:3])
     with pytest.raises(ValueError, match="not a quality gate result"):
-        planner.GateResult.from_json({"model": "tiny", "seq_len": 256})
+        GateResult.from_json({"model": "tiny", "seq_len": 256})
 
 
 def test_measured_profile_is_used_and_must_match():
@@ -145,6 +146,30 @@ def test_measured_profile_is_used_and_must_match():
         planner.plan(TINY, 512, measured)
     with pytest.raises(ValueError, match="no profile"):
         planner.plan(ModelConfig.preset("qwen2.5-3b"), 256, measured)
+
+
+def test_one_rule_picks_a_profile_for_the_planner_and_the_report():
+    """`find_profile`: same model (layers too), length and batch; a paced link re-targets the
+    first; unpaced, one fitted over an unpaced link wins; `bits` needs that quantizer timed."""
+    base = planner.analytic_profile(TINY, 256, link_gbps=1.0)
+    paced = cm.Profile.from_json({**base.to_json(), "link": "tcp paced 1 GB/s"})
+    unpaced = cm.Profile.from_json({**base.to_json(), "link": "tcp unpaced", "hardware": "U"})
+    no_q4 = dataclasses.replace(paced, **{f: {b: v for b, v in getattr(paced, f).items() if b != 4}
+                                          for f in ("quantize_ms", "restore_ms", "kv_layer_bytes",
+                                                    "restore_fixed_ms")})
+    other = cm.Profile.from_json({**base.to_json(), "num_layers": 7})
+    profiles = [other, paced, unpaced]
+    assert planner.find_profile(profiles, "tiny", 6, 256) == unpaced
+    assert planner.find_profile(profiles, "tiny", 6, 256, link_gbps=4.0) == paced.at_link(4.0)
+    assert planner.find_profile(profiles, "tiny", 7, 256) == other
+    assert planner.find_profile(profiles, "tiny", None, 256, link_gbps=2.0) == other.at_link(2.0)
+    assert planner.find_profile([no_q4], "tiny", 6, 256, bits=8) == no_q4
+    assert planner.find_profile([no_q4], "tiny", 6, 256, bits=4) is None
+    assert planner.find_profile(profiles, "tiny", 6, 512) is None
+    assert planner.find_profile(profiles, "tiny", 6, 256, batch=2) is None
+    assert planner.select_profile(profiles, TINY, 256, link_gbps=3.0) == paced.at_link(3.0)
+    with pytest.raises(ValueError, match="no profile for model 'tiny', seq_len 512"):
+        planner.select_profile(profiles, TINY, 512)
 
 
 def test_cli_plan_with_profile_file_and_link(tmp_path, capsys):

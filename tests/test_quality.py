@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ import pytest
 
 from rekv_jax.action import Action
 from rekv_jax.cli.main import main
+from rekv_jax.gate_result import GateMetrics, GateResult, load_gate
 from rekv_jax.kv import KVCache
 from rekv_jax.model.loader import SHIPPED_MODEL, load_model
 from rekv_jax.model.params import load_hf, restore_params
@@ -32,32 +34,47 @@ def outputs(probs: list[list[float]], niah_ok: list[bool]) -> quality.Outputs:
 def test_identical_outputs_give_zero_kl_full_agreement_ratio_one():
     ref = outputs([[0.6, 0.3, 0.1], [0.2, 0.5, 0.3]], [True, True])
     m = quality.compare(ref, ref, np.array([[0, 2]]))
-    assert m["kl"] == 0.0 and m["top1_agree"] == 1.0
-    assert m["top1_flips"] == 0 and m["top1_flip_margin"] is None
-    assert m["ppl"] == m["ppl_bf16"] and m["ppl_rel_change"] == 0.0
-    assert m["ppl_bf16"] == pytest.approx(math.exp(-(math.log(0.6) + math.log(0.3)) / 2), 1e-6)
-    assert (m["niah_pass"], m["niah_total"], m["eligible"]) == (2, 2, True)
+    assert m.kl == 0.0 and m.top1_agree == 1.0
+    assert m.top1_flips == 0 and m.top1_flip_margin is None
+    assert m.ppl == m.ppl_bf16 and m.ppl_rel_change == 0.0
+    assert m.ppl_bf16 == pytest.approx(math.exp(-(math.log(0.6) + math.log(0.3)) / 2), 1e-6)
+    assert (m.niah_pass, m.niah_total, quality.eligible(m)) == (2, 2, True)
 
 
 def test_known_kl_agreement_and_perplexity():
     p, q = [[0.7, 0.3], [0.5, 0.5]], [[0.4, 0.6], [0.5, 0.5]]  # top-1 flips at position 0 only
     m = quality.compare(outputs(p, [True]), outputs(q, [True]), np.array([[0, 1]]))
     kl0 = 0.7 * math.log(0.7 / 0.4) + 0.3 * math.log(0.3 / 0.6)
-    assert m["kl"] == pytest.approx(kl0 / 2, rel=1e-5)
-    assert (m["top1_agree"], m["top1_flips"]) == (0.5, 1)
-    assert m["top1_flip_margin"] == pytest.approx(math.log(0.7 / 0.3), rel=1e-5)
-    assert m["ppl"] == pytest.approx(math.exp(-(math.log(0.4) + math.log(0.5)) / 2), rel=1e-6)
-    assert m["ppl_rel_change"] == pytest.approx(math.sqrt(0.7 / 0.4) - 1, rel=1e-5)
-    assert not m["eligible"]
+    assert m.kl == pytest.approx(kl0 / 2, rel=1e-5)
+    assert (m.top1_agree, m.top1_flips) == (0.5, 1)
+    assert m.top1_flip_margin == pytest.approx(math.log(0.7 / 0.3), rel=1e-5)
+    assert m.ppl == pytest.approx(math.exp(-(math.log(0.4) + math.log(0.5)) / 2), rel=1e-6)
+    assert m.ppl_rel_change == pytest.approx(math.sqrt(0.7 / 0.4) - 1, rel=1e-5)
+    assert not quality.eligible(m)
 
 
 def test_gate_rule_edges():
-    ok = {"top1_agree": 1.0, "niah_pass": 4, "niah_total": 4, "ppl_rel_change": 0.01}
+    ok = GateMetrics(top1_agree=1.0, top1_flips=0, top1_flip_margin=None, kl=0.0, ppl_bf16=1.0,
+                     ppl=1.01, ppl_rel_change=0.01, niah_pass=4, niah_total=4, niah_pass_bf16=4)
     assert quality.eligible(ok)
-    assert not quality.eligible({**ok, "ppl_rel_change": 0.0101})
-    assert not quality.eligible({**ok, "niah_pass": 3})
-    assert not quality.eligible({**ok, "top1_agree": 0.999})
-    assert quality.eligible({**ok, "ppl_rel_change": -0.5})  # lower perplexity never rejects
+    assert not quality.eligible(dataclasses.replace(ok, ppl_rel_change=0.0101))
+    assert not quality.eligible(dataclasses.replace(ok, niah_pass=3))
+    assert not quality.eligible(dataclasses.replace(ok, top1_agree=0.999))
+    assert quality.eligible(dataclasses.replace(ok, ppl_rel_change=-0.5))  # lower never rejects
+
+
+def test_committed_gate_results_read_and_write_back_the_same_lines():
+    """Every committed `rekv quality --json` file reads as GateResults; a line with every metric
+    writes back as the same JSON, key order included."""
+    files = sorted((pathlib.Path(__file__).parents[1] / "results" / "quality").glob("*.jsonl"))
+    assert files
+    for path in files:
+        for line, result in zip(path.read_text().splitlines(), load_gate(path), strict=True):
+            if result.metrics is not None:
+                assert json.dumps(result.to_json()) == line
+    chunked = GateResult("m", 512, "q8:r=2", False, chunks=4, pipelined=True,
+                         metrics=GateMetrics(0.5, 1, 0.1, 0.2, 3.0, 3.1, 0.03, 1, 2, 2))
+    assert GateResult.from_json(chunked.to_json()) == chunked
 
 
 def timing(action: str, ms: float, schedule: str = "n/a", batch: int = 1) -> Summary:
@@ -68,20 +85,20 @@ def timing(action: str, ms: float, schedule: str = "n/a", batch: int = 1) -> Sum
 
 
 def test_select_picks_fastest_eligible_action():
-    rows = [{"model": "m", "seq_len": 512, "action": a, "eligible": e}
+    rows = [GateResult("m", 512, a, e)
             for a, e in [("q4:full", False), ("q8:full", True), ("q8:r=2", True)]]
     timings = [timing(a, t) for a, t in [("q4:full", 1.0), ("q8:full", 3.0), ("q8:r=2", 2.0),
                                          ("bf16:full", 0.5)]]
     [choice] = selection.select(rows, timings)
-    assert (choice["chosen"], choice["median_ms"]) == ("q8:r=2", 2.0)
-    assert choice["eligible"] == ["q8:full", "q8:r=2"] and choice["untimed_eligible"] == []
+    assert (choice.chosen, choice.median_ms) == ("q8:r=2", 2.0)
+    assert choice.eligible == ("q8:full", "q8:r=2") and choice.untimed_eligible == ()
     # a second setup (another link) is chosen on its own, not mixed with the first
     fast = [dataclasses.replace(timing("q8:full", 0.1), link_gbps=9.0)]
     first, second = selection.select(rows, timings + fast)
-    assert first == choice and (second["chosen"], second["median_ms"]) == ("q8:full", 0.1)
-    assert second["untimed_eligible"] == ["q8:r=2"] and second["setup"].link_gbps == 9.0
+    assert first == choice and (second.chosen, second.median_ms) == ("q8:full", 0.1)
+    assert second.untimed_eligible == ("q8:r=2",) and second.setup.link_gbps == 9.0
     [untimed] = selection.select(rows, [])
-    assert untimed["chosen"] is None and untimed["untimed_eligible"] == ["q8:full", "q8:r=2"]
+    assert untimed.chosen is None and untimed.untimed_eligible == ("q8:full", "q8:r=2")
 
 
 def test_select_cli_joins_quality_with_sweep_summaries(tmp_path, capsys):
@@ -140,9 +157,9 @@ def small_eval(shipped):
 def test_bf16_joint_action_is_exact_and_passes(shipped, small_eval):
     cfg, params, _ = shipped
     [m] = quality.evaluate(cfg, params, small_eval, [Action(16, 2, cfg.num_layers)])
-    assert m["niah_pass_bf16"] == m["niah_total"] == 2  # the shipped model retrieves at 512
-    assert (m["kl"], m["top1_agree"], m["ppl_rel_change"]) == (0.0, 1.0, 0.0)
-    assert m["eligible"]
+    assert m.metrics.niah_pass_bf16 == m.metrics.niah_total == 2  # retrieves at 512
+    assert (m.metrics.kl, m.metrics.top1_agree, m.metrics.ppl_rel_change) == (0.0, 1.0, 0.0)
+    assert m.eligible
 
 
 # Mean KL(BF16 || a) on `small_eval` (512 tokens, 2 windows x 16 continuation positions),
@@ -156,8 +173,8 @@ def test_q8_joint_action_keeps_kl_small_and_below_q4(shipped, small_eval):
     cfg, params, _ = shipped
     q8, q4 = quality.evaluate(cfg, params, small_eval,
                               [Action(8, 2, cfg.num_layers), Action(4, 2, cfg.num_layers)])
-    assert 0 < q8["kl"] < Q8_KL_BOUND and q8["top1_agree"] == 1.0
-    assert q4["kl"] > q8["kl"]
+    assert 0 < q8.metrics.kl < Q8_KL_BOUND and q8.metrics.top1_agree == 1.0
+    assert q4.metrics.kl > q8.metrics.kl
 
 
 def test_corrupted_prefix_is_rejected(shipped, small_eval):
@@ -171,8 +188,8 @@ def test_corrupted_prefix_is_rejected(shipped, small_eval):
     ref = quality.run_outputs(cfg, params, lambda t: prefill(cfg, params, t), small_eval)
     bad = quality.run_outputs(cfg, params, corrupted, small_eval)
     m = quality.compare(ref, bad, small_eval.continuation)
-    assert m["kl"] > 1e-2 and m["top1_agree"] < 1.0
-    assert not m["eligible"]
+    assert m.kl > 1e-2 and m.top1_agree < 1.0
+    assert not quality.eligible(m)
 
 
 def test_quality_cli_prints_every_field(capsys):

@@ -45,32 +45,32 @@ def _sweep(scale: float = 1.0, seq_len: int = 256, link: float | None = 5.0) -> 
 def test_table1_known_winner_and_speedup_math():
     recs = _sweep() + _sweep(2.0, seq_len=512)
     rows = study_tables.table1_rows(recs)
-    assert [(r["model"], r["seq_len"]) for r in rows] == [("tiny", 256), ("tiny", 512)]
+    assert [(r.model, r.seq_len) for r in rows] == [("tiny", 256), ("tiny", 512)]
     r = rows[0]
-    assert str(r["joint"].action) == "q8:r=2" and str(r["recompute"].action) == "bf16:r=3"
-    assert str(r["best"].action) == "q8:r=2"
-    assert r["bf16"].median_ms == stats.median(r["bf16"].reps_ms)  # filled from the reps
-    bf16, joint = r["bf16"].median_ms, r["joint"].median_ms
-    assert r["joint_vs_bf16"]["x"] == pytest.approx(40 / 16) == bf16 / joint
-    lo, hi = r["joint_vs_bf16"]["ci95"]
-    assert lo <= r["joint_vs_bf16"]["x"] <= hi
+    assert str(r.joint.action) == "q8:r=2" and str(r.recompute.action) == "bf16:r=3"
+    assert str(r.best.action) == "q8:r=2"
+    assert r.bf16.median_ms == stats.median(r.bf16.reps_ms)  # filled from the reps
+    bf16, joint = r.bf16.median_ms, r.joint.median_ms
+    assert r.joint_vs_bf16.x == pytest.approx(40 / 16) == bf16 / joint
+    lo, hi = r.joint_vs_bf16.ci95
+    assert lo <= r.joint_vs_bf16.x <= hi
 
 
 def test_best_single_is_the_faster_of_q8_transfer_and_recompute():
     r = study_tables.table1_rows(_sweep())[0]
-    assert r["joint_vs_single"]["over"] == "q8:full"
-    assert r["joint_vs_single"]["x"] == pytest.approx(22.0 / 16.0)
+    assert r.joint_vs_single.over == "q8:full"
+    assert r.joint_vs_single.x == pytest.approx(22.0 / 16.0)
     slow_q8 = [_rec(a, 30.0 if a == "q8:full" else m) for a, m in MEDIANS.items()]
-    assert study_tables.table1_rows(slow_q8)[0]["joint_vs_single"]["over"] == "bf16:r=3"
+    assert study_tables.table1_rows(slow_q8)[0].joint_vs_single.over == "bf16:r=3"
 
 
 def test_overlapped_records_win_sequential_only_fills_trivial_schedules():
     recs = [_rec("bf16:full", 40.0, "sequential"), _rec("q8:r=2", 10.0, "sequential"),
             _rec("q8:r=2", 16.0), _rec("bf16:r=3", 5.0, "sequential")]
     r = study_tables.table1_rows(recs)[0]
-    assert r["bf16"].schedule == "sequential"  # transfer-only: nothing to overlap
-    assert r["joint"].median_ms == pytest.approx(16.0)  # the overlapped run, not the sequential
-    assert r["recompute"] is None  # a joint cut measured only sequentially is not in the table
+    assert r.bf16.schedule == "sequential"  # transfer-only: nothing to overlap
+    assert r.joint.median_ms == pytest.approx(16.0)  # the overlapped run, not the sequential
+    assert r.recompute is None  # a joint cut measured only sequentially is not in the table
 
 
 def test_table1_markdown_is_labelled():
@@ -88,16 +88,16 @@ def test_predictions_from_records_and_from_a_profile():
     no_q4 = dataclasses.replace(profile, quantize_ms={16: 0.0, 8: 0.1},
                                 restore_ms={16: 0.0, 8: 0.1})
     rows = study_tables.prediction_rows(recs + [_rec("q4:r=2", 16.0)], [no_q4, profile])
-    assert len(rows) == 3 and rows[2]["predicted_ms"] == predicted_ms(
+    assert len(rows) == 3 and rows[2].predicted_ms == predicted_ms(
         profile.at_link(5.0), Action(4, L - 2, L))  # the profile that has Q4 costs
     rows = study_tables.prediction_rows(recs, [profile])
     assert len(rows) == 2  # no profile for 512 tokens
-    assert rows[0]["error_pct"] == pytest.approx(25.0)
+    assert rows[0].error_pct == pytest.approx(25.0)
     want = predicted_ms(profile.at_link(5.0), Action(16, L, L))  # re-targeted to the paced link
-    assert rows[1]["predicted_ms"] == pytest.approx(want)
-    assert rows[1]["error_pct"] == pytest.approx(100 * (want - 40.0) / 40.0)
+    assert rows[1].predicted_ms == pytest.approx(want)
+    assert rows[1].error_pct == pytest.approx(100 * (want - 40.0) / 40.0)
     summary = study_tables.error_summary(rows)
-    assert summary == {"bf16:full": pytest.approx(abs(rows[1]["error_pct"])), "q8:r=2": 25.0}
+    assert summary == {"bf16:full": pytest.approx(abs(rows[1].error_pct)), "q8:r=2": 25.0}
     md = study_tables.predictions_markdown(recs, [profile])
     assert "| q8:r=2 | 25.0 |" in md and "over 2 records" in md
 
@@ -108,26 +108,26 @@ def test_unpaced_and_prompt_records_take_their_own_profile_and_interval():
     recs = [_rec("bf16:full", 40.0, link=None),
             _rec("bf16:r=3", 60.0, "sequential", interval="prompt")]
     rows = study_tables.prediction_rows(recs, [paced, unpaced])
-    assert rows[0]["predicted_ms"] == predicted_ms(unpaced, Action(16, L, L))
-    assert rows[1]["predicted_ms"] == predicted_ms(paced.at_link(5.0), Action(16, L - 3, L),
+    assert rows[0].predicted_ms == predicted_ms(unpaced, Action(16, L, L))
+    assert rows[1].predicted_ms == predicted_ms(paced.at_link(5.0), Action(16, L - 3, L),
                                                    "sequential", "prompt", "full")
 
 
 def test_table3_payloads_schedule_gain_and_efficiency():
     recs = _sweep() + [_rec("bf16:r=2", 30.0, "sequential"), _rec("bf16:r=2", 20.0)]
     (row,) = study_tables.table3_rows(recs)
-    assert row["payload_mib"]["BF16 transfer"] == sizes.handoff_bytes(TINY, 256, 16, L).total_mib
-    assert row["payload_mib"]["joint Q8 (q8:r=2)"] == sizes.handoff_bytes(
+    assert row.payload_mib["BF16 transfer"] == sizes.handoff_bytes(TINY, 256, 16, L).total_mib
+    assert row.payload_mib["joint Q8 (q8:r=2)"] == sizes.handoff_bytes(
         TINY, 256, 8, L - 2).total_mib
-    s = row["schedule"]
-    assert s["action"] == "bf16:r=2"  # BF16 at the best joint cut, as in the paper
-    assert s["gain"] == pytest.approx(1.5) and s["gain_ci95"][0] <= 1.5 <= s["gain_ci95"][1]
+    s = row.schedule
+    assert s.action == "bf16:r=2"  # BF16 at the best joint cut, as in the paper
+    assert s.gain == pytest.approx(1.5) and s.gain_ci95[0] <= 1.5 <= s.gain_ci95[1]
     ov, seq = recs[-1], recs[-2]
     ideal = t_ov(*seq.phases_ms.ready)  # Eq. 9 from the uncontended phases
-    assert s["efficiency_sequential_phases"] == pytest.approx(ov.median_ms / ideal)
-    assert "efficiency_own_phases" not in s  # ~1 by construction: not reported
+    assert s.efficiency_sequential_phases == pytest.approx(ov.median_ms / ideal)
+    assert not hasattr(s, "efficiency_own_phases")  # ~1 by construction: not reported
     assert "Schedule gain 1.50×" in study_tables.table3_markdown(recs)
-    assert study_tables.table3_rows(_sweep())[0]["schedule"] is None
+    assert study_tables.table3_rows(_sweep())[0].schedule is None
 
 
 def test_crossover_measured_and_predicted():
@@ -138,12 +138,12 @@ def test_crossover_measured_and_predicted():
                  _rec("bf16:full", 2 * q8, link=link)]
     profile = analytic_profile(TINY, 256)
     rows = study_tables.crossover_rows(recs, [profile])
-    assert [r["link_gbps"] for r in rows] == [1.0, 10.0, 100.0]
-    assert [r["measured_best"] for r in rows] == ["q8:r=2", "q8:full", "q8:full"]
+    assert [r.link_gbps for r in rows] == [1.0, 10.0, 100.0]
+    assert [r.measured_best for r in rows] == ["q8:r=2", "q8:full", "q8:full"]
     for r in rows:
-        preds = {a: predicted_ms(profile.at_link(r["link_gbps"]), Action.parse(a, L))
+        preds = {a: predicted_ms(profile.at_link(r.link_gbps), Action.parse(a, L))
                  for a in ("q8:r=2", "q8:full", "bf16:full")}
-        assert r["predicted_best"] == min(preds, key=preds.get)
+        assert r.predicted_best == min(preds, key=preds.get)
     md = study_tables.crossover_markdown(recs, [profile])
     assert "q8:r=2 → q8:full between 1 and 10 GB/s" in md
     assert "Predicted crossovers (analytic profile" in md
@@ -205,10 +205,10 @@ def test_fig3_speedup_uses_the_paired_bootstrap():
                                 reps_ms=tuple(t), median_ms=float(np.median(t)))
             for s, t in (("sequential", seq), ("overlapped", ov))]
     (row,) = study_tables.fig3_rows(recs + _sweep())  # ready-interval records are not Fig. 3's
-    assert row["paired"] and row["speedup"] == pytest.approx(1.25)
-    assert row["ci95"] == pytest.approx([1.25, 1.25])  # every paired ratio is exactly 1.25
+    assert row.paired and row.speedup == pytest.approx(1.25)
+    assert row.ci95 == pytest.approx((1.25, 1.25))  # every paired ratio is exactly 1.25
     unpaired = study_tables.fig3_rows([dataclasses.replace(r, paired=False) for r in recs])[0]
-    assert not unpaired["paired"] and unpaired["ci95"][0] < 1.2 < 1.3 < unpaired["ci95"][1]
+    assert not unpaired.paired and unpaired.ci95[0] < 1.2 < 1.3 < unpaired.ci95[1]
     text = study_tables.fig3_markdown(recs)
     assert "Prompt to first token" in text and "paired bootstrap" in text and "1.25×" in text
 
@@ -217,9 +217,9 @@ def test_batch_table_completion_time_and_requests_per_second(tmp_path):
     recs = [dataclasses.replace(_rec(a, m, s), batch=4)
             for a, m, s in (("q8:r=2", 40.0, "overlapped"), ("q8:full", 50.0, "n/a"))]
     (row,) = study_tables.batch_rows(recs + _sweep())  # batch-1 records have no batch row
-    assert row["batch"] == 4 and str(row["joint"].action) == "q8:r=2"
-    assert row["requests_per_s"] == pytest.approx({"joint": 100.0, "transfer": 80.0})
-    assert row["joint_vs_transfer"]["x"] == pytest.approx(1.25)
+    assert row.batch == 4 and str(row.joint.action) == "q8:r=2"
+    assert row.requests_per_s == pytest.approx({"joint": 100.0, "transfer": 80.0})
+    assert row.joint_vs_transfer.x == pytest.approx(1.25)
     names = {p.name for p in report.write_report(recs, tmp_path)}
     assert "batch.md" in names and "fig3.md" not in names
     assert "| 100.00 |" in (tmp_path / "batch.md").read_text()

@@ -185,12 +185,12 @@ def test_mini_sweep_writes_every_output(monkeypatch, tmp_path):
     # errs 40-100% on each. Measured on 2 busy cores (load 5-9): median |error| 4.1, 5.2 and
     # 0.8% (worst row 18%); at a 2 MB/s link, with 3 ms of per-message overhead fitted into a
     # shorter sleep, 7.6 and 20%, hence the slower link. Bound: 20%.
-    paced = [r for r in tables.prediction_rows(records) if r["batch"] == 1 and r["action"]
-             in ("bf16:full", "q8:full", "q4:full") and r["link_gbps"] is not None]
-    assert sorted((r["action"], r["link_gbps"]) for r in paced) == [
+    paced = [r for r in tables.prediction_rows(records) if r.batch == 1 and r.action
+             in ("bf16:full", "q8:full", "q4:full") and r.link_gbps is not None]
+    assert sorted((r.action, r.link_gbps) for r in paced) == [
         ("bf16:full", 0.001), ("bf16:full", 0.004), ("q4:full", 0.001), ("q8:full", 0.001),
         ("q8:full", 0.004)]
-    assert np.median([abs(r["error_pct"]) for r in paced]) < 20, paced
+    assert np.median([abs(r.error_pct) for r in paced]) < 20, paced
 
 
 def _fake_run(exp, cache_dir=None, timeout=None) -> list[Summary]:

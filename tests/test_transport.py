@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transport_worker import COMPUTE_S, PACED_S
 
 from rekv_jax.transport import LocalTransport, TransportError, TransportTimeout, checksums, connect
 from rekv_jax.transport.base import LinkPacer
@@ -198,7 +199,14 @@ def test_two_processes_protocol_and_injected_faults(kind):
         assert "checksum mismatch in buffer(s) [1]" in events["corrupt"][1]
         assert events["truncated"][0] == "ValueError" and "[2, 7, 16]" in events["truncated"][1]
         assert events["after"][0] == "ok"  # the link survives the failed phases
+        assert events["prefetched"][0] == "ok"
         assert events["close"][0] == "ok"
+    seconds = result["decode"][1]["prefetched"][1]
+    # the first message, the compute, then the second: already moved during the compute where
+    # the transport pulls first (transfer-server), else paced from its receive on
+    moved_meanwhile = PACED_S + COMPUTE_S <= seconds < 1.5 * PACED_S + COMPUTE_S
+    assert moved_meanwhile == (kind == "transfer-server"), seconds
+    assert seconds >= PACED_S + COMPUTE_S + (kind != "transfer-server") * PACED_S, seconds
     assert result["prefill"][1]["meta"] == ["ok", {"first_token": 5}]
 
 

@@ -23,6 +23,8 @@ import numpy as np
 from rekv_jax.transport import connect
 
 TIMEOUT = 30.0
+PREFETCHED = ("pre0", "pre1")  # sent back to back, received with compute between
+PACED_S, COMPUTE_S = 0.5, 1.0
 
 
 def payload(rows: int = 8) -> list[np.ndarray]:
@@ -69,6 +71,18 @@ def main(kind: str, role: str, coordinator: str, scenario: str) -> None:
             if not np.array_equal(np.asarray(g), w):
                 raise AssertionError(f"{tag}: received buffer differs from what was sent")
 
+    def prefetched(want: list[np.ndarray]) -> float:
+        """Seconds to receive PREFETCHED (both pulled at once) over a link that takes
+        PACED_S per message, computing COMPUTE_S between the two receives."""
+        t.set_link(sum(a.nbytes for a in want) / PACED_S / 1e9)
+        t.prefetch(PREFETCHED, [specs(want)] * len(PREFETCHED), TIMEOUT)
+        start = time.monotonic()
+        recv_phase(PREFETCHED[0], want)
+        time.sleep(COMPUTE_S)
+        recv_phase(PREFETCHED[1], want)
+        t.set_link(None)
+        return round(time.monotonic() - start, 3)
+
     if scenario == "protocol":
         step("agree", lambda: t.agree("run", {"config": "tiny", "cut": 2, "shape": (2, 8)}))
         step("disagree", lambda: t.agree("bad", {"config": "tiny", "cut": 2 + (role == "decode")}))
@@ -88,12 +102,15 @@ def main(kind: str, role: str, coordinator: str, scenario: str) -> None:
             step("truncated", lambda: send_phase("truncated", [jax.device_put(a)
                                                              for a in payload(rows=7)]))
             step("after", lambda: send_phase("after", send))
+            step("prefetched", lambda: [t.send(tag, send, TIMEOUT) for tag in PREFETCHED]
+                 and [t.wait_ack(tag, TIMEOUT) for tag in PREFETCHED] and None)
         else:
             step("phase", lambda: recv_phase("phase", expected, background=True))
             step("meta", lambda: t.send_meta("result", {"first_token": 5}))
             step("corrupt", lambda: recv_phase("corrupt", expected))
             step("truncated", lambda: recv_phase("truncated", expected, background=True))
             step("after", lambda: recv_phase("after", expected))
+            step("prefetched", lambda: prefetched(expected))
     elif scenario == "kill-prefill":  # the prefill side dies once the decode side is receiving
         if role == "prefill":
             def die(tag: str, arrays: list, deadline: float) -> None:

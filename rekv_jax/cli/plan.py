@@ -59,9 +59,10 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 def cmd_plan(args: argparse.Namespace) -> None:
     """Predict every candidate, choose one and print the plan (a table, or one JSON object)."""
     from rekv_jax.action import action_space, parse_actions
+    from rekv_jax.gate_result import load_gate
     from rekv_jax.model.loader import load_config
     from rekv_jax.planning.costmodel import load_profiles
-    from rekv_jax.planning.planner import load_gate, plan, plan_text, select_profile
+    from rekv_jax.planning.planner import plan, plan_text, select_profile
 
     cfg = load_config(args.model)
     profile = None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
 from rekv_jax.cli.render import emit_json
@@ -27,31 +26,30 @@ def cmd_quality(args: argparse.Namespace) -> None:
     actions = parse_actions(args.actions, cfg.num_layers)
     for r in quality.evaluate(cfg, params, evals, actions, args.chunks, args.pipelined):
         if args.json:
-            print(json.dumps(r), flush=True)
+            print(json.dumps(r.to_json()), flush=True)
         else:
-            print(f"| {r['model']} | {r['seq_len']} | {r['action']} | {r['top1_agree']:.4f} "
-                  f"({r['top1_flips']}) | {r['kl']:.2e} | {r['ppl_bf16']:.3f} | {r['ppl']:.3f} | "
-                  f"{r['ppl_rel_change']:+.3%} | {r['niah_pass']}/{r['niah_total']} | "
-                  f"{'yes' if r['eligible'] else 'no'} |", flush=True)
+            m = r.metrics
+            print(f"| {r.model} | {r.seq_len} | {r.action} | {m.top1_agree:.4f} "
+                  f"({m.top1_flips}) | {m.kl:.2e} | {m.ppl_bf16:.3f} | {m.ppl:.3f} | "
+                  f"{m.ppl_rel_change:+.3%} | {m.niah_pass}/{m.niah_total} | "
+                  f"{'yes' if r.eligible else 'no'} |", flush=True)
 
 
 def cmd_select(args: argparse.Namespace) -> None:
-    from rekv_jax.jsonl import read_jsonl
+    from rekv_jax.gate_result import load_gate
     from rekv_jax.study import tables
     from rekv_jax.study.records import read_summaries
     from rekv_jax.study.selection import select
 
     timings = read_summaries(args.timings) if args.timings else []
     timings = [t for t in timings if t.batch == args.batch]
-    choices = select(read_jsonl(args.quality), timings)
+    choices = select(load_gate(args.quality), timings)
     if args.json:
-        return emit_json({**c, "setup": c["setup"] and dataclasses.asdict(c["setup"])}
-                          for c in choices)
+        return emit_json(c.to_json() for c in choices)
     for c in choices:
-        chosen = (f"{c['chosen']} ({c['median_ms']:.2f} ms)" if c["chosen"]
-                  else "none timed")
-        untimed = (f"; eligible but untimed: {', '.join(c['untimed_eligible'])}"
-                   if c["untimed_eligible"] else "")
-        setup = f" ({tables.setup_label(c['setup'])})" if c["setup"] else ""
-        print(f"{c['model']}, {c['seq_len']} tokens{setup}: {chosen}; eligible: "
-              f"{', '.join(c['eligible']) or 'none'}{untimed}")
+        chosen = f"{c.chosen} ({c.median_ms:.2f} ms)" if c.chosen else "none timed"
+        untimed = (f"; eligible but untimed: {', '.join(c.untimed_eligible)}"
+                   if c.untimed_eligible else "")
+        setup = f" ({tables.setup_label(c.setup)})" if c.setup else ""
+        print(f"{c.model}, {c.seq_len} tokens{setup}: {chosen}; eligible: "
+              f"{', '.join(c.eligible) or 'none'}{untimed}")

@@ -122,15 +122,16 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 def cmd_generate(args: argparse.Namespace) -> None:
     from rekv_jax.handoff import generate
     from rekv_jax.handoff.chunked import DEFAULT_CHUNKS
+    from rekv_jax.model.loader import tokenizer_of
     from rekv_jax.phases import PrefillMode, Schedule
     from rekv_jax.study.calibrate import calibrate_link_in_child
 
     if args.request:  # the prefill process started by generate.generate
-        generate.run_process(args.role, generate.Request(**json.loads(args.request)),
-                             args.coordinator)
+        generate.job(generate.Request(**json.loads(args.request))).side(args.role,
+                                                                       args.coordinator)
         return
     args.model = args.model or str(generate.SHIPPED_MODEL)
-    tok = generate.tokenizer_of(args.model)
+    tok = tokenizer_of(args.model)
     if args.token_ids is not None:
         text = args.token_ids
         if text.startswith("@"):

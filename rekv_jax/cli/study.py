@@ -63,10 +63,10 @@ def cmd_doctor(args: argparse.Namespace) -> None:
     result = doctor.report(checks)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump(result.to_json(), f, indent=1)
     if args.json:
-        emit_json([result])
+        emit_json([result.to_json()])
     else:
         doctor.print_table(checks)
-    if not result["passed"]:
+    if not result.passed:
         raise SystemExit(1)

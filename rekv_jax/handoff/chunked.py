@@ -24,6 +24,7 @@ full recomputation sends the token ids only.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -33,7 +34,7 @@ import jax.numpy as jnp
 from rekv_jax.action import Action, ActionKind
 from rekv_jax.config import ModelConfig
 from rekv_jax.handoff.outcome import Handoff, PrefillTimes, elapsed_ms, finish_send, outcome
-from rekv_jax.handoff.payload import recv_prefix, send_prefix
+from rekv_jax.handoff.payload import prefix_specs, recv_prefix, send_prefix
 from rekv_jax.kv import KVCache
 from rekv_jax.model.transformer import (
     Params,
@@ -110,8 +111,25 @@ def receive_chunked(transport: Transport, cfg: ModelConfig, params: Params, acti
     ranges = token_chunks(seq_len, chunks)
     token_spec = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
     first_spec = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    h_specs = [[jax.ShapeDtypeStruct((batch, b - a, D), dtype)] for a, b in ranges]
+    if not pipelined:  # chunk 0 travels with the ids
+        h_specs[0] = [token_spec, first_spec, *h_specs[0]]
+    prefix_tags = [f"{tag}/prefix{i}" for i in range(len(ranges))] if pipelined else [
+        f"{tag}/prefix"]
+    prefix_shapes = [(batch, b - a, c) for a, b in ranges] if pipelined else [(batch, seq_len, c)]
     transport.agree(f"{tag}/go", {}, timeout)
     t0 = time.perf_counter()
+    # every message is pulled from the start, in the order sent, so the link moves them back to
+    # back while the suffix computes between their receives (which then verify and pace)
+    boundary = [(boundary_tag(tag, i), s) for i, s in enumerate(h_specs)] * (action.kind == "joint")
+    prefix_msgs = [(name, prefix_specs(cfg, action, B, T, dtype, layers))
+                   for name, (B, T, layers) in zip(prefix_tags, prefix_shapes, strict=True)]
+    prefix_msgs *= c > 0
+    if pipelined:  # h_c chunk i, then its prefix
+        order = [m for pair in itertools.zip_longest(boundary, prefix_msgs) for m in pair if m]
+    else:
+        order = boundary + prefix_msgs
+    transport.prefetch([name for name, _ in order], [specs for _, specs in order], timeout)
     # a paced link delivers in the order sent: every h_c chunk, then the prefix; pipelined,
     # h_c chunk i, prefix chunk i, h_c chunk i+1, ... (each receive waits for the one before)
     boundary_in = [threading.Event() for _ in ranges]
@@ -122,17 +140,12 @@ def receive_chunked(transport: Transport, cfg: ModelConfig, params: Params, acti
 
     def restore_prefix() -> tuple[KVCache, float]:
         try:
-            if pipelined:  # chunk by chunk, as computed
-                spans = []
-                for i, (a, b) in enumerate(ranges):
-                    spans.append(recv_prefix(transport, cfg, action, (batch, b - a, c), dtype,
-                                             f"{tag}/prefix{i}", backend, timeout,
-                                             boundary_in[i]))
-                    prefix_in[i].set()
-                prefix = KVCache.join_spans(*spans)
-            else:
-                prefix = recv_prefix(transport, cfg, action, (batch, seq_len, c), dtype,
-                                     f"{tag}/prefix", backend, timeout, boundary_in[-1])
+            spans = []  # pipelined: chunk by chunk, as computed
+            for i, (name, shape) in enumerate(zip(prefix_tags, prefix_shapes, strict=True)):
+                spans.append(recv_prefix(transport, cfg, action, shape, dtype, name, backend,
+                                         timeout, boundary_in[i if pipelined else -1]))
+                prefix_in[i].set()
+            prefix = KVCache.join_spans(*spans) if pipelined else spans[0]
         finally:  # a failed receive holds up no other
             for event in prefix_in:
                 event.set()
@@ -153,14 +166,13 @@ def receive_chunked(transport: Transport, cfg: ModelConfig, params: Params, acti
             t_boundary = t_start = t_suffix = time.perf_counter()
         else:
             suffix = new_cache(cfg, L - c, batch, seq_len, dtype)  # [L-c, B, S, K, H]
-            for i, (a, b) in enumerate(ranges):
-                h_spec = jax.ShapeDtypeStruct((batch, b - a, D), dtype)
-                if i == 0 and not pipelined:  # chunk 0 travels with the ids
-                    tokens, sent_first, h = transport.recv(
-                        boundary_tag(tag, 0), [token_spec, first_spec, h_spec], timeout)
+            for i, (a, _) in enumerate(ranges):
+                got = transport.recv(boundary_tag(tag, i), h_specs[i], timeout,
+                                     prefix_in[i - 1] if pipelined and i > 0 else None)
+                if i == 0 and not pipelined:
+                    tokens, sent_first, h = got
                 else:
-                    h = transport.recv(boundary_tag(tag, i), [h_spec], timeout,
-                                       prefix_in[i - 1] if pipelined and i > 0 else None)[0]
+                    h = got[0]
                 boundary_in[i].set()
                 if i == 0:
                     t_boundary = t_start = time.perf_counter()
@@ -182,5 +194,6 @@ def receive_chunked(transport: Transport, cfg: ModelConfig, params: Params, acti
             event.set()
         if pending is not None and not pending.done():  # see handoff.receive_handoff
             transport.background.abandon()
+        transport.discard(f"{tag}/")
     return outcome(transport, tag, timeout, t0, prefix, suffix, logits, sent_first,
                    (t_boundary, t_prefix, t_start, t_suffix), fell_back)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from rekv_jax.action import Action, ActionKind
 from rekv_jax.config import ModelConfig
 from rekv_jax.handoff.outcome import Handoff, PrefillTimes, elapsed_ms, finish_send, outcome
-from rekv_jax.handoff.payload import pack_prefix, recv_prefix, send_prefix
+from rekv_jax.handoff.payload import pack_prefix, prefix_specs, recv_prefix, send_prefix
 from rekv_jax.kv import KVCache
 from rekv_jax.model.transformer import (
     Params,
@@ -238,7 +238,9 @@ def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, acti
         if not split:
             prefix = recv_prefix(transport, cfg, action, (batch, seq_len, c), dtype,
                                  f"{tag}/prefix", backend, timeout, boundary_in)
-        else:  # restore each layer as it arrives
+        else:  # restore each layer as it arrives (all pulled at once: see Transport.prefetch)
+            transport.prefetch([f"{tag}/layer{layer}" for layer in range(c)],
+                               [prefix_specs(cfg, action, batch, seq_len, dtype, 1)] * c, timeout)
             layers = []
             for layer in range(c):
                 try:
@@ -302,6 +304,7 @@ def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, acti
     finally:
         if pending is not None and not pending.done():  # left running (a failure here): its
             transport.background.abandon()  # recv ends by its timeout; later handoffs don't wait
+        transport.discard(f"{tag}/")
 
     return outcome(transport, tag, timeout, t0, prefix, suffix, logits, sent_first,
                    (t_boundary, t_prefix, t_start, t_suffix), fell_back)

@@ -14,33 +14,27 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import time
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tokenizers import Tokenizer
 
 from rekv_jax.action import Action
-from rekv_jax.config import ModelConfig
 from rekv_jax.handoff.core import check_schedule, receive_handoff, send_prompt
-from rekv_jax.kv import KVCache
-from rekv_jax.model.loader import SHIPPED_MODEL, load_tokenizer
-from rekv_jax.model.params import load_hf
-from rekv_jax.model.transformer import Params, attention_backend, decode_step, prefill
-from rekv_jax.sizes import action_bytes
-from rekv_jax.transport import LocalTransport, Transport, connect
-from rekv_jax.transport.base import Role
-from rekv_jax.transport.launch import (
-    agree_runtime,
-    pair_environments,
-    start_side,
-    visible_gpus,
-    with_prefill_child,
+from rekv_jax.model.loader import SHIPPED_MODEL, load_model
+from rekv_jax.model.transformer import (
+    attention_backend,
+    greedy_decode,
+    greedy_tokens,
+    prefill,
 )
+from rekv_jax.sizes import action_bytes
+from rekv_jax.transport import Transport
+from rekv_jax.transport.base import Role
+from rekv_jax.transport.job import PairJob
+from rekv_jax.transport.launch import agree_runtime, pair_environments, visible_gpus
 
 OnToken = Callable[[int], None]
 DTYPES = ("bfloat16", "float32")
@@ -98,36 +92,15 @@ class Generation:
         return d
 
 
-def tokenizer_of(spec: str) -> Tokenizer | None:
-    """The tokenizer beside a trained-model folder or `hf:PATH` checkpoint, if it has one
-    (reads files only: no JAX call, so it may run before jax.distributed starts)."""
-    folder = Path(spec.removeprefix("hf:"))
-    return load_tokenizer(folder) if (folder / "tokenizer.json").is_file() else None
-
-
-def load(spec: str, dtype: str) -> tuple[ModelConfig, Params, Tokenizer | None]:
-    """A trained-model folder or `hf:PATH`, read from its HF safetensors in `dtype` (an orbax
-    restore would synchronize with the peer process), with its tokenizer when it has one."""
-    cfg, params = load_hf(spec.removeprefix("hf:"), jnp.dtype(dtype))
-    return cfg, params, tokenizer_of(spec)
-
-
-def decode_greedy(cfg: ModelConfig, params: Params, kv: KVCache, first: jax.Array, steps: int,
-                  on_token: OnToken = lambda t: None, capacity: int | None = None
-                  ) -> tuple[list[int], list[float]]:
-    """Greedy ids [steps] continuing a prompt cache [L, 1, S, K, H] whose next token is `first`
-    [1], and the time each became known (perf_counter). The cache is padded to `capacity`
-    (default S + steps), so every step runs one compiled program."""
-    S, token = kv.seq_len, first
-    kv = kv.pad(capacity or S + steps)
+def timed(tokens: Iterable[jax.Array], on_token: OnToken = lambda t: None
+          ) -> tuple[list[int], list[float]]:
+    """The ids of greedy tokens [1] (`greedy_tokens`), each passed to `on_token` as it becomes
+    known, and when each did (perf_counter)."""
     ids, times = [], []
-    for i in range(steps):
+    for token in tokens:
         ids.append(int(token[0]))
         times.append(time.perf_counter())
         on_token(ids[-1])
-        if i + 1 < steps:
-            logits, kv = decode_step(cfg, params, kv, token, S + i)
-            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return ids, times
 
 
@@ -142,7 +115,8 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 def run_role(role: Role, req: Request, transport: Transport, on_token: OnToken = lambda t: None
              ) -> Generation | None:
     """One worker: the prefill side sends; the decode side receives, decodes and reports."""
-    cfg, params, tok = load(req.model, req.dtype)
+    model = load_model(req.model, dtype=jnp.dtype(req.dtype), orbax=False)
+    cfg, params, tok = model.cfg, model.params, model.tokenizer
     action = Action.parse(req.action, cfg.num_layers)
     agree_runtime(transport, attention_backend(cfg, params["embed"].dtype), req.timeout)
     transport.agree("request", dataclasses.asdict(req), req.timeout)
@@ -159,20 +133,18 @@ def run_role(role: Role, req: Request, transport: Transport, on_token: OnToken =
                                  chunks=req.chunks)
         t_first = time.perf_counter()
         if tag == "warmup":  # compile the decode step on the padded cache too
-            decode_greedy(cfg, params, result.kv, result.first_token, 2,
-                          capacity=S + req.max_new_tokens)
+            timed(greedy_tokens(cfg, params, result.kv, result.first_token, 2,
+                                S + req.max_new_tokens))
     if role == "prefill":
         return None
-    ids, times = decode_greedy(cfg, params, result.kv, result.first_token, req.max_new_tokens,
-                               on_token)
+    ids, times = timed(greedy_tokens(cfg, params, result.kv, result.first_token,
+                                     req.max_new_tokens), on_token)
     decode_s = times[-1] - t_first
     gaps = np.diff(times)
     divergence = None
     if req.compare:
-        kv, logits = prefill(cfg, params, tokens)
-        first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        reference, _ = decode_greedy(cfg, params, kv, first, req.max_new_tokens)
-        divergence = first_divergence(ids, reference)
+        reference = greedy_decode(cfg, params, *prefill(cfg, params, tokens), req.max_new_tokens)
+        divergence = first_divergence(ids, np.asarray(reference)[0].tolist())
     return Generation(
         tokens=ids, text=tok.decode(ids) if tok else None, ttft_ms=result.total_ms,
         tpot_ms=1e3 * float(np.median(gaps)) if gaps.size else 0.0,
@@ -182,29 +154,17 @@ def run_role(role: Role, req: Request, transport: Transport, on_token: OnToken =
         first_divergence=divergence)
 
 
-def run_local(req: Request, on_token: OnToken = lambda t: None) -> Generation:
-    """Both workers in this process (the `local` transport): prefill on a thread."""
-    return LocalTransport.run_pair(lambda t: run_role("prefill", req, t),
-                                   lambda t: run_role("decode", req, t, on_token),
-                                   req.link_gbps, req.timeout)
-
-
-def run_process(role: Role, req: Request, coordinator: str | None,
-                on_token: OnToken = lambda t: None) -> Generation | None:
-    """This worker over a real transport (jax.distributed is initialized here)."""
-    start_side()
-    with connect(req.transport, role, coordinator, link_gbps=req.link_gbps,
-                 timeout=req.timeout) as transport:
-        return run_role(role, req, transport, on_token)
+def job(req: Request, on_token: OnToken = lambda t: None) -> PairJob[Generation | None]:
+    """The request as the job of both workers (`rekv generate --request`, one process each)."""
+    return PairJob(lambda role, t: run_role(role, req, t, on_token), req.transport,
+                   req.link_gbps, req.timeout,
+                   ("generate", "--request", json.dumps(dataclasses.asdict(req))))
 
 
 def generate(req: Request, on_token: OnToken = lambda t: None) -> Generation:
     """Run both workers: in-process for `local`, else this process decodes and a child
     process (`rekv generate --role prefill`) prefills over loopback."""
     if req.transport == "local":
-        return run_local(req, on_token)
-    cmd = [sys.executable, "-m", "rekv_jax.cli", "generate", "--request",
-           json.dumps(dataclasses.asdict(req)), "--role", "prefill"]
-    return with_prefill_child(cmd, lambda coordinator: run_process("decode", req, coordinator,
-                                                                   on_token), req.timeout,
-                              pair_environments(visible_gpus(), os.environ, None, req.transport))
+        return job(req, on_token).here()
+    return job(req, on_token).launch(pair_environments(visible_gpus(), os.environ, None,
+                                                       req.transport))

@@ -37,6 +37,12 @@ def unpack_prefix(buffers: list[jax.Array], bits: int, dtype: jnp.dtype,
         dequantize(QuantizedTensor(vc, vs, bits, GROUP_SIZE, dtype), backend=backend))
 
 
+def round_trip(prefix: KVCache, bits: int) -> KVCache:
+    """What the decode side restores of a prefix [c, B, S, K, H] sent at `bits`: `pack_prefix`,
+    then `unpack_prefix` (identity for BF16)."""
+    return unpack_prefix(pack_prefix(prefix, bits), bits, prefix.k.dtype)
+
+
 def prefix_specs(cfg: ModelConfig, action: Action, batch: int, seq_len: int, dtype: jnp.dtype,
                  layers: int | None = None) -> list[jax.ShapeDtypeStruct]:
     """Shapes and dtypes of the prefix buffers the decode side must receive (of `layers`

@@ -38,6 +38,13 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return Tokenizer.from_file(str(file))
 
 
+def tokenizer_of(spec: str) -> Tokenizer | None:
+    """The tokenizer beside a trained-model folder or `hf:PATH` checkpoint, if it has one
+    (reads files only: no JAX call, so it may run before jax.distributed starts)."""
+    folder = Path(spec.removeprefix("hf:"))
+    return load_tokenizer(folder) if (folder / "tokenizer.json").is_file() else None
+
+
 @dataclasses.dataclass(frozen=True)
 class LoadedModel:
     """A model ready to run: config, params (nested dict of arrays) and where they came from."""
@@ -90,15 +97,16 @@ def synthetic_model(cfg: ModelConfig, seed: int = 0, dtype: jnp.dtype = jnp.bflo
     return LoadedModel(cfg, init_params(cfg, jax.random.key(seed), dtype, share), weights)
 
 
-def load_model(spec: str, seed: int = 0, dtype: jnp.dtype = jnp.bfloat16) -> LoadedModel:
-    """Config, weights and tokenizer of a spec (see the module docstring)."""
+def load_model(spec: str, seed: int = 0, dtype: jnp.dtype = jnp.bfloat16, orbax: bool = True
+               ) -> LoadedModel:
+    """Config, weights and tokenizer of a spec (see the module docstring). Not `orbax`: a
+    trained-model folder is read from its HF safetensors (an orbax restore would synchronize
+    with the peer process of a pair that does not restore too)."""
     from rekv_jax.model.params import load_hf, restore_params
 
-    if spec.startswith("hf:"):
-        folder = Path(spec[3:])
-        cfg, params = load_hf(folder, dtype)
-        tok = load_tokenizer(folder) if (folder / "tokenizer.json").is_file() else None
-        return LoadedModel(cfg, params, spec, tok)
+    if spec.startswith("hf:") or not (orbax or spec in MODEL_PRESETS):
+        cfg, params = load_hf(Path(spec.removeprefix("hf:")), dtype)
+        return LoadedModel(cfg, params, f"hf:{spec.removeprefix('hf:')}", tokenizer_of(spec))
     if spec in MODEL_PRESETS:
         return synthetic_model(ModelConfig.preset(spec), seed, dtype)
     folder = _orbax_folder(spec)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -423,15 +424,23 @@ def forward(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
     return _forward(_checked(cfg, params, tokens), params, tokens)
 
 
+def greedy_tokens(cfg: ModelConfig, params: Params, kv: KVCache, token: jax.Array, steps: int,
+                  capacity: int | None = None) -> Iterator[jax.Array]:
+    """`steps` greedy tokens [B], `token` first, continuing a prompt cache [L, B, S, K, H], each
+    yielded as soon as it is dispatched (the next step runs once the caller asks for it). The
+    steps decode on a copy padded to `capacity` (default S + steps): one compiled program."""
+    S = kv.seq_len
+    kv = kv.pad(capacity or S + steps)
+    for i in range(steps):
+        yield token
+        if i + 1 < steps:  # the last token needs no step of its own
+            logits, kv = decode_step(cfg, params, kv, token, S + i)
+            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
 def greedy_decode(cfg: ModelConfig, params: Params, kv: KVCache, logits: jax.Array, steps: int
                   ) -> jax.Array:
     """Greedy tokens [B, steps] after a prompt cache [L, B, S, K, H] and its last logits [B, V].
     `kv` stays usable: the steps decode on a padded copy."""
-    S = kv.seq_len
-    kv = kv.pad(S + steps)
-    tokens = []
-    for i in range(steps):
-        tokens.append(jnp.argmax(logits, axis=-1).astype(jnp.int32))
-        if i + 1 < steps:  # the last token needs no step of its own
-            logits, kv = decode_step(cfg, params, kv, tokens[-1], S + i)
-    return jnp.stack(tokens, axis=1)
+    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jnp.stack(list(greedy_tokens(cfg, params, kv, first, steps)), axis=1)

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from rekv_jax import sizes
 from rekv_jax.action import Action, ActionKind, action_space
 from rekv_jax.config import ModelConfig
-from rekv_jax.jsonl import read_jsonl
+from rekv_jax.gate_result import GateResult
 from rekv_jax.phases import (
     PHASES,
     PREFILL_MODES,
@@ -72,47 +71,34 @@ def analytic_profile(cfg: ModelConfig, seq_len: int, batch: int = 1,
         attention_share=sizes.attention_share(cfg, seq_len))
 
 
-def select_profile(profiles: Sequence[Profile], cfg: ModelConfig, seq_len: int, batch: int = 1
-                   ) -> Profile:
-    """The profile of exactly this model, prompt length and batch."""
-    for p in profiles:
-        if (p.model, p.num_layers, p.seq_len, p.batch) == (cfg.name, cfg.num_layers, seq_len,
-                                                            batch):
-            return p
-    have = sorted({(p.model, p.seq_len, p.batch) for p in profiles})
-    raise ValueError(f"no profile for model {cfg.name!r}, seq_len {seq_len}, batch {batch}; "
-                     f"have (model, seq_len, batch) {have}")
+def find_profile(profiles: Sequence[Profile], model: str, num_layers: int | None, seq_len: int,
+                 batch: int = 1, link_gbps: float | None = None, bits: int | None = None
+                 ) -> Profile | None:
+    """The profile to predict `model` (of `num_layers` layers; None: any) at `seq_len` and
+    `batch` with: the one rule the planner and the report pick profiles by. Among those that
+    timed `bits`' quantizer (None: any), on a paced `link_gbps` the first, re-targeted to it;
+    unpaced, one fitted over an unpaced link where there is one, else the first; None if none."""
+    fits = [p for p in profiles if (p.model, p.seq_len, p.batch) == (model, seq_len, batch)
+            and num_layers in (None, p.num_layers) and (bits is None or bits in p.quantize_ms)]
+    if link_gbps is not None:
+        return fits[0].at_link(link_gbps) if fits else None
+    return next((p for p in fits if p.link.endswith("unpaced")), fits[0] if fits else None)
+
+
+def select_profile(profiles: Sequence[Profile], cfg: ModelConfig, seq_len: int, batch: int = 1,
+                   link_gbps: float | None = None) -> Profile:
+    """The profile of exactly this model, prompt length and batch (`find_profile`); a
+    ValueError names the ones there are."""
+    profile = find_profile(profiles, cfg.name, cfg.num_layers, seq_len, batch, link_gbps)
+    if profile is None:
+        have = sorted({(p.model, p.seq_len, p.batch) for p in profiles})
+        raise ValueError(f"no profile for model {cfg.name!r}, seq_len {seq_len}, batch {batch}; "
+                         f"have (model, seq_len, batch) {have}")
+    return profile
 
 
 CHUNK_CHOICES = (2, 4, 8, 16)  # token chunks the planner tries for the chunked schedules
 QUALITY = ("eligible", "ineligible", "unchecked")  # a candidate's standing at the gate (§2.4)
-
-
-@dataclasses.dataclass(frozen=True)
-class GateResult:
-    """One action's verdict at the quality gate: a row of `rekv quality --json`."""
-
-    model: str
-    seq_len: int
-    action: str  # Action in its text form, e.g. "q8:r=13"
-    eligible: bool
-    chunks: int = 1  # the token chunks of the scored cache (1: unchunked)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> GateResult:
-        try:
-            return cls(d["model"], int(d["seq_len"]), d["action"], bool(d["eligible"]),
-                       int(d.get("chunks", 1)))
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"not a quality gate result ({e!r} in {sorted(d)})") from None
-
-
-def load_gate(path: str | Path) -> list[GateResult]:
-    """The gate results of a `rekv quality --json` file."""
-    try:
-        return [GateResult.from_json(d) for d in read_jsonl(path)]
-    except ValueError as e:
-        raise ValueError(f"quality {path}: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,9 +226,7 @@ def plan(cfg: ModelConfig, seq_len: int, profile: Profile | None = None,
         profile = analytic_profile(cfg, seq_len, batch,
                                    PAPER_LINK_GBPS if link_gbps is None else link_gbps)
     else:
-        profile = select_profile([profile], cfg, seq_len, batch)
-        if link_gbps is not None:
-            profile = profile.at_link(link_gbps)
+        profile = select_profile([profile], cfg, seq_len, batch, link_gbps)
     if actions is None:
         actions = list(action_space(cfg.num_layers, sorted(profile.quantize_ms, reverse=True)))
     chunks = sorted({n for n in chunks if 1 < n <= seq_len})

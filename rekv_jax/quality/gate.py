@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +25,8 @@ from tokenizers import Tokenizer
 
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
-from rekv_jax.handoff.payload import pack_prefix, unpack_prefix
+from rekv_jax.gate_result import GateMetrics, GateResult
+from rekv_jax.handoff.payload import round_trip
 from rekv_jax.kv import KVCache
 from rekv_jax.model.transformer import (
     Params,
@@ -65,9 +65,7 @@ def reconstruct_cache(cfg: ModelConfig, params: Params, tokens: jax.Array, actio
     else:
         h_c, prefix = run_prefix(cfg, params, tokens, c)  # [B, S, D], [c, B, S, K, H]
         suffix, logits = run_suffix(cfg, params, h_c, c, chunks=chunks)  # [L - c, ...], [B, V]
-    # the same payload round trip as the handoff (identity for BF16)
-    prefix = unpack_prefix(pack_prefix(prefix, action.bits), action.bits, prefix.k.dtype)
-    return KVCache.concat(prefix, suffix), logits
+    return KVCache.concat(round_trip(prefix, action.bits), suffix), logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +127,7 @@ def perplexity(logits: np.ndarray, targets: np.ndarray) -> float:
     return float(jnp.exp(jnp.mean(nll)))
 
 
-def compare(ref: Outputs, out: Outputs, targets: np.ndarray) -> dict[str, Any]:
+def compare(ref: Outputs, out: Outputs, targets: np.ndarray) -> GateMetrics:
     """The gate's metrics of `out` against the BF16 reference `ref` (targets [N, T])."""
     logp_ref = jax.nn.log_softmax(jnp.asarray(ref.logits, jnp.float32), axis=-1)
     logp = jax.nn.log_softmax(jnp.asarray(out.logits, jnp.float32), axis=-1)
@@ -138,30 +136,27 @@ def compare(ref: Outputs, out: Outputs, targets: np.ndarray) -> dict[str, Any]:
     top2 = np.asarray(jax.lax.top_k(jnp.asarray(ref.logits), 2)[0])  # [N, T, 2]
     margin = top2[..., 0] - top2[..., 1]  # BF16 logit gap between its top-1 and top-2
     ppl_ref, ppl = perplexity(ref.logits, targets), perplexity(out.logits, targets)
-    metrics = {
-        "top1_agree": 1.0 - float(flips.mean()),
-        "top1_flips": int(flips.sum()),
+    return GateMetrics(
+        top1_agree=1.0 - float(flips.mean()),
+        top1_flips=int(flips.sum()),
         # widest BF16 top-1/top-2 gap among the flips: tells near-ties from real changes
-        "top1_flip_margin": float(margin[flips].max()) if flips.any() else None,
-        "kl": float(jnp.mean(kl)),
-        "ppl_bf16": ppl_ref,
-        "ppl": ppl,
-        "ppl_rel_change": ppl / ppl_ref - 1.0,
-        "niah_pass": int(out.niah_ok.sum()),
-        "niah_total": int(out.niah_ok.size),
-        "niah_pass_bf16": int(ref.niah_ok.sum()),
-    }
-    return {**metrics, "eligible": eligible(metrics)}
+        top1_flip_margin=float(margin[flips].max()) if flips.any() else None,
+        kl=float(jnp.mean(kl)),
+        ppl_bf16=ppl_ref,
+        ppl=ppl,
+        ppl_rel_change=ppl / ppl_ref - 1.0,
+        niah_pass=int(out.niah_ok.sum()),
+        niah_total=int(out.niah_ok.size),
+        niah_pass_bf16=int(ref.niah_ok.sum()))
 
 
-def eligible(m: dict[str, Any], epsilon: float = EPSILON) -> bool:
+def eligible(m: GateMetrics, epsilon: float = EPSILON) -> bool:
     """Paper §2.4: all top-1 agree, all NIAH prompts pass, perplexity rises by <= epsilon."""
-    return (m["top1_agree"] == 1.0 and m["niah_pass"] == m["niah_total"]
-            and m["ppl_rel_change"] <= epsilon)
+    return m.top1_agree == 1.0 and m.niah_pass == m.niah_total and m.ppl_rel_change <= epsilon
 
 
 def evaluate(cfg: ModelConfig, params: Params, evals: EvalSet, actions: Iterable[Action],
-             chunks: int = 1, pipelined: bool = False) -> list[dict[str, Any]]:
+             chunks: int = 1, pipelined: bool = False) -> list[GateResult]:
     """One gate result per action, each against the same BF16 reference outputs (the unchunked
     prefill's); `chunks`, `pipelined`: the chunked caches' (`reconstruct_cache`)."""
     ref = run_outputs(cfg, params, lambda t: prefill(cfg, params, t), evals)
@@ -169,16 +164,26 @@ def evaluate(cfg: ModelConfig, params: Params, evals: EvalSet, actions: Iterable
     for action in actions:
         out = run_outputs(cfg, params, lambda t, a=action: reconstruct_cache(
             cfg, params, t, a, chunks, pipelined), evals)
-        results.append({"model": cfg.name, "seq_len": evals.seq_len, "action": str(action),
-                        **({"chunks": chunks, "pipelined": pipelined} if chunks > 1 else {}),
-                        **compare(ref, out, evals.continuation)})
+        m = compare(ref, out, evals.continuation)
+        results.append(GateResult(cfg.name, evals.seq_len, str(action), eligible(m),
+                                  chunks, pipelined and chunks > 1, m))
     return results
 
 
+@dataclasses.dataclass(frozen=True)
+class Baseline:
+    """BF16's own quality at one prompt length (a trained model's evaluation)."""
+
+    seq_len: int
+    ppl: float  # continuation perplexity
+    niah_pass: int
+    niah_total: int
+
+
 def bf16_baseline(cfg: ModelConfig, params: Params, tok: Tokenizer, test_ids: np.ndarray,
-                  seq_len: int) -> dict[str, Any]:
+                  seq_len: int) -> Baseline:
     """BF16 continuation perplexity and NIAH pass count at one prompt length."""
     evals = eval_set(tok, test_ids, seq_len)
     ref = run_outputs(cfg, params, lambda t: prefill(cfg, params, t), evals)
-    return {"seq_len": seq_len, "ppl": perplexity(ref.logits, evals.continuation),
-            "niah_pass": int(ref.niah_ok.sum()), "niah_total": int(ref.niah_ok.size)}
+    return Baseline(seq_len, perplexity(ref.logits, evals.continuation),
+                    int(ref.niah_ok.sum()), int(ref.niah_ok.size))

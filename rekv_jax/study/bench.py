@@ -12,8 +12,8 @@ import dataclasses
 import functools
 import statistics
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -32,16 +32,19 @@ from rekv_jax.model.transformer import (
     run_prefix,
     run_suffix,
 )
+from rekv_jax.study.device import Device
 
 
 def device_info() -> dict[str, str]:
-    """Platform, device kind and JAX version of the default device."""
-    return {"platform": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
-            "jax": jax.__version__}
+    """Platform, device kind and JAX version of the device (`Device.to_json`)."""
+    return Device.here().to_json()
 
 
-def best_seconds(ops: dict[str, tuple[Callable, list]], trials: int, reps: int, wait_each: bool
-                 ) -> dict[str, float]:
+K = TypeVar("K", bound=Hashable)
+
+
+def best_seconds(ops: dict[K, tuple[Callable, list]], trials: int, reps: int, wait_each: bool
+                 ) -> dict[K, float]:
     """Best over `trials` of the mean time of one pass of each `fn` over its inputs; the ops take
     turns within a trial, so load from other processes hits them alike."""
     for fn, inputs in ops.values():
@@ -98,6 +101,77 @@ class Tuning:
     num_warps: int = kernels.NUM_WARPS
 
 
+@dataclasses.dataclass(frozen=True)
+class OpRate:
+    """One quantizer op's speed over the prefix KV (bandwidth: bytes read plus written)."""
+
+    gbps: float
+    frac_of_copy: float  # of the copy bandwidth measured in the same run
+    ms_per_layer: float  # K and V of one layer
+
+    @classmethod
+    def of(cls, nbytes: int, seconds: float, copy_gbps: float, layers: int) -> OpRate:
+        gbps = nbytes / seconds / 1e9
+        return cls(gbps, gbps / copy_gbps, seconds * 1e3 / layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantRates:
+    """Both directions of the quantizer at one bit width."""
+
+    quantize: OpRate
+    dequantize: OpRate
+
+    def by_op(self) -> dict[str, OpRate]:
+        return {"quantize": self.quantize, "dequantize": self.dequantize}
+
+    def to_json(self) -> dict[str, float]:
+        return {f"{op}_{k}": v for op, rate in self.by_op().items()
+                for k, v in dataclasses.asdict(rate).items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantRun:
+    """One tuning's quantize and dequantize speeds at 8 and 4 bits."""
+
+    tuning: Tuning | None  # None: the XLA reference (nothing to tune)
+    rates: dict[int, QuantRates]  # bits -> speeds
+    meets_target: bool  # every op reaches the target fraction of copy
+
+    def to_json(self) -> dict[str, Any]:
+        tuning = {} if self.tuning is None else dataclasses.asdict(self.tuning)
+        return {**tuning, **{f"q{b}": r.to_json() for b, r in self.rates.items()},
+                "meets_target": self.meets_target}
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantBench:
+    """`bench_quant`'s result: the quantizer's speed per tuning beside the copy bandwidth."""
+
+    device: dict[str, str]  # device_info()
+    backend: str
+    model: str
+    kv_shape: tuple[int, ...]  # [c, B, S, K, H] of the prefix KV timed
+    layers_per_call: int
+    input_mib: float
+    copy_gbps: float
+    target_frac_of_copy: float
+    tunings: tuple[QuantRun, ...]
+    rms_rel_err_gaussian: dict[str, float]  # "q8" / "q4" -> round-trip error on the inputs
+
+    @property
+    def meets_target(self) -> bool:
+        return any(r.meets_target for r in self.tunings)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"bench": "quant", **self.device, "backend": self.backend, "model": self.model,
+                "kv_shape": list(self.kv_shape), "dtype": "bfloat16",
+                "layers_per_call": self.layers_per_call, "input_mib": self.input_mib,
+                "copy_gbps": self.copy_gbps, "target_frac_of_copy": self.target_frac_of_copy,
+                "tunings": [r.to_json() for r in self.tunings], "meets_target": self.meets_target,
+                "rms_rel_err_gaussian": self.rms_rel_err_gaussian}
+
+
 def _quant_ops(backend: str, bits: int, tuning: Tuning) -> tuple[Callable, Callable]:
     """(quantize, dequantize) of one backend and tuning, without the finiteness check."""
     if backend == "xla":
@@ -110,7 +184,7 @@ def _quant_ops(backend: str, bits: int, tuning: Tuning) -> tuple[Callable, Calla
 
 def bench_quant(cfg: ModelConfig, seq_len: int, batch: int = 1, layers: int | None = None,
                 backend: str | None = None, trials: int = 10, reps: int | None = None,
-                tunings: Sequence[Tuning] = (Tuning(),)) -> dict[str, Any]:
+                tunings: Sequence[Tuning] = (Tuning(),)) -> QuantBench:
     """Quantize/dequantize throughput of the prefix KV (`layers` layers, K and V, bf16) per
     tuning, as a fraction of the copy bandwidth. Target 0.5 on CPU (XLA), 0.8 on a GPU (Pallas).
 
@@ -129,7 +203,7 @@ def bench_quant(cfg: ModelConfig, seq_len: int, batch: int = 1, layers: int | No
     keys = jax.random.split(jax.random.key(0), 2 * layers // per_call)
     xs = [jax.random.normal(k, shape, jnp.bfloat16) for k in keys]  # K and V chunks
     in_bytes = sum(x.nbytes for x in xs)
-    ops: dict[str, tuple[Callable, list]] = {"copy": (_copy, xs)}
+    ops: dict[Hashable, tuple[Callable, list]] = {"copy": (_copy, xs)}  # (tuning, bits, op)
     moved = {}
     for b in (8, 4):
         quantize, dequantize = _quant_ops(backend, b, tunings[0])
@@ -137,28 +211,19 @@ def bench_quant(cfg: ModelConfig, seq_len: int, batch: int = 1, layers: int | No
         moved[b] = in_bytes + sum(q.nbytes for q in qs)  # bf16 in, codes + scales out (or back)
         for i, t in enumerate(tunings):
             quantize, dequantize = _quant_ops(backend, b, t)
-            ops[f"{i}/q{b}/quantize"], ops[f"{i}/q{b}/dequantize"] = (quantize, xs), (dequantize,
-                                                                                       qs)
+            ops[i, b, "quantize"], ops[i, b, "dequantize"] = (quantize, xs), (dequantize, qs)
     seconds = best_seconds(ops, trials, reps, on_cpu)
     copy = 2 * in_bytes / seconds["copy"] / 1e9
     target = 0.5 if on_cpu else 0.8
     runs = []
     for i, t in enumerate(tunings):
-        run: dict[str, Any] = dataclasses.asdict(t) if backend != "xla" else {}
-        for b in (8, 4):
-            r = run[f"q{b}"] = {}
-            for op in ("quantize", "dequantize"):
-                gbps = moved[b] / seconds[f"{i}/q{b}/{op}"] / 1e9
-                r[f"{op}_gbps"], r[f"{op}_frac_of_copy"] = gbps, gbps / copy
-                r[f"{op}_ms_per_layer"] = seconds[f"{i}/q{b}/{op}"] * 1e3 / layers  # K and V
-        run["meets_target"] = all(run[f"q{b}"][f"{op}_frac_of_copy"] >= target
-                                  for b in (8, 4) for op in ("quantize", "dequantize"))
-        runs.append(run)
-    return {"bench": "quant", **device_info(), "backend": backend, "model": cfg.name,
-            "kv_shape": [layers, *shape[1:]], "dtype": "bfloat16", "layers_per_call": per_call,
-            "input_mib": in_bytes / sizes.MIB, "copy_gbps": copy, "target_frac_of_copy": target,
-            "tunings": runs, "meets_target": any(r["meets_target"] for r in runs),
-            "rms_rel_err_gaussian": {f"q{b}": rms_rel_err(xs[:2], b, backend) for b in (8, 4)}}
+        rates = {b: QuantRates(*(OpRate.of(moved[b], seconds[i, b, op], copy, layers)
+                                 for op in ("quantize", "dequantize"))) for b in (8, 4)}
+        runs.append(QuantRun(None if backend == "xla" else t, rates, all(
+            op.frac_of_copy >= target for r in rates.values() for op in r.by_op().values())))
+    return QuantBench(device_info(), backend, cfg.name, (layers, *shape[1:]), per_call,
+                      in_bytes / sizes.MIB, copy, target, tuple(runs),
+                      {f"q{b}": rms_rel_err(xs[:2], b, backend) for b in (8, 4)})
 
 
 def rms_rel_err(xs: list[jax.Array], bits: int, backend: str | None = None) -> float:
@@ -176,17 +241,64 @@ def rms_rel_err(xs: list[jax.Array], bits: int, backend: str | None = None) -> f
 # ---------------------------------------------------------------------------- model
 
 
+@dataclasses.dataclass(frozen=True)
+class Rate:
+    """One timed program beside the BF16 matmul's rate."""
+
+    ms: float
+    ms_per_layer: float
+    flops: float
+    tflops: float
+    frac_of_matmul: float
 
 
-def _rate(seconds: float, flops: float, layers: int, peak_tflops: float) -> dict[str, float]:
+def _rate(seconds: float, flops: float, layers: int, peak_tflops: float) -> Rate:
     tflops = flops / seconds / 1e12
-    return {"ms": seconds * 1e3, "ms_per_layer": seconds * 1e3 / max(layers, 1), "flops": flops,
-            "tflops": tflops, "frac_of_matmul": tflops / peak_tflops}
+    return Rate(seconds * 1e3, seconds * 1e3 / max(layers, 1), flops, tflops,
+                tflops / peak_tflops)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelBench:
+    """`bench_model`'s result: each program's rate, and the decode step beside its byte bound."""
+
+    device: dict[str, str]  # device_info()
+    model: str
+    seq_len: int
+    batch: int
+    attention: str
+    matmul_tflops: float  # the yardsticks, measured in the same run
+    copy_gbps: float
+    prefill: Rate
+    cut: int  # run_prefix's layers, L - r
+    run_prefix: Rate
+    suffix_len: int  # r
+    run_suffix: Rate
+    capacity: int  # the decode step's cache positions
+    decode_step: Rate
+    decode_bytes: int  # weights + the whole cache, read once per step
+    byte_bound_ms: float  # decode_bytes / copy bandwidth
+
+    @property
+    def ratio_to_byte_bound(self) -> float:
+        return self.decode_step.ms / self.byte_bound_ms
+
+    def to_json(self) -> dict[str, Any]:
+        rate = dataclasses.asdict
+        return {"bench": "model", **self.device, "model": self.model, "seq_len": self.seq_len,
+                "batch": self.batch, "attention": self.attention, "dtype": "bfloat16",
+                "matmul_tflops": self.matmul_tflops, "copy_gbps": self.copy_gbps,
+                "prefill": rate(self.prefill),
+                "run_prefix": {"cut": self.cut, **rate(self.run_prefix)},
+                "run_suffix": {"suffix_len": self.suffix_len, **rate(self.run_suffix)},
+                "decode_step": {"capacity": self.capacity, **rate(self.decode_step),
+                                "bytes": self.decode_bytes, "byte_bound_ms": self.byte_bound_ms,
+                                "ratio_to_byte_bound": self.ratio_to_byte_bound}}
 
 
 def bench_model(cfg: ModelConfig, seq_len: int, suffix_len: int | None = None,
                 capacity: int | None = None, batch: int = 1, reps: int = 10,
-                matmul_n: int | None = None, copy_mib: int | None = None) -> dict[str, Any]:
+                matmul_n: int | None = None, copy_mib: int | None = None) -> ModelBench:
     """Times `prefill`, `run_prefix(L - r)`, `run_suffix(r)` and one `decode_step` at `capacity`
     (default `seq_len + 1`) with synthetic BF16 weights (`loader.synthetic_model`: one shared
     layer when the full stack would exceed 2 GiB),
@@ -215,19 +327,13 @@ def bench_model(cfg: ModelConfig, seq_len: int, suffix_len: int | None = None,
     step_bytes = (sizes.WEIGHT_BYTES * (L * sizes.layer_weight_count(cfg)
                                         + sizes.head_weight_count(cfg))
                   + L * sizes.kv_layer_bytes(cfg, capacity, batch))  # weights + whole cache
-    step_s = median_seconds(step, reps)
-    bound_s = step_bytes / (copy * 1e9)
-    return {
-        "bench": "model", **device_info(), "model": cfg.name, "seq_len": seq_len, "batch": batch,
-        "attention": attention_backend(cfg, jnp.bfloat16), "dtype": "bfloat16",
-        "matmul_tflops": peak, "copy_gbps": copy,
-        "prefill": _rate(median_seconds(lambda: prefill(cfg, params, tokens), reps),
-                         L * layer + head, L, peak),
-        "run_prefix": {"cut": cut, **_rate(median_seconds(
-            lambda: run_prefix(cfg, params, tokens, cut), reps), cut * layer, cut, peak)},
-        "run_suffix": {"suffix_len": r, **_rate(median_seconds(
-            lambda: run_suffix(cfg, params, h_c, cut), reps), r * layer + head, r, peak)},
-        "decode_step": {"capacity": capacity, **_rate(step_s, step_flops, L, peak),
-                        "bytes": step_bytes, "byte_bound_ms": bound_s * 1e3,
-                        "ratio_to_byte_bound": step_s / bound_s},
-    }
+    return ModelBench(
+        device_info(), cfg.name, seq_len, batch, attention_backend(cfg, jnp.bfloat16), peak, copy,
+        prefill=_rate(median_seconds(lambda: prefill(cfg, params, tokens), reps),
+                      L * layer + head, L, peak),
+        cut=cut, run_prefix=_rate(median_seconds(lambda: run_prefix(cfg, params, tokens, cut),
+                                                 reps), cut * layer, cut, peak),
+        suffix_len=r, run_suffix=_rate(median_seconds(lambda: run_suffix(cfg, params, h_c, cut),
+                                                      reps), r * layer + head, r, peak),
+        capacity=capacity, decode_step=_rate(median_seconds(step, reps), step_flops, L, peak),
+        decode_bytes=step_bytes, byte_bound_ms=step_bytes / (copy * 1e9) * 1e3)

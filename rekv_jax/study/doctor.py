@@ -13,11 +13,10 @@ on an H100/H200); on CPU the same checks run on small shapes in well under a min
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -32,19 +31,103 @@ from rekv_jax.model.loader import synthetic_model
 from rekv_jax.model.transformer import attention_backend, prefill, run_prefix, run_suffix
 from rekv_jax.study import bench
 from rekv_jax.study.experiment import Experiment
+from rekv_jax.study.records import Summary
+from rekv_jax.study.sweep import run_experiment
 from rekv_jax.transport import TransportError
-from rekv_jax.transport.launch import run_cli, visible_gpus
+from rekv_jax.transport.launch import visible_gpus
+
+
+class Record(Protocol):
+    """What a check measured, as it prints in the JSON report."""
+
+    def to_json(self) -> dict[str, Any]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """What one check found: a verdict, a line for a person and the measurements behind them."""
+
+    passed: bool | None  # None: a measurement, not a verdict (printed as INFO)
+    detail: str
+    data: Record | None = None  # None: the check crashed before measuring
 
 
 @dataclasses.dataclass(frozen=True)
 class Check:
-    """One line of the report."""
+    """One line of the report: a named, timed Finding."""
 
     name: str
     passed: bool | None  # None: a measurement, not a verdict (printed as INFO)
     detail: str
     seconds: float
-    data: dict[str, Any] = dataclasses.field(default_factory=dict)
+    data: Record | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "passed": self.passed, "detail": self.detail,
+                "seconds": self.seconds, "data": {} if self.data is None else self.data.to_json()}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelsData:
+    """The Pallas kernels against the reference: the shape tried and what differed."""
+
+    shape: tuple[int, ...]
+    mismatches: tuple[str, ...]  # e.g. "q4/bfloat16"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "mismatches": list(self.mismatches)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactData:
+    """The split prefill against `prefill` of one model: the cuts tried and those that differ."""
+
+    model: str
+    seq_len: int
+    attention: str
+    cuts: tuple[int, ...]
+    differ: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": self.model, "seq_len": self.seq_len, "attention": self.attention,
+                "cuts": list(self.cuts), "differ": list(self.differ)}
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantData:
+    """The quantizer benchmark with the round-trip errors it is judged against."""
+
+    bench: bench.QuantBench
+    rms_rel_err_expected: dict[str, float]  # "q8" / "q4" -> gaussian_rms_rel_err
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.bench.to_json(), "rms_rel_err_expected": self.rms_rel_err_expected}
+
+
+@dataclasses.dataclass(frozen=True)
+class HandoffData:
+    """The two-process handoff's summaries."""
+
+    summaries: tuple[Summary, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"summaries": [s.to_json() for s in self.summaries]}
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """The doctor's verdict on this device: every check, and whether those that judge passed."""
+
+    device: dict[str, str]  # bench.device_info()
+    checks: tuple[Check, ...]
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks if c.passed is not None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "doctor", **self.device, "passed": self.passed,
+                "checks": [c.to_json() for c in self.checks]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,13 +160,13 @@ def shapes_for(platform: str) -> Shapes:
                   64, (0.5,), "tiny", 64, 64)
 
 
-def _timed(name: str, fn: Callable[[], tuple[bool | None, str, dict]]) -> Check:
+def _timed(name: str, fn: Callable[[], Finding]) -> Check:
     t0 = time.perf_counter()
     try:
-        passed, detail, data = fn()
+        found = fn()
     except Exception as e:  # a check that crashes is a failed check, reported with its reason
-        passed, detail, data = False, f"{type(e).__name__}: {e}".splitlines()[0], {}
-    return Check(name, passed, detail, time.perf_counter() - t0, data)
+        found = Finding(False, f"{type(e).__name__}: {e}".splitlines()[0])
+    return Check(name, found.passed, found.detail, time.perf_counter() - t0, found.data)
 
 
 def _same_bits(a: jax.Array, b: jax.Array) -> bool:
@@ -92,7 +175,7 @@ def _same_bits(a: jax.Array, b: jax.Array) -> bool:
         a.view(f"u{a.itemsize}"), b.view(f"u{b.itemsize}"))
 
 
-def check_kernels(shape: tuple[int, ...]) -> tuple[bool, str, dict]:
+def check_kernels(shape: tuple[int, ...]) -> Finding:
     """Pallas kernels (interpret mode off a GPU) against the reference on the CPU device."""
     interpret = jax.default_backend() != "gpu"
     cpu = jax.devices("cpu")[0]
@@ -112,11 +195,10 @@ def check_kernels(shape: tuple[int, ...]) -> tuple[bool, str, dict]:
                 mismatches.append(f"q{bits}/{jnp.dtype(dtype).name}")
     detail = f"{shape} bf16+f32 q8+q4 " + ("bitwise" if not mismatches else
                                             f"differ: {', '.join(mismatches)}")
-    return not mismatches, detail, {"shape": list(shape), "mismatches": mismatches}
+    return Finding(not mismatches, detail, KernelsData(tuple(shape), tuple(mismatches)))
 
 
-def check_exact(cfg: ModelConfig, seq_len: int, fractions: tuple[float, ...]
-                ) -> tuple[bool, str, dict]:
+def check_exact(cfg: ModelConfig, seq_len: int, fractions: tuple[float, ...]) -> Finding:
     """prefill vs run_prefix + run_suffix at the cuts `max(1, f * L)`, bitwise (bf16)."""
     params = synthetic_model(cfg).params
     tokens = jax.random.randint(jax.random.key(1), (1, seq_len), 0, cfg.vocab_size, jnp.int32)
@@ -132,8 +214,8 @@ def check_exact(cfg: ModelConfig, seq_len: int, fractions: tuple[float, ...]
     backend = attention_backend(cfg, jnp.bfloat16)
     detail = f"{cfg.name} S={seq_len} {backend} cuts {cuts}: " + (
         "bitwise" if not bad else f"differ at cuts {bad}")
-    return not bad, detail, {"model": cfg.name, "seq_len": seq_len, "attention": backend,
-                             "cuts": cuts, "differ": bad}
+    return Finding(not bad, detail, ExactData(cfg.name, seq_len, backend, tuple(cuts),
+                                              tuple(bad)))
 
 
 # Measured / expected RMS error may depart this far from 1. bench_quant's bf16 Gaussians have
@@ -154,56 +236,52 @@ def gaussian_rms_rel_err(bits: int, group_size: int = sizes.GROUP_SIZE) -> float
     return math.sqrt((group_size - 1) / group_size * e_max2 / (12 * kernels.QMAX[bits] ** 2))
 
 
-def check_bench_quant(cfg: ModelConfig, seq_len: int) -> tuple[bool, str, dict]:
+def check_bench_quant(cfg: ModelConfig, seq_len: int) -> Finding:
     """bench_quant summary; passes when Q8's and Q4's RMS round-trip error on Gaussian data lie
     within `RMS_ERR_BAND` of `gaussian_rms_rel_err` (the 0.8 / 0.5 speed target is reported)."""
     r = bench.bench_quant(cfg, seq_len, trials=3)
-    run = r["tunings"][0]
-    fracs = {f"q{b}/{op}": run[f"q{b}"][f"{op}_frac_of_copy"] for b in (8, 4)
-             for op in ("quantize", "dequantize")}
-    expected = r["rms_rel_err_expected"] = {f"q{b}": gaussian_rms_rel_err(b) for b in (8, 4)}
-    measured = r["rms_rel_err_gaussian"]
+    fracs = {f"q{b}/{op}": rate.frac_of_copy for b, rates in r.tunings[0].rates.items()
+             for op, rate in rates.by_op().items()}
+    expected = {f"q{b}": gaussian_rms_rel_err(b) for b in (8, 4)}
+    measured = r.rms_rel_err_gaussian
     ok = all(abs(measured[k] / expected[k] - 1) <= RMS_ERR_BAND for k in expected)
-    detail = (f"{r['backend']} copy {r['copy_gbps']:.1f} GB/s; of copy: " + ", ".join(
-        f"{k} {v:.2f}" for k, v in fracs.items()) + f"; target {r['target_frac_of_copy']} "
-        f"{'met' if r['meets_target'] else 'NOT met'}; rms err " + ", ".join(
+    detail = (f"{r.backend} copy {r.copy_gbps:.1f} GB/s; of copy: " + ", ".join(
+        f"{k} {v:.2f}" for k, v in fracs.items()) + f"; target {r.target_frac_of_copy} "
+        f"{'met' if r.meets_target else 'NOT met'}; rms err " + ", ".join(
         f"{k} {measured[k]:.3g} (expected {v:.3g})" for k, v in expected.items())
         + f" within {RMS_ERR_BAND:.0%}: {'yes' if ok else 'NO'}")
-    return ok, detail, r
+    return Finding(ok, detail, QuantData(r, expected))
 
 
-def check_bench_model(cfg: ModelConfig, seq_len: int) -> tuple[None, str, dict]:
+def check_bench_model(cfg: ModelConfig, seq_len: int) -> Finding:
     """bench_model summary: information, not a verdict (no speed is right on every machine)."""
     r = bench.bench_model(cfg, seq_len, reps=3)
-    s, d = r["run_suffix"], r["decode_step"]
-    detail = (f"{cfg.name} S={seq_len} {r['attention']}: suffix {s['ms_per_layer']:.2f} ms/layer "
-              f"= {s['frac_of_matmul']:.2f} of matmul ({r['matmul_tflops']:.1f} TFLOP/s); "
-              f"decode {d['ms']:.2f} ms = {d['ratio_to_byte_bound']:.2f}x byte bound")
-    return None, detail, r
+    s = r.run_suffix
+    detail = (f"{cfg.name} S={seq_len} {r.attention}: suffix {s.ms_per_layer:.2f} ms/layer "
+              f"= {s.frac_of_matmul:.2f} of matmul ({r.matmul_tflops:.1f} TFLOP/s); "
+              f"decode {r.decode_step.ms:.2f} ms = {r.ratio_to_byte_bound:.2f}x byte bound")
+    return Finding(None, detail, r)
 
 
-def check_handoff(seq_len: int) -> tuple[bool, str, dict]:
+def check_handoff(seq_len: int) -> Finding:
     """A short two-process handoff (tiny model): first tokens and caches must check out, and
     the decode side's suffix must equal the prefill process's own (by checksum) on every rep.
 
-    It runs as `rekv handoff` (i.e. `experiment.launch_pair`) in a child process: the decode side
-    initializes `jax.distributed`, which must come before any computation of this process."""
+    It runs as a sweep's experiments do (`sweep.run_experiment`: `rekv handoff` in a child
+    process): the decode side initializes `jax.distributed`, which must come before any
+    computation of this process."""
     action = Action.parse("q8:r=2", ModelConfig.preset("tiny").num_layers)
     exp = Experiment(model="tiny", seq_len=seq_len, actions=(action,), schedules=("overlapped",),
                      warmup=1, reps=3, timeout=120.0)
     try:
-        out = run_cli(["handoff", "--json", "--experiment", exp.to_json()], "handoff",
-                      4 * exp.timeout)
+        summaries = run_experiment(exp, timeout=4 * exp.timeout)
     except (ValueError, TransportError, TimeoutError) as e:
-        return False, str(e), {}
-    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    summaries = [r for r in records if r["kind"] == "summary"]
+        return Finding(False, str(e))
     ok = len(summaries) == 1 and all(  # the suffix bitwise, and the same in both processes
-        s["first_token_match"] and s["cache_check"].startswith("suffix bitwise")
-        and s["cache_check"].endswith(SUFFIX_ACROSS) for s in summaries)
-    detail = "; ".join(f"{s['action']} {s['median_ms']:.1f} ms, {s['cache_check']}"
-                       for s in summaries)
-    return ok, detail, {"summaries": summaries}
+        s.first_token_match and s.cache_check.startswith("suffix bitwise")
+        and s.cache_check.endswith(SUFFIX_ACROSS) for s in summaries)
+    detail = "; ".join(f"{s.action} {s.median_ms:.1f} ms, {s.cache_check}" for s in summaries)
+    return Finding(ok, detail, HandoffData(tuple(summaries)))
 
 
 def run_checks() -> list[Check]:
@@ -224,11 +302,9 @@ def run_checks() -> list[Check]:
     return [*checks, handoff]
 
 
-def report(checks: list[Check]) -> dict[str, Any]:
-    """The JSON form: device, overall verdict (of the checks that give one) and every check."""
-    return {"kind": "doctor", **bench.device_info(),
-            "passed": all(c.passed for c in checks if c.passed is not None),
-            "checks": [dataclasses.asdict(c) for c in checks]}
+def report(checks: list[Check]) -> Report:
+    """The device, every check and the overall verdict (of the checks that give one)."""
+    return Report(bench.device_info(), tuple(checks))
 
 
 def print_table(checks: list[Check]) -> None:

@@ -19,8 +19,6 @@ import hashlib
 import itertools
 import json
 import os
-import platform
-import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import TextIO
 
@@ -56,20 +54,13 @@ from rekv_jax.phases import (
 )
 from rekv_jax.sharding import shard_params
 from rekv_jax.sizes import action_bytes
+from rekv_jax.study.device import Device
 from rekv_jax.study.records import Rep, Summary, record_schedule, serializes
-from rekv_jax.transport import LocalTransport, Transport, TransportError, checksums, connect
+from rekv_jax.transport import Transport, TransportError, checksums
 from rekv_jax.transport.base import Role
 from rekv_jax.transport.cores import PINNING_ENV, usable_cpus
-from rekv_jax.transport.launch import (
-    SUPERVISED,
-    agree_runtime,
-    die_with_parent,
-    pair_environments,
-    start_side,
-    supervise,
-    visible_gpus,
-    with_prefill_child,
-)
+from rekv_jax.transport.job import PairJob
+from rekv_jax.transport.launch import agree_runtime, pair_environments, visible_gpus
 from rekv_jax.transport.mesh import MeshTransport
 
 Emit = Callable[[Rep | Summary], None]
@@ -141,13 +132,6 @@ class Experiment:
         chunked = schedule == Schedule.CHUNKED and (action.kind == ActionKind.JOINT
                                                    or self.prefill != PrefillMode.FULL)
         return self.chunks if chunked else 1
-
-
-def hardware() -> str:
-    """A label for the device the decode side computes on."""
-    device = jax.local_devices()[0]
-    kind = getattr(device, "device_kind", device.platform)
-    return f"{device.platform}:{kind} ({platform.machine()}, {jax.local_device_count()} dev)"
 
 
 def fingerprint(cfg: ModelConfig, params: Params) -> str:
@@ -365,7 +349,7 @@ def summarize(cfg: ModelConfig, exp: Experiment, action: Action, schedule: str,
     return Summary(
         model=cfg.name, seq_len=exp.seq_len, batch=exp.batch, action=action,
         transport=exp.transport, schedule=record_schedule(action, schedule),
-        link_gbps=exp.link_gbps, hardware=hardware(),
+        link_gbps=exp.link_gbps, hardware=Device.here().hardware,
         reps_ms=tuple(r.total_ms for r in reps),
         phases_ms=Phases(**{p: float(np.median([getattr(r.phases_ms, p) for r in reps]))
                             for p in PROMPT_PHASES}),
@@ -388,35 +372,25 @@ def _reference_text(cfg: ModelConfig, cut: int, prefill_devices: int, decode_dev
     return f" to a prefix on {prefill_devices} devices and a suffix on {decode_devices}"
 
 
+def pair_job(exp: Experiment, emit: Emit, progress: Callable[[int], None] = lambda n: None,
+             more: Iterable[Experiment] = ()) -> PairJob[None]:
+    """`exp`, then `more` (`run_session`), as the job of both sides; as a process of its own,
+    the prefill side runs in a supervised worker (`PairJob.side`)."""
+    return PairJob(lambda role, t: run_session(role, exp, t, emit, progress, more),
+                   exp.transport, exp.link_gbps, exp.timeout,
+                   ("handoff", "--experiment", exp.to_json()), supervised=True)
+
+
 def run_local(exp: Experiment, emit: Emit, progress: Callable[[int], None] = lambda n: None,
               more: Iterable[Experiment] = ()) -> None:
     """Both sides in this process (the `local` transport): prefill on a thread; `exp`, then
     `more` (`run_session`)."""
-    LocalTransport.run_pair(lambda t: run_session("prefill", exp, t, emit),
-                            lambda t: run_session("decode", exp, t, emit, progress, more),
-                            exp.link_gbps, exp.timeout)
+    pair_job(exp, emit, progress, more).here()
 
 
-def run_process(role: Role, exp: Experiment, coordinator: str | None, emit: Emit,
-                progress: Callable[[int], None] = lambda n: None,
-                more: Iterable[Experiment] = ()) -> None:
-    """This process's side over a real transport (jax.distributed is initialized here): `exp`,
-    then, on the decode side, `more` (`run_session`).
-
-    The prefill side runs in a supervised worker: JAX aborts it when the decode side (which hosts
-    the coordination service) goes away, and the supervisor turns that into one line."""
-    start_side()
-    if role == "prefill" and not os.environ.get(SUPERVISED):
-        supervise([sys.executable, "-m", "rekv_jax.cli", "handoff", "--experiment",
-                   exp.to_json(), "--role", role]
-                  + ["--coordinator", coordinator] * (coordinator is not None),
-                  "the prefill worker")
-        return
-    if os.environ.get(SUPERVISED):
-        die_with_parent()
-    with connect(exp.transport, role, coordinator, link_gbps=exp.link_gbps,
-                 timeout=exp.timeout) as transport:
-        run_session(role, exp, transport, emit, progress, more)
+def run_process(role: Role, exp: Experiment, coordinator: str | None, emit: Emit) -> None:
+    """This process's side over a real transport (jax.distributed is initialized here)."""
+    pair_job(exp, emit).side(role, coordinator)
 
 
 def launch_pair(exp: Experiment, emit: Emit, progress: Callable[[int], None] = lambda n: None,
@@ -427,11 +401,7 @@ def launch_pair(exp: Experiment, emit: Emit, progress: Callable[[int], None] = l
     child is named by its exit). The decode side builds the prefill mesh too, for its reference
     (`References`), so it needs max(N, M) devices. On CPU each side runs on its own cores
     unless not `pin`."""
-    cmd = [sys.executable, "-m", "rekv_jax.cli", "handoff", "--experiment", exp.to_json(),
-           "--role", "prefill"]
-    with_prefill_child(cmd, lambda coordinator: run_process("decode", exp, coordinator, emit,
-                                                            progress, more), exp.timeout,
-                       side_environments(exp, pin))
+    pair_job(exp, emit, progress, more).launch(side_environments(exp, pin))
 
 
 def side_environments(exp: Experiment, pin: bool = True) -> dict[Role, dict[str, str]]:

@@ -190,3 +190,119 @@ class Rep:
                    | {"action": Action.parse(d["action"], num_layers),
                       "phases_ms": Phases.from_json(d["phases_ms"]),
                       "timeline_ms": Timeline.from_json(timeline) if timeline else None})
+
+
+# ------------------------------------------------------------------ the report's rows (tables.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class Speedup:
+    """How many times faster an action is than the one `over`, with a bootstrap 95% CI."""
+
+    x: float
+    ci95: tuple[float, float]
+    over: str  # the slower action's text
+
+    def text(self) -> str:
+        return f"{self.x:.2f}× [{self.ci95[0]:.2f}, {self.ci95[1]:.2f}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Table1Row:
+    """Table 1: one setup, model and length, each mechanism's fastest record and the speedups."""
+
+    setup: Setup
+    model: str
+    seq_len: int
+    reps: int
+    bf16: Summary | None  # BF16 transfer
+    q8: Summary | None  # Q8 transfer
+    recompute: Summary | None  # the fastest BF16 action with a recomputed suffix
+    joint: Summary | None  # the fastest joint action at the table's bits
+    best: Summary  # the fastest record of the cell
+    joint_vs_bf16: Speedup | None
+    joint_vs_single: Speedup | None  # over the faster of Q8 transfer and recompute
+    clean: bool  # every record's first token matched and none fell back
+
+
+@dataclasses.dataclass(frozen=True)
+class PredictionRow:
+    """A measured record beside the cost model's prediction for it."""
+
+    model: str
+    seq_len: int
+    schedule: str
+    link_gbps: float | None
+    hardware: str
+    transport: str
+    batch: int
+    action: str
+    measured_ms: float
+    predicted_ms: float
+    error_pct: float  # 100 (predicted - measured) / measured
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleGain:
+    """Table 3's schedule comparison: one action run sequential and overlapped."""
+
+    action: str
+    sequential_ms: float
+    overlapped_ms: float
+    gain: float  # sequential / overlapped
+    gain_ci95: tuple[float, float]
+    efficiency_sequential_phases: float  # overlapped / Eq. 9's ideal from the sequential phases
+
+
+@dataclasses.dataclass(frozen=True)
+class Table3Row:
+    """Table 3: payload MiB per configuration and the schedule gain of one setup, model, length."""
+
+    setup: Setup
+    model: str
+    seq_len: int
+    payload_mib: dict[str, float]  # configuration -> MiB
+    schedule: ScheduleGain | None  # None: no action was run under both schedules
+
+
+@dataclasses.dataclass(frozen=True)
+class Fig3Row:
+    """Fig. 3: one joint action timed from the prompt under both schedules."""
+
+    setup: Setup
+    model: str
+    seq_len: int
+    action: str
+    reps: int
+    sequential_ms: float
+    overlapped_ms: float
+    speedup: float  # sequential / overlapped
+    ci95: tuple[float, float]
+    paired: bool  # the CI resampled rep indices jointly
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchRow:
+    """Simultaneously ready requests: the best joint action against its transfer-only action."""
+
+    setup: Setup
+    model: str
+    seq_len: int
+    batch: int
+    joint: Summary | None
+    transfer: Summary | None
+    requests_per_s: dict[str, float | None]  # "joint" / "transfer" -> batch / completion time
+    joint_vs_transfer: Speedup | None
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossoverRow:
+    """One paced link of a crossover group: the fastest action measured, and predicted."""
+
+    group: tuple  # (hardware, transport, batch, model, seq_len)
+    link_gbps: float
+    measured_best: str
+    measured_ms: float
+    families_ms: dict[str, float]  # family -> its fastest median
+    predicted_best: str | None = None  # None: no profile matches the group
+    predicted_ms: float | None = None

@@ -18,9 +18,8 @@ from rekv_jax import sizes
 from rekv_jax.phases import PHASES, PROMPT_PHASES
 from rekv_jax.planning.costmodel import Profile
 from rekv_jax.study.figures import crossover_figure, fig2
-from rekv_jax.study.records import Summary
+from rekv_jax.study.records import Speedup, Summary, Table1Row
 from rekv_jax.study.tables import (
-    Row,
     _crossover_groups,
     _profile_of,
     _speedup,
@@ -92,9 +91,8 @@ def handoff_table(records: Sequence[Summary], header: bool = True) -> str:
     return "\n".join(lines)
 
 
-def _speedup_text(s: dict[str, Any] | None) -> str:
-    return "–" if s is None else (f"{s['x']:.2f}× [{s['ci95'][0]:.2f}, {s['ci95'][1]:.2f}] "
-                                  f"over {s['over']}")
+def _speedup_text(s: Speedup | None) -> str:
+    return "–" if s is None else f"{s.text()} over {s.over}"
 
 
 def conclusion(records: Sequence[Summary], seed: int = 0) -> list[str]:
@@ -102,13 +100,12 @@ def conclusion(records: Sequence[Summary], seed: int = 0) -> list[str]:
     action's speedups over BF16 transfer and over the best single mechanism (bootstrap 95% CIs),
     the schedule gain, and, when nothing beats BF16 transfer, why."""
     out = []
-    gains = {(r["setup"], r["model"], r["seq_len"]): r["schedule"]
-             for r in table3_rows(records, seed=seed)}
+    gains = {(r.setup, r.model, r.seq_len): r.schedule for r in table3_rows(records, seed=seed)}
     rows = table1_rows(records, seed=seed)
     for row in rows:
-        best, bf16, joint = row["best"], row["bf16"], row["joint"]
+        best, bf16, joint = row.best, row.bf16, row.joint
         if len(rows) > 1:
-            out.append(f"{row['model']}, {row['seq_len']} tokens, {setup_label(row['setup'])}:")
+            out.append(f"{row.model}, {row.seq_len} tokens, {setup_label(row.setup)}:")
         out.append(f"Fastest: {best.action} at {best.median_ms:.2f} ms "
                    f"[{best.ci95_ms[0]:.2f}, {best.ci95_ms[1]:.2f}].")
         if bf16 is not None and best not in (bf16, joint):
@@ -116,31 +113,29 @@ def conclusion(records: Sequence[Summary], seed: int = 0) -> list[str]:
                        f"{_speedup_text(_speedup(bf16, best, seed))}.")
         if joint is not None:
             out.append(f"  joint {joint.action} vs BF16 transfer: "
-                       f"{_speedup_text(row['joint_vs_bf16'])}; vs the best single mechanism: "
-                       f"{_speedup_text(row['joint_vs_single'])}.")
-        gain = gains.get((row["setup"], row["model"], row["seq_len"]))
+                       f"{_speedup_text(row.joint_vs_bf16)}; vs the best single mechanism: "
+                       f"{_speedup_text(row.joint_vs_single)}.")
+        gain = gains.get((row.setup, row.model, row.seq_len))
         if gain is not None:
-            out.append(f"  Schedule gain at {gain['action']}: sequential "
-                       f"{gain['sequential_ms']:.2f} ms -> overlapped "
-                       f"{gain['overlapped_ms']:.2f} ms, "
-                       f"{gain['gain']:.2f}× [{gain['gain_ci95'][0]:.2f}, "
-                       f"{gain['gain_ci95'][1]:.2f}].")
-        if best is bf16 or row["setup"].link_gbps is None:  # nothing beat BF16, or an unpaced link
+            out.append(f"  Schedule gain at {gain.action}: sequential "
+                       f"{gain.sequential_ms:.2f} ms -> overlapped {gain.overlapped_ms:.2f} ms, "
+                       f"{gain.gain:.2f}× [{gain.gain_ci95[0]:.2f}, {gain.gain_ci95[1]:.2f}].")
+        if best is bf16 or row.setup.link_gbps is None:  # nothing beat BF16, or an unpaced link
             out.append("  " + _why_little(row, records))
     return out
 
 
-def _why_little(row: Row, records: Sequence[Summary]) -> str:
+def _why_little(row: Table1Row, records: Sequence[Summary]) -> str:
     """Why an unpaced or fast link shows little: the transfer ReKV shrinks or hides is small
     next to the suffix it would overlap."""
-    bf16 = row["bf16"]
+    bf16 = row.bf16
     suffix = [r for r in records if (r.setup, r.model, r.seq_len) ==
-              (row["setup"], row["model"], row["seq_len"]) and r.action.kind == "joint"]
+              (row.setup, row.model, row.seq_len) and r.action.kind == "joint"]
     if bf16 is None or not suffix:
         return "(Too few actions measured to say why BF16 transfer is not beaten.)"
     r = min(suffix, key=lambda r: r.action.cut)
     per_layer = r.phases_ms.suffix / r.action.suffix_len
-    gbps = row["setup"].link_gbps
+    gbps = row.setup.link_gbps
     link = "unpaced loopback" if gbps is None else link_label(gbps)
     return (f"Why so little: over {link} the whole BF16 prefix moves in "
             f"{bf16.phases_ms.prefix:.2f} ms ({bf16.phases_ms.prefix / bf16.action.cut:.2f}"

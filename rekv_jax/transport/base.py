@@ -36,22 +36,19 @@ transport waits on are created with it (`Worker`), never per message.
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import contextlib
 import json
-import queue
 import threading
 import time
-import weakref
 from collections import Counter
-from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol, TypeVar
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol
 
 import jax
 import jax.numpy as jnp
 
-from rekv_jax.errors import TransportError, TransportTimeout
+from rekv_jax.errors import TransportError
 from rekv_jax.transport.checksums import (
     checksums_buffer,
     checksums_spec,
@@ -59,11 +56,10 @@ from rekv_jax.transport.checksums import (
     verdict_collect,
     verdict_dispatch,
 )
+from rekv_jax.transport.workers import Worker
 
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, Role] = ("prefill", "decode")
-T = TypeVar("T")
-LIVENESS_S = 0.5  # how often a blocked wait checks that the peer is alive
 
 
 class Channel(Protocol):
@@ -115,88 +111,6 @@ class LinkPacer:
         time.sleep(max(0.0, done - time.monotonic()))
 
 
-class Worker:
-    """One persistent daemon thread that runs submitted jobs in order.
-
-    Made with its owner (a transport, a channel), so no thread is started inside a timed interval;
-    a daemon, so a job stuck on a dead peer never holds up the process's exit. `abandon()` leaves
-    a stuck job to its thread, which ends after it, and gives later jobs a fresh thread: at most
-    one thread per worker serves new jobs."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._jobs: queue.SimpleQueue | None = None
-        self._thread: threading.Thread | None = None
-        self._start()
-        _workers.add(self)
-
-    def _start(self) -> None:
-        self._jobs = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, args=(self._jobs,), name=self._name,
-                                        daemon=True)
-        self._thread.start()
-
-    @staticmethod
-    def _serve(jobs: queue.SimpleQueue) -> None:
-        while (job := jobs.get()) is not None:
-            future, fn, args = job
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args))
-                except BaseException as e:  # handed to whoever waits on the future
-                    future.set_exception(e)
-
-    def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
-        if self._jobs is None:
-            raise TransportError(f"{self._name}: worker is closed")
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._jobs.put((future, fn, args))
-        return future
-
-    def abandon(self) -> None:
-        """Leave the current thread to the jobs it holds; later jobs run on a new thread."""
-        self.close()
-        self._start()
-
-    def close(self) -> None:
-        """The thread ends once its queued jobs are done (it is not waited for)."""
-        if self._jobs is not None:
-            self._jobs.put(None)
-            self._jobs = None
-
-
-_workers: weakref.WeakSet[Worker] = weakref.WeakSet()
-
-
-@atexit.register
-def _end_workers(timeout: float = 1.0) -> None:
-    """At exit, end the workers' threads before the interpreter finalizes: a daemon thread that
-    wakes during finalization is killed inside whatever call it returns from, and a C++ frame
-    there turns that into an abort. Threads still busy (stuck on a dead peer) get `timeout` s in
-    all."""
-    deadline = time.monotonic() + timeout
-    for worker in list(_workers):
-        worker.close()
-        if worker._thread is not None:
-            worker._thread.join(max(0.0, deadline - time.monotonic()))
-
-
-def wait_for(future: concurrent.futures.Future[T], deadline: float,
-             peer_alive: Callable[[], bool], what: str) -> T:
-    """The future's result (or its exception, raised), blocking until it is done; TransportTimeout
-    after `deadline` (time.monotonic), TransportError once the peer is known to be gone (checked
-    every `LIVENESS_S`: a blocking wait inside the runtime would not return if the peer died)."""
-    while True:
-        remaining = deadline - time.monotonic()
-        done, _ = concurrent.futures.wait([future], timeout=max(0.0, min(LIVENESS_S, remaining)))
-        if done:
-            return future.result()
-        if time.monotonic() >= deadline:
-            raise TransportTimeout(f"{what}: payload did not arrive before the timeout")
-        if not peer_alive():
-            raise TransportError(f"{what}: the peer process is gone (mid-transfer)")
-
-
 class Transport:
     """One end of a prefill -> decode link. Buffers flow prefill -> decode; metadata both ways.
 
@@ -225,6 +139,10 @@ class Transport:
         self._closed = False
         self.sent_bytes = 0  # prefill side: bytes of every buffer handed to the link so far
         self._outgoing: dict[str, jax.Array] = {}  # tag -> checksums of the buffers being pushed
+        # decode side: tag -> (wire specs, pulled buffers or the pull's error, when they landed:
+        # `_watch`'s future), see `prefetch`
+        self._prefetched: dict[str, tuple[list, list[jax.Array] | TransportError,
+                                          concurrent.futures.Future[float] | None]] = {}
         # work beside the caller's own thread (the decode side's background receive); one
         # persistent thread per end, stopped by `close`
         self.background = Worker(f"rekv-{role}-background")
@@ -265,6 +183,44 @@ class Transport:
             self._channel.post(f"{tag}/header", header)
         self.sent_bytes += sum(a.nbytes for a in arrays)
 
+    def prefetch(self, tags: Sequence[str], specs: Sequence[Sequence[jax.ShapeDtypeStruct]],
+                 timeout: float = 60.0) -> None:
+        """Decode side: start pulling the buffers of `tags` now, for `recv` to complete later
+        (a `pull_first` transport; a no-op for the others). A link then moves a queue of
+        messages back to back while this thread computes between their receives, instead of
+        idling until each receive asks for the next (the chunked schedules)."""
+        self._require("decode", "prefetch")
+        if not self.pull_first:
+            return
+        deadline = time.monotonic() + timeout
+        for tag, tag_specs in zip(tags, specs, strict=True):
+            wire = [*tag_specs, checksums_spec(tag_specs)]
+            try:
+                pulled = self._pull(tag, wire, deadline)
+                self._prefetched[tag] = wire, pulled, self._watch(pulled)
+            except TransportError as e:  # raised by the receive that asks for it
+                self._prefetched[tag] = wire, e, None
+
+    def discard(self, prefix: str) -> None:
+        """Decode side: forget the prefetched pulls of tags under `prefix` that no receive took
+        (a handoff that failed or fell back)."""
+        for tag in [t for t in self._prefetched if t.startswith(prefix)]:
+            landing = self._prefetched.pop(tag)[2]
+            if landing is not None and not landing.done():
+                self._unwatch()
+
+    def _take_pull(self, tag: str, wire: list, deadline: float
+                   ) -> tuple[list[jax.Array], concurrent.futures.Future[float] | None]:
+        """The prefetched pull of `tag` (see `prefetch`) and its landing, else a new pull."""
+        if tag not in self._prefetched:
+            return self._pull(tag, wire, deadline), None
+        fetched, got, landing = self._prefetched.pop(tag)
+        if [spec_of(s) for s in fetched] != [spec_of(s) for s in wire]:
+            raise ValueError(f"{tag}: prefetched as {fetched}, received as {wire}")
+        if isinstance(got, TransportError):
+            raise got
+        return got, landing
+
     def recv(self, tag: str, specs: Sequence[jax.ShapeDtypeStruct], timeout: float = 60.0,
              paced_after: threading.Event | None = None) -> list[jax.Array]:
         """Decode side: block until the buffers of `tag` are on the local device and verified.
@@ -285,8 +241,8 @@ class Transport:
             self._channel.put(f"{tag}/ready", self._ready(wire))
         try:
             try:
-                *arrays, sums = self._pull(tag, wire, deadline)
-                got, want, landed = self._landed_verdict(tag, arrays, sums, deadline)
+                (*arrays, sums), landing = self._take_pull(tag, wire, deadline)
+                got, want, landed = self._landed_verdict(tag, arrays, sums, deadline, landing)
             except TransportError:
                 if self.pull_first:  # a pull of other buffers than were sent fails: say so
                     self._recheck_header(tag, expected, deadline)
@@ -395,11 +351,20 @@ class Transport:
         raise NotImplementedError
 
     def _landed_verdict(self, tag: str, arrays: list[jax.Array], sums: jax.Array,
-                        deadline: float) -> tuple[list[int], list[int], float | None]:
+                        deadline: float, landing: concurrent.futures.Future[float] | None
+                        ) -> tuple[list[int], list[int], float | None]:
         """Decode side: (computed, sent) checksums of pulled buffers once they landed, and when
-        they landed (time.monotonic; None: not known apart from now). Here: on this thread, for
-        transports whose `_pull` returns materialized buffers."""
+        they landed (time.monotonic; None: not known apart from now; `landing`: `_watch`'s).
+        Here: on this thread, for transports whose `_pull` returns materialized buffers."""
         return *verdict_collect(verdict_dispatch(arrays, sums)), None
+
+    def _watch(self, pulled: list[jax.Array]) -> concurrent.futures.Future[float] | None:
+        """Hook: note when a prefetched pull lands, apart from the receive that takes it (which
+        may come after the device computed a while); None: not known."""
+        return None
+
+    def _unwatch(self) -> None:
+        """Hook: a `_watch` that may never end (its pull was discarded) is left to its thread."""
 
     def _ready(self, specs: Sequence[jax.ShapeDtypeStruct]) -> str:
         """Decode side (`go_ahead` transports): the go-ahead once the header matched."""

@@ -21,7 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 from rekv_jax.errors import TransportError
 from rekv_jax.transport import distributed
-from rekv_jax.transport.base import Role, Transport, Worker, wait_for
+from rekv_jax.transport.base import Role, Transport
+from rekv_jax.transport.workers import Worker, wait_for
 
 
 def _devices_by_id() -> dict[int, jax.Device]:

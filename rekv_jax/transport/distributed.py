@@ -31,7 +31,8 @@ import jax
 from jax._src import distributed as _jax_distributed  # private: the KV-store client
 
 from rekv_jax.errors import TransportError, TransportTimeout
-from rekv_jax.transport.base import LIVENESS_S, Role, Worker
+from rekv_jax.transport.base import Role
+from rekv_jax.transport.workers import LIVENESS_S, Worker
 
 # The decode side hosts the coordination service so that it survives the prefill side's death.
 DEFAULT_PROCESS_ID: dict[Role, int] = {"decode": 0, "prefill": 1}

@@ -150,11 +150,21 @@ class MeshTransport:
         pieces = [p for a in arrays for p in split(a, self._transit(a.shape))]
         self._transport.send(tag, pieces, timeout)
 
+    def _plan(self, specs: Sequence[jax.ShapeDtypeStruct]) -> tuple[list, list]:
+        """(per buffer: its spec, transit and target sharding; per buffer: its pieces' specs)."""
+        plan = [(s, self._transit(s.shape), self._target(s.shape)) for s in specs]
+        return plan, [piece_specs(s, t, target) for s, t, target in plan]
+
+    def prefetch(self, tags: Sequence[str], specs: Sequence[Sequence[jax.ShapeDtypeStruct]],
+                 timeout: float = 60.0) -> None:
+        """Decode side: start pulling the pieces of `tags` (see `Transport.prefetch`)."""
+        pieces = [[p for ps in self._plan(s)[1] for p in ps] for s in specs]
+        self._transport.prefetch(tags, pieces, timeout)
+
     def recv(self, tag: str, specs: Sequence[jax.ShapeDtypeStruct], timeout: float = 60.0,
              paced_after: threading.Event | None = None) -> list[jax.Array]:
         """Decode side: the buffers of `tag` on the decode mesh (see `Transport.recv`)."""
-        plan = [(s, self._transit(s.shape), self._target(s.shape)) for s in specs]
-        wanted = [piece_specs(s, t, target) for s, t, target in plan]
+        plan, wanted = self._plan(specs)
         got = iter(self._transport.recv(tag, [p for ps in wanted for p in ps], timeout,
                                         paced_after))
         return [assemble([next(got) for _ in ps], s, t, target)

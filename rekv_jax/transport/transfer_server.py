@@ -8,6 +8,7 @@ docs/reliability.md)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import secrets
 import time
@@ -18,8 +19,9 @@ from jax.sharding import SingleDeviceSharding
 
 from rekv_jax.errors import TransportError
 from rekv_jax.transport import distributed
-from rekv_jax.transport.base import Role, Transport, Worker, wait_for
+from rekv_jax.transport.base import Role, Transport
 from rekv_jax.transport.checksums import verdict_collect, verdict_dispatch
+from rekv_jax.transport.workers import Worker, wait_for
 
 SECRET_BYTES = 16
 
@@ -60,6 +62,7 @@ class TransferServerTransport(Transport):
         # a pull returns at once and its buffers fill in from the server's threads: the decode
         # side blocks on them here, bounded, instead of polling `is_ready`
         self._waiter = Worker("rekv-pull")
+        self._lander = Worker("rekv-landing")  # notes when prefetched pulls land, in send order
 
     def _push(self, tag: str, arrays: list[jax.Array], deadline: float) -> None:
         self._pending[tag] = arrays = self._with_checksums(tag, arrays)
@@ -76,13 +79,20 @@ class TransferServerTransport(Transport):
         except jax.errors.JaxRuntimeError as e:
             raise TransportError(f"{tag}: pull failed: {e}") from e
 
+    def _watch(self, pulled: list[jax.Array]) -> concurrent.futures.Future[float]:
+        return self._lander.submit(_landed_at, pulled)
+
+    def _unwatch(self) -> None:
+        self._lander.abandon()
+
     def _landed_verdict(self, tag: str, arrays: list[jax.Array], sums: jax.Array,
-                        deadline: float) -> tuple[list[int], list[int], float | None]:
+                        deadline: float, landing: concurrent.futures.Future[float] | None
+                        ) -> tuple[list[int], list[int], float | None]:
         """On the waiter thread (bounded): wait for the pulled bytes, note when they landed, then
         checksum them. The landing time is the paced link's: the checksum program queues behind
         whatever the device computes meanwhile (the overlapped suffix), the bytes do not."""
         try:
-            return wait_for(self._waiter.submit(_landed_then_verdict, arrays, sums),
+            return wait_for(self._waiter.submit(_landed_then_verdict, arrays, sums, landing),
                             deadline, self._channel.peer_alive, tag)
         except TransportError:  # timed out or the peer died: the waiter is stuck on the pull
             self._waiter.abandon()
@@ -96,11 +106,22 @@ class TransferServerTransport(Transport):
     def _close(self, timeout: float) -> None:
         self._pending.clear()
         self._waiter.close()
+        self._lander.close()
         distributed.shutdown(self._channel, timeout)
 
 
-def _landed_then_verdict(arrays: list[jax.Array], sums: jax.Array
+def _landed_at(arrays: list[jax.Array]) -> float:
+    jax.block_until_ready(arrays)
+    return time.monotonic()
+
+
+def _landed_then_verdict(arrays: list[jax.Array], sums: jax.Array,
+                         landing: concurrent.futures.Future[float] | None
                          ) -> tuple[list[int], list[int], float]:
-    jax.block_until_ready([*arrays, sums])
-    landed = time.monotonic()
+    """Wait for the pulled bytes; then checksum them. When they landed: `landing`'s time if it
+    noted it by now (a prefetched pull, watched from its issue), else now."""
+    landed = _landed_at([*arrays, sums])
+    if landing is not None:  # done with the same bytes, but bounded: it may be an old thread's
+        concurrent.futures.wait([landing], timeout=0.05)
+        landed = landing.result() if landing.done() and not landing.exception() else landed
     return *verdict_collect(verdict_dispatch(arrays, sums)), landed

@@ -1,0 +1,101 @@
+"""The threads a transport waits on, and its bounded waits: a persistent `Worker` per owner (no
+thread is started inside a timed interval) and `wait_for`, which blocks in slices of `LIVENESS_S`
+and checks between them that the peer is alive."""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from rekv_jax.errors import TransportError, TransportTimeout
+
+T = TypeVar("T")
+LIVENESS_S = 0.5  # how often a blocked wait checks that the peer is alive
+
+
+class Worker:
+    """One persistent daemon thread that runs submitted jobs in order.
+
+    Made with its owner (a transport, a channel), so no thread is started inside a timed interval;
+    a daemon, so a job stuck on a dead peer never holds up the process's exit. `abandon()` leaves
+    a stuck job to its thread, which ends after it, and gives later jobs a fresh thread: at most
+    one thread per worker serves new jobs."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._jobs: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
+        self._start()
+        _workers.add(self)
+
+    def _start(self) -> None:
+        self._jobs = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, args=(self._jobs,), name=self._name,
+                                        daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _serve(jobs: queue.SimpleQueue) -> None:
+        while (job := jobs.get()) is not None:
+            future, fn, args = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # handed to whoever waits on the future
+                    future.set_exception(e)
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        if self._jobs is None:
+            raise TransportError(f"{self._name}: worker is closed")
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def abandon(self) -> None:
+        """Leave the current thread to the jobs it holds; later jobs run on a new thread."""
+        self.close()
+        self._start()
+
+    def close(self) -> None:
+        """The thread ends once its queued jobs are done (it is not waited for)."""
+        if self._jobs is not None:
+            self._jobs.put(None)
+            self._jobs = None
+
+
+_workers: weakref.WeakSet[Worker] = weakref.WeakSet()
+
+
+@atexit.register
+def _end_workers(timeout: float = 1.0) -> None:
+    """At exit, end the workers' threads before the interpreter finalizes: a daemon thread that
+    wakes during finalization is killed inside whatever call it returns from, and a C++ frame
+    there turns that into an abort. Threads still busy (stuck on a dead peer) get `timeout` s in
+    all."""
+    deadline = time.monotonic() + timeout
+    for worker in list(_workers):
+        worker.close()
+        if worker._thread is not None:
+            worker._thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def wait_for(future: concurrent.futures.Future[T], deadline: float,
+             peer_alive: Callable[[], bool], what: str) -> T:
+    """The future's result (or its exception, raised), blocking until it is done; TransportTimeout
+    after `deadline` (time.monotonic), TransportError once the peer is known to be gone (checked
+    every `LIVENESS_S`: a blocking wait inside the runtime would not return if the peer died)."""
+    while True:
+        remaining = deadline - time.monotonic()
+        done, _ = concurrent.futures.wait([future], timeout=max(0.0, min(LIVENESS_S, remaining)))
+        if done:
+            return future.result()
+        if time.monotonic() >= deadline:
+            raise TransportTimeout(f"{what}: payload did not arrive before the timeout")
+        if not peer_alive():
+            raise TransportError(f"{what}: the peer process is gone (mid-transfer)")
