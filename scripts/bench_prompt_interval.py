@@ -14,6 +14,7 @@ import sys
 
 from rekv_jax.action import parse_actions
 from rekv_jax.model.loader import SHIPPED_MODEL, load_config
+from rekv_jax.phases import Interval, PrefillMode
 from rekv_jax.study.calibrate import calibrate_link
 from rekv_jax.study.experiment import Experiment
 from rekv_jax.study.sweep import run_experiment
@@ -30,10 +31,10 @@ def main() -> None:
     for model, actions in CASES.items():
         cfg = load_config(model)
         link = calibrate_link(model, args.seq_len).link_gbps
-        for mode in ("full", "split"):
+        for mode in (PrefillMode.FULL, PrefillMode.SPLIT):
             exp = Experiment(model=model, seq_len=args.seq_len,
                              actions=tuple(parse_actions(actions, cfg.num_layers)),
-                             link_gbps=link, warmup=3, reps=args.reps, interval="prompt",
+                             link_gbps=link, warmup=3, reps=args.reps, interval=Interval.PROMPT,
                              prefill=mode)
             for s in run_experiment(exp):
                 print(json.dumps(s.to_json()), flush=True)
@@ -41,9 +42,9 @@ def main() -> None:
     print("| model | link GB/s | action | schedule | full ms | split ms | full/split |",
           file=sys.stderr)
     print("| --- | ---: | --- | --- | ---: | ---: | ---: |", file=sys.stderr)
-    full = {(m, s.action, s.schedule): s for m, _, s in rows if s.prefill == "full"}
+    full = {(m, s.action, s.schedule): s for m, _, s in rows if s.prefill == PrefillMode.FULL}
     for m, link, s in rows:
-        if s.prefill == "split":
+        if s.prefill == PrefillMode.SPLIT:
             f = full[(m, s.action, s.schedule)]
             print(f"| {m} | {link:.4f} | {s.action} | {s.schedule} | {f.median_ms:.2f} | "
                   f"{s.median_ms:.2f} | {f.median_ms / s.median_ms:.2f}x |", file=sys.stderr)

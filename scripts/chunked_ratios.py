@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import sys
 
+from rekv_jax.action import ActionKind
 from rekv_jax.jsonl import read_jsonl
+from rekv_jax.phases import Interval, PrefillMode, Schedule
 from rekv_jax.study.records import Summary
 
 TARGETS = {"chunked_over_overlapped": 1.08, "pipelined_over_full": 1.5,
@@ -24,21 +26,24 @@ def best(summaries: list[Summary], joint: bool, **match: str) -> Summary | None:
     """The fastest checked summary whose fields equal `match` (joint actions only: `joint`)."""
     ok = [s for s in summaries
           if all(getattr(s, k) == v for k, v in match.items()) and s.first_token_match
-          and not s.cache_check.startswith("MISMATCH") and (s.action.kind == "joint" or not joint)]
+          and not s.cache_check.startswith("MISMATCH")
+          and (s.action.kind == ActionKind.JOINT or not joint)]
     return min(ok, key=lambda s: s.median_ms, default=None)
 
 
 def main(paths: list[str]) -> None:
     summaries = [Summary.from_json(r) for p in paths for r in read_jsonl(p)
                  if r.get("kind") == "summary"]
-    pairs = {"chunked_over_overlapped": (best(summaries, True, schedule="chunked",
-                                              interval="ready"),
-                                         best(summaries, True, schedule="overlapped",
-                                              interval="ready")),
-             "pipelined_over_full": (best(summaries, False, prefill="pipelined"),
-                                     best(summaries, False, prefill="full", interval="prompt")),
-             "pipelined_over_split": (best(summaries, False, prefill="pipelined"),
-                                      best(summaries, False, prefill="split"))}
+    ready, prompt = Interval.READY, Interval.PROMPT
+    pipelined = best(summaries, False, prefill=PrefillMode.PIPELINED)
+    pairs = {"chunked_over_overlapped": (best(summaries, True, schedule=Schedule.CHUNKED,
+                                              interval=ready),
+                                         best(summaries, True, schedule=Schedule.OVERLAPPED,
+                                              interval=ready)),
+             "pipelined_over_full": (pipelined, best(summaries, False, prefill=PrefillMode.FULL,
+                                                     interval=prompt)),
+             "pipelined_over_split": (pipelined,
+                                      best(summaries, False, prefill=PrefillMode.SPLIT))}
     out = {}
     for name, (new, old) in pairs.items():
         if new is None or old is None:

@@ -120,7 +120,7 @@ def _select_flags(p: argparse.ArgumentParser) -> None:
          ("transport", "link", "failure", "attention", "json"))
 def _generate_flags(p: argparse.ArgumentParser) -> None:
     from rekv_jax.handoff.generate import DTYPES
-    from rekv_jax.phases import PREFILL_MODES, SCHEDULES
+    from rekv_jax.phases import PREFILL_MODES, SCHEDULES, PrefillMode
 
     p.add_argument("--model", default=None,
                    help="trained-model folder (default: the shipped wt2-tiny) or hf:PATH")
@@ -130,7 +130,7 @@ def _generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-ids", default=None, help="prompt ids: 1,2,3 or @FILE")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--dtype", choices=DTYPES, default=DTYPES[0])
-    p.add_argument("--prefill", choices=PREFILL_MODES, default="split",
+    p.add_argument("--prefill", choices=PREFILL_MODES, default=PrefillMode.SPLIT,
                    help="the prefill worker runs all L layers, or only 0..c-1, streamed by "
                         "layer (split) or by token chunk (pipelined)")
     p.add_argument("--schedule", choices=SCHEDULES, default=SCHEDULES[0],

@@ -121,7 +121,8 @@ def receive_chunked(transport: Transport, cfg: ModelConfig, params: Params, acti
     t0 = time.perf_counter()
     # every message is pulled from the start, in the order sent, so the link moves them back to
     # back while the suffix computes between their receives (which then verify and pace)
-    boundary = [(boundary_tag(tag, i), s) for i, s in enumerate(h_specs)] * (action.kind == "joint")
+    joint = action.kind == ActionKind.JOINT
+    boundary = [(boundary_tag(tag, i), s) for i, s in enumerate(h_specs)] * joint
     prefix_msgs = [(name, prefix_specs(cfg, action, B, T, dtype, layers))
                    for name, (B, T, layers) in zip(prefix_tags, prefix_shapes, strict=True)]
     prefix_msgs *= c > 0

@@ -30,6 +30,7 @@ from rekv_jax.model.transformer import (
     greedy_tokens,
     prefill,
 )
+from rekv_jax.phases import Fallback, PrefillMode, Schedule
 from rekv_jax.sizes import action_bytes
 from rekv_jax.transport import Transport
 from rekv_jax.transport.base import Role
@@ -49,12 +50,12 @@ class Request:
     action: str = "q8:r=2"
     max_new_tokens: int = 32
     dtype: str = "bfloat16"
-    prefill: str = "split"  # costmodel.PREFILL_MODES
-    schedule: str = "overlapped"
+    prefill: str = PrefillMode.SPLIT
+    schedule: str = Schedule.OVERLAPPED
     chunks: int = 1  # token chunks of the chunked schedule / pipelined prefill
     transport: str = "transfer-server"
     link_gbps: float | None = None
-    fallback: str = "error"
+    fallback: str = Fallback.ERROR
     compare: bool = False
     timeout: float = 120.0
 

@@ -29,6 +29,7 @@ from rekv_jax.config import Llama3RopeScaling, ModelConfig
 from rekv_jax.handoff.check import SUFFIX_ACROSS
 from rekv_jax.model.loader import synthetic_model
 from rekv_jax.model.transformer import attention_backend, prefill, run_prefix, run_suffix
+from rekv_jax.phases import Schedule
 from rekv_jax.study import bench
 from rekv_jax.study.experiment import Experiment
 from rekv_jax.study.records import Summary
@@ -271,7 +272,8 @@ def check_handoff(seq_len: int) -> Finding:
     process): the decode side initializes `jax.distributed`, which must come before any
     computation of this process."""
     action = Action.parse("q8:r=2", ModelConfig.preset("tiny").num_layers)
-    exp = Experiment(model="tiny", seq_len=seq_len, actions=(action,), schedules=("overlapped",),
+    exp = Experiment(model="tiny", seq_len=seq_len, actions=(action,),
+                     schedules=(Schedule.OVERLAPPED,),
                      warmup=1, reps=3, timeout=120.0)
     try:
         summaries = run_experiment(exp, timeout=4 * exp.timeout)

@@ -15,7 +15,7 @@ from typing import Any
 
 from rekv_jax.action import Action, ActionKind
 from rekv_jax.jsonl import read_jsonl
-from rekv_jax.phases import SCHEDULES, Phases, Schedule, Timeline
+from rekv_jax.phases import SCHEDULES, Interval, Phases, PrefillMode, Schedule, Timeline
 from rekv_jax.study import stats
 
 # The schedule of a record: overlapped, sequential or chunked for a joint action; "n/a" for
@@ -77,8 +77,8 @@ class Summary:
     fallbacks: int = 0  # reps whose prefix transfer failed and were recomputed
     predicted_ms: float | None = None  # the cost model's prediction, when one was made
     weights: str = ""  # where the weights came from (loader.LoadedModel.weights)
-    interval: str = "ready"  # costmodel.INTERVALS: timed from the prefill state, or the prompt
-    prefill: str = "full"  # costmodel.PREFILL_MODES: the prefill side ran all L layers or 0..c-1
+    interval: str = Interval.READY  # timed from the prefill state, or the prompt
+    prefill: str = PrefillMode.FULL  # the prefill side ran all L layers, or 0..c-1
     prefill_devices: int = 1  # tensor-parallel devices of each side (rekv_jax.sharding)
     decode_devices: int = 1
     paired: bool = False  # its reps alternated with the other schedule's: rep i is a pair

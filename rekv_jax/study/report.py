@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from rekv_jax import sizes
-from rekv_jax.phases import PHASES, PROMPT_PHASES
+from rekv_jax.action import ActionKind
+from rekv_jax.phases import PHASES, PROMPT_PHASES, Interval
 from rekv_jax.planning.costmodel import Profile
 from rekv_jax.study.figures import crossover_figure, fig2
 from rekv_jax.study.records import Speedup, Summary, Table1Row
@@ -77,7 +78,7 @@ def write_report(records: Sequence[Summary], out_dir: str | Path,
 def handoff_table(records: Sequence[Summary], header: bool = True) -> str:
     """One line per summary, for a person: median, CI, phase medians, payload and checks (the
     prefill side's own compute too when timed from the prompt)."""
-    prompt = any(r.interval == "prompt" for r in records)
+    prompt = any(r.interval == Interval.PROMPT for r in records)
     phases = PROMPT_PHASES if prompt else PHASES
     lines = [f"{'action':<16}{'schedule':<12}{'median ms':>10}{'95% CI':>18}"
              + "".join(f"{p[:8]:>10}" for p in phases) + f"{'MiB':>9}  first  cache"] * header
@@ -130,7 +131,7 @@ def _why_little(row: Table1Row, records: Sequence[Summary]) -> str:
     next to the suffix it would overlap."""
     bf16 = row.bf16
     suffix = [r for r in records if (r.setup, r.model, r.seq_len) ==
-              (row.setup, row.model, row.seq_len) and r.action.kind == "joint"]
+              (row.setup, row.model, row.seq_len) and r.action.kind == ActionKind.JOINT]
     if bf16 is None or not suffix:
         return "(Too few actions measured to say why BF16 transfer is not beaten.)"
     r = min(suffix, key=lambda r: r.action.cut)

@@ -9,6 +9,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from rekv_jax import sizes
+from rekv_jax.action import ActionKind
+from rekv_jax.phases import Interval, PrefillMode, Schedule
 from rekv_jax.planning.costmodel import Profile, predicted_ms, t_ov
 from rekv_jax.planning.planner import LinkChoice, crossovers, find_profile, preferred_by_link
 from rekv_jax.study import stats
@@ -39,7 +41,7 @@ def link_label(link_gbps: float | None) -> str:
 
 def setup_label(setup: Setup) -> str:
     s = setup
-    timed = "" if s.interval == "ready" else f" · timed from the prompt, {s.prefill} prefill"
+    timed = "" if s.interval == Interval.READY else f" · timed from the prompt, {s.prefill} prefill"
     devices = ("" if (s.prefill_devices, s.decode_devices) == (1, 1)
                else f" · devices {s.prefill_devices}->{s.decode_devices}")
     return (f"hardware: {s.hardware} · transport: {s.transport} · link: "
@@ -53,8 +55,8 @@ def _cells(records: Sequence[Summary]) -> dict[Setup, dict[tuple, dict[str, Summ
     chosen: dict[tuple, Summary] = {}
     for r in records:
         key = (r.setup, (r.model, r.seq_len), str(r.action))
-        trivial = r.action.kind != "joint"
-        if r.schedule != "sequential" or (trivial and key not in chosen):
+        trivial = r.action.kind != ActionKind.JOINT
+        if r.schedule != Schedule.SEQUENTIAL or (trivial and key not in chosen):
             chosen[key] = r
     out: dict[Setup, dict[tuple, dict[str, Summary]]] = {}
     for (setup, cell, action), r in sorted(chosen.items(), key=lambda i: i[0][0].sort_key()):
@@ -144,7 +146,7 @@ def _profile_for(profiles: Sequence[Profile], r: Summary) -> Profile | None:
                         r.action.bits if r.action.cut else None)
 
 
-def _predict(profile: Profile, r: Summary, schedule: str = "overlapped") -> float:
+def _predict(profile: Profile, r: Summary, schedule: str = Schedule.OVERLAPPED) -> float:
     return predicted_ms(profile, r.action, schedule, r.interval, r.prefill)
 
 
@@ -153,7 +155,8 @@ def record_prediction(r: Summary, profiles: Sequence[Profile] = ()) -> float | N
     interval and prefill mode (re-targeted to its paced link); None when no profile matches."""
     if r.predicted_ms is not None or (p := _profile_for(profiles, r)) is None:
         return r.predicted_ms
-    return _predict(p, r, "sequential" if r.schedule == "sequential" else "overlapped")
+    return _predict(p, r, Schedule.SEQUENTIAL if r.schedule == Schedule.SEQUENTIAL
+                    else Schedule.OVERLAPPED)
 
 
 def prediction_rows(records: Sequence[Summary], profiles: Sequence[Profile] = ()
@@ -260,7 +263,7 @@ def fig3_rows(records: Sequence[Summary], seed: int = 0) -> list[Fig3Row]:
     indices jointly when the reps were paired (the paper's method), else independently."""
     both: dict[tuple, dict[str, Summary]] = {}
     for r in records:
-        if r.interval == "prompt" and r.action.kind == "joint":
+        if r.interval == Interval.PROMPT and r.action.kind == ActionKind.JOINT:
             both.setdefault((r.setup, r.model, r.seq_len, str(r.action)), {})[r.schedule] = r
     rows = []
     for (setup, model, seq_len, action), by in sorted(
@@ -339,7 +342,7 @@ def _crossover_groups(records: Sequence[Summary]
     groups: dict[tuple, dict[float, dict[str, Summary]]] = {}
     for s, cells in _cells(records).items():
         if s.link_gbps is None or (s.interval, s.prefill, s.prefill_devices,
-                                   s.decode_devices) != ("ready", "full", 1, 1):
+                                   s.decode_devices) != (Interval.READY, PrefillMode.FULL, 1, 1):
             continue
         for (model, seq_len), acts in cells.items():
             groups.setdefault((s.hardware, s.transport, s.batch, model, seq_len),
