@@ -1,5 +1,6 @@
-"""The shared vocabulary of a handoff's timing: phase names and the modes that decide what is timed
-and how the decode side runs."""
+"""The shared vocabulary of a handoff's timing: phase names, the modes that decide what is timed
+and how the decode side runs (`StrEnum`s: each member equals its string, so JSON and the CLI see
+plain strings), and the `Phases` and `Timeline` records of one handoff."""
 
 from __future__ import annotations
 
