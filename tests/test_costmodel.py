@@ -184,6 +184,20 @@ def test_fit_profile_one_noisy_point_does_not_skew_the_rest():
     assert fit.link_gbps == pytest.approx(0.002, rel=0.01)
 
 
+def test_fit_profile_with_one_prefix_length_of_a_precision():
+    """The cpu-paper grid runs Q4 transfer-only alone: its restore's fixed and per-layer costs
+    cannot be told apart, so the fit takes the fixed one as 0 and fits the rest exactly."""
+    truth, L = dataclasses.replace(_profile(), restore_fixed_ms={16: 0.0, 8: 0.3, 4: 0.0}), \
+        TINY.num_layers
+    actions = [a for a in action_space(L) if a.cut in (0, 1, 3, 5, L)
+               and (a.bits != 4 or a.cut == L)]
+    records = [Measurement(TINY.name, 256, 2, a, cm.phase_ms(truth, a)) for a in actions]
+    fit = fit_profile(TINY, records, hardware="test", link="test link")
+    assert fit.restore_fixed_ms == pytest.approx({16: 0.0, 8: 0.3, 4: 0.0})
+    for a in actions:
+        assert cm.predicted_ms(fit, a) == pytest.approx(cm.predicted_ms(truth, a), rel=1e-6)
+
+
 def test_fit_profile_needs_enough_distinct_points():
     a = Action(8, 3, TINY.num_layers)
     rec = Measurement(TINY.name, 256, 1, a, cm.phase_ms(

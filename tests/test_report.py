@@ -12,7 +12,7 @@ from rekv_jax.config import ModelConfig
 from rekv_jax.phases import Phases
 from rekv_jax.planning.costmodel import predicted_ms, t_ov
 from rekv_jax.planning.planner import analytic_profile
-from rekv_jax.study import report, stats
+from rekv_jax.study import chunked_table, report, stats
 from rekv_jax.study import tables as study_tables
 from rekv_jax.study.records import Summary, read_summaries
 
@@ -111,6 +111,35 @@ def test_unpaced_and_prompt_records_take_their_own_profile_and_interval():
     assert rows[0].predicted_ms == predicted_ms(unpaced, Action(16, L, L))
     assert rows[1].predicted_ms == predicted_ms(paced.at_link(5.0), Action(16, L - 3, L),
                                                    "sequential", "prompt", "full")
+
+
+def test_chunked_and_pipelined_records_are_predicted_with_their_chunks():
+    # a slow link and a slow suffix: the suffix waits for the boundary, which chunks shorten
+    profile = dataclasses.replace(analytic_profile(TINY, 256, link_gbps=1.0), suffix_layer_ms=300.0)
+    slow = 0.001  # GB/s
+    recs = [_rec("q8:r=2", 16.0, "chunked", link=slow, chunks=4),
+            _rec("q8:r=2", 30.0, link=slow, interval="prompt", prefill="pipelined", chunks=4)]
+    rows = study_tables.prediction_rows(recs, [profile])
+    at = profile.at_link(slow)
+    a = Action(8, L - 2, L)
+    assert rows[0].predicted_ms == predicted_ms(at, a, "chunked", chunks=4)
+    assert rows[0].predicted_ms != predicted_ms(at, a)  # not the overlapped schedule's
+    assert rows[1].predicted_ms == predicted_ms(at, a, "overlapped", "prompt", "pipelined", 4)
+    assert rows[1].predicted_ms != predicted_ms(at, a, "overlapped", "prompt", "pipelined", 1)
+
+
+def test_chunked_records_stand_beside_table1_not_in_it():
+    recs = _sweep() + [_rec("q8:r=2", 12.0, "chunked", chunks=2),
+                       _rec("q8:r=1", 14.0, "chunked", chunks=2)]
+    (row,) = study_tables.table1_rows(recs)
+    assert row.joint.median_ms == pytest.approx(16.0) and row.joint.schedule == "overlapped"
+    (ch,) = chunked_table.chunked_rows(recs)
+    assert (ch.chunks, str(ch.overlapped.action), str(ch.chunked.action)) == (2, "q8:r=2",
+                                                                           "q8:r=2")
+    assert ch.speedup.x == pytest.approx(16.0 / 12.0) and ch.speedup.over == "q8:r=2"
+    assert "| tiny | 256 | 2 | q8:r=2 (16.00) | q8:r=2 (12.00) | 1.33×" in (
+        chunked_table.chunked_markdown(recs))
+    assert chunked_table.chunked_markdown(_sweep()) == ""  # no chunked run, no table
 
 
 def test_table3_payloads_schedule_gain_and_efficiency():

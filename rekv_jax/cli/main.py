@@ -86,6 +86,7 @@ def _sweep_flags(p: argparse.ArgumentParser) -> None:
     from rekv_jax.study.sweep_plan import SWEEP_PRESETS
 
     p.set_defaults(link_gbps=PAPER_LINK)  # the preset's: 2.32 GB/s (gpu), calibrated (cpu)
+    p.set_defaults(reps=None)  # the preset's (`SweepPreset.reps`)
     p.add_argument("--preset", choices=tuple(SWEEP_PRESETS), default="cpu")
     p.add_argument("--out", default=None, help="output folder (required unless --dry-run)")
     p.add_argument("--quick", action="store_true",

@@ -35,8 +35,8 @@ def cmd_sweep(args: argparse.Namespace) -> None:
     from rekv_jax.study.sweep_plan import QUICK_PRESETS, SWEEP_PRESETS
 
     preset = (QUICK_PRESETS if args.quick else SWEEP_PRESETS)[args.preset]
-    if args.quick and args.reps == 30:  # the default: fewer reps for a short lease
-        args.reps, args.warmup = 10, 2
+    if args.reps is None:  # the preset's; with --quick, fewer for a short lease
+        args.reps, args.warmup = (10, 2) if args.quick else (preset.reps, args.warmup)
     if args.link_gbps is None:
         raise ValueError("a sweep runs paced links (the crossover runs are multiples of its "
                          "link); the gpu preset adds an unpaced block of its own")

@@ -60,23 +60,28 @@ def fit_profile(cfg: ModelConfig, records: Sequence[Measurement], hardware: str,
     (seq_len, batch), L = keys.pop(), cfg.num_layers
     low = sorted({r.action.bits for r in records if 0 < r.action.cut and r.action.bits < 16},
                  reverse=True)
+    # a restore's fixed cost is told apart from its per-layer one only over two prefix lengths
+    # (e.g. the cpu-paper grid runs Q4 transfer-only alone): else it is 0
+    fixed = [b for b in low
+             if len({r.action.cut for r in records if r.action.bits == b and r.action.cut}) > 1]
     b_h, b_tok = sizes.boundary_bytes(cfg, seq_len, batch), sizes.token_bytes(seq_len, batch)
-    # Messages: unknowns [h0, m, 1/W, restore_b and x0_b for b in low]. The boundary phase holds
-    # the token IDs, plus h_c for a joint action (in N messages); the prefix phase the prefix
-    # and its restore.
+    # Messages: unknowns [h0, m, 1/W, restore_b for b in low, x0_b for b in fixed]. The boundary
+    # phase holds the token IDs, plus h_c for a joint action (in N messages); the prefix phase
+    # the prefix and its restore.
     rows, ys = [], []
     for r in (r for r in records if r.prefill != PrefillMode.PIPELINED):
         c, bits, ph, n = r.action.cut, r.action.bits, r.phases_ms, r.chunks
         joint = 0 < c < L
-        rows.append([1.0, n - 1.0, b_tok + joint * b_h] + [0.0] * 2 * len(low))
+        rows.append([1.0, n - 1.0, b_tok + joint * b_h] + [0.0] * (len(low) + len(fixed)))
         ys.append(ph.boundary)
         if c > 0:
-            per_bits = [float(bits == b) for b in low]
             rows.append([0.0, 1.0, c * sizes.kv_layer_bytes(cfg, seq_len, batch, bits)]
-                        + [c * x for x in per_bits] + per_bits)
+                        + [c * float(bits == b) for b in low]
+                        + [float(bits == b) for b in fixed])
             ys.append(ph.prefix)
     h0, m, inv_w, *rest = _lstsq(rows, ys, "boundary and prefix times")
-    restore, restore_fixed = rest[:len(low)], rest[len(low):]
+    restore = rest[:len(low)]
+    restore_fixed = [dict(zip(fixed, rest[len(low):], strict=True)).get(b, 0.0) for b in low]
     if not inv_w > 0:
         raise ValueError("cannot fit a link bandwidth: transfer time does not grow with bytes")
     # Quantize: [q0 (per call: one per chunk), α_b for b in low].

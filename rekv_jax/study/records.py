@@ -266,6 +266,20 @@ class Table3Row:
 
 
 @dataclasses.dataclass(frozen=True)
+class ChunkedRow:
+    """Past the paper: the best chunked joint action of one setup, model, length and N against
+    the best overlapped one."""
+
+    setup: Setup
+    model: str
+    seq_len: int
+    chunks: int
+    overlapped: Summary
+    chunked: Summary
+    speedup: Speedup  # chunked over overlapped
+
+
+@dataclasses.dataclass(frozen=True)
 class Fig3Row:
     """Fig. 3: one joint action timed from the prompt under both schedules."""
 

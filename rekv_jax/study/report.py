@@ -18,6 +18,7 @@ from rekv_jax import sizes
 from rekv_jax.action import ActionKind
 from rekv_jax.phases import PHASES, PROMPT_PHASES, Interval
 from rekv_jax.planning.costmodel import Profile
+from rekv_jax.study.chunked_table import chunked_markdown
 from rekv_jax.study.figures import crossover_figure, fig2
 from rekv_jax.study.records import Speedup, Summary, Table1Row
 from rekv_jax.study.tables import (
@@ -46,7 +47,8 @@ def write_report(records: Sequence[Summary], out_dir: str | Path,
                  profiles: Sequence[Profile] = (), joint_bits: int = 8, seed: int = 0
                  ) -> list[Path]:
     """Write table1.md, predictions.md, table3.md, crossover.md and the PNGs into `out_dir`, and
-    fig3.md / batch.md when the records hold prompt-interval pairs / batches."""
+    chunked.md / fig3.md / batch.md when the records hold chunked runs / prompt-interval pairs /
+    batches."""
     if not records:
         raise ValueError("no summary records to report")
     out = Path(out_dir)
@@ -58,7 +60,8 @@ def write_report(records: Sequence[Summary], out_dir: str | Path,
                        ("crossover.md", crossover_markdown(records, profiles))):
         (out / name).write_text(text)
         written.append(out / name)
-    for name, text in (("fig3.md", fig3_markdown(records, seed)),
+    for name, text in (("chunked.md", chunked_markdown(records, seed)),
+                       ("fig3.md", fig3_markdown(records, seed)),
                        ("batch.md", batch_markdown(records, joint_bits, seed))):
         if text:
             (out / name).write_text(text)

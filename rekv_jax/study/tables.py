@@ -10,7 +10,7 @@ import numpy as np
 
 from rekv_jax import sizes
 from rekv_jax.action import ActionKind
-from rekv_jax.phases import Interval, PrefillMode, Schedule
+from rekv_jax.phases import SCHEDULES, Interval, PrefillMode, Schedule
 from rekv_jax.planning.costmodel import Profile, predicted_ms, t_ov
 from rekv_jax.planning.planner import LinkChoice, crossovers, find_profile, preferred_by_link
 from rekv_jax.study import stats
@@ -51,9 +51,12 @@ def setup_label(setup: Setup) -> str:
 
 def _cells(records: Sequence[Summary]) -> dict[Setup, dict[tuple, dict[str, Summary]]]:
     """setup -> (model, seq_len) -> action text -> the overlapped record. Transfer-only and full
-    recomputation have nothing to overlap (schedule `n/a`; a sequential record serves too)."""
+    recomputation have nothing to overlap (schedule `n/a`; a sequential record serves too);
+    chunked records are left out."""
     chosen: dict[tuple, Summary] = {}
     for r in records:
+        if r.schedule == Schedule.CHUNKED:  # past the paper: `chunked_rows`
+            continue
         key = (r.setup, (r.model, r.seq_len), str(r.action))
         trivial = r.action.kind != ActionKind.JOINT
         if r.schedule != Schedule.SEQUENTIAL or (trivial and key not in chosen):
@@ -147,16 +150,20 @@ def _profile_for(profiles: Sequence[Profile], r: Summary) -> Profile | None:
 
 
 def _predict(profile: Profile, r: Summary, schedule: str = Schedule.OVERLAPPED) -> float:
-    return predicted_ms(profile, r.action, schedule, r.interval, r.prefill)
+    """`r`'s action under `schedule`, in its interval and prefill mode (and its token chunks,
+    where the schedule or the prefill has them)."""
+    chunked = schedule == Schedule.CHUNKED or r.prefill == PrefillMode.PIPELINED
+    return predicted_ms(profile, r.action, schedule, r.interval, r.prefill,
+                        r.chunks if chunked else 1)
 
 
 def record_prediction(r: Summary, profiles: Sequence[Profile] = ()) -> float | None:
-    """`r`'s own `predicted_ms`, else the matching profile's prediction for its action, schedule,
-    interval and prefill mode (re-targeted to its paced link); None when no profile matches."""
+    """`r`'s own `predicted_ms`, else the matching profile's prediction for its action, schedule
+    (a transfer-only or full-recompute record's `n/a`: overlapped), interval, prefill mode and
+    chunks (re-targeted to its paced link); None when no profile matches."""
     if r.predicted_ms is not None or (p := _profile_for(profiles, r)) is None:
         return r.predicted_ms
-    return _predict(p, r, Schedule.SEQUENTIAL if r.schedule == Schedule.SEQUENTIAL
-                    else Schedule.OVERLAPPED)
+    return _predict(p, r, r.schedule if r.schedule in SCHEDULES else Schedule.OVERLAPPED)
 
 
 def prediction_rows(records: Sequence[Summary], profiles: Sequence[Profile] = ()
