@@ -12,6 +12,7 @@ query sees (the roofline of `planner.analytic_profile` and `scripts/bench_model.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 from rekv_jax.action import BITS, Action, ActionKind
@@ -199,6 +200,23 @@ def attention_share(cfg: ModelConfig, seq_len: int) -> float:
     """The causal attention's share of a prompt layer's FLOPs (`layer_flops`, no past): the part
     of a layer whose cost per token grows with the token's position."""
     return 1 - 2 * seq_len * layer_weight_count(cfg) / layer_flops(cfg, seq_len)
+
+
+def token_chunks(seq_len: int, chunks: int) -> list[tuple[int, int]]:
+    """The (start, stop) ranges of `chunks` contiguous token chunks covering 0..seq_len-1, sizes
+    differing by at most one (larger first): how every chunked path splits a prompt."""
+    if not 1 <= chunks <= seq_len:
+        raise ValueError(f"chunks must be in 1..{seq_len} (the prompt's tokens), got {chunks}")
+    size, extra = divmod(seq_len, chunks)
+    stops = list(itertools.accumulate(size + (i < extra) for i in range(chunks)))
+    return list(zip([0, *stops[:-1]], stops, strict=True))
+
+
+def attention_width(end: int, capacity: int) -> int:
+    """Cache positions a step ending at `end` attends over: the power of two covering `end`,
+    at most the capacity. One program per bucket, not per step, and (on a GPU) attention never
+    reads the cache past the bucket, so a step costs O(end), not O(capacity)."""
+    return min(capacity, 1 << max(end - 1, 0).bit_length())
 
 
 def head_flops(cfg: ModelConfig, positions: int = 1, batch: int = 1) -> float:

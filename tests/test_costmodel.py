@@ -13,6 +13,7 @@ from rekv_jax import sizes
 from rekv_jax.action import ACTION_KINDS, Action, action_space
 from rekv_jax.config import ModelConfig
 from rekv_jax.planning import costmodel as cm
+from rekv_jax.planning import profile_fit
 from rekv_jax.planning.profile_fit import Measurement, fit_profile
 
 TINY = ModelConfig.preset("tiny")
@@ -198,6 +199,18 @@ def test_fit_profile_with_one_prefix_length_of_a_precision():
         assert cm.predicted_ms(fit, a) == pytest.approx(cm.predicted_ms(truth, a), rel=1e-6)
 
 
+def test_attention_shares_from_two_lengths():
+    """γ(S) = a S + b S² over the lengths: each profile's share is b S² / γ(S)."""
+    a, b = 0.03, 9e-5
+    profiles = [dataclasses.replace(_profile(), seq_len=S, suffix_layer_ms=a * S + b * S * S)
+                for S in (256, 512)]
+    for p in profile_fit.attention_shares(profiles):
+        assert p.attention_share == pytest.approx(b * p.seq_len**2 / (a * p.seq_len
+                                                                       + b * p.seq_len**2))
+    with pytest.raises(ValueError, match="two or more lengths"):
+        profile_fit.attention_shares(profiles[:1])
+
+
 def test_fit_profile_needs_enough_distinct_points():
     a = Action(8, 3, TINY.num_layers)
     rec = Measurement(TINY.name, 256, 1, a, cm.phase_ms(
@@ -315,13 +328,27 @@ def _chunk_profile(L, alpha, restore, gamma, gbps, embed, join, fixed, kappa, sh
                                chunk_layer_ms=kappa, attention_share=share)
 
 
-def test_chunk_layer_costs_add_up_to_gamma_and_grow_with_the_chunk():
-    p = _chunk_profile(6, 0, 0, Fraction(3), 1, 0, 0, (0,) * 5, Fraction(1, 7), Fraction(2, 5))
-    for n in range(1, 9):
-        costs = [p.chunk_layer(i, n) for i in range(n)]
-        assert sum(costs) == p.suffix_layer_ms + (n - 1) * p.chunk_layer_ms
-        assert costs[1:] == sorted(costs[1:])  # a later chunk's queries see more keys
-    assert p.chunk_layer(0, 1) == p.suffix_layer_ms
+def test_chunk_layer_costs_follow_the_attention_buckets_and_grow_with_the_chunk():
+    """γ_i = γ ((1 - s) T_i / S + s T_i w_i / S²) + [i > 0] κ, w_i the attention bucket of chunk
+    i's end: they add up to at most γ + (N - 1) κ (exactly that without attention), and a later
+    chunk's tokens attend over at least as many positions."""
+    S = 256
+    for s in (Fraction(2, 5), Fraction(0)):
+        p = _chunk_profile(6, 0, 0, Fraction(3), 1, 0, 0, (0,) * 5, Fraction(1, 7), s)
+        for n in range(1, 9):
+            costs = [p.chunk_layer(i, n) for i in range(n)]
+            spans = sizes.token_chunks(S, n)
+            attention = sum(Fraction((b - a) * sizes.attention_width(b, S), S * S)
+                            for a, b in spans)
+            assert sum(costs) == (p.suffix_layer_ms * (1 - s + s * attention)
+                                  + (n - 1) * p.chunk_layer_ms)
+            assert sum(costs) <= p.suffix_layer_ms + (n - 1) * p.chunk_layer_ms
+            assert (sum(costs) == p.suffix_layer_ms + (n - 1) * p.chunk_layer_ms) == (
+                s == 0 or n == 1)
+            per_token = [(c - (i > 0) * p.chunk_layer_ms) / (b - a)
+                         for i, (c, (a, b)) in enumerate(zip(costs, spans, strict=True))]
+            assert per_token == sorted(per_token)
+        assert p.chunk_layer(0, 1) == p.suffix_layer_ms
 
 
 @CHUNK_SETTINGS
@@ -370,6 +397,10 @@ def test_pipelined_prefill(L, alpha, restore, gamma, gbps, embed, join, fixed, k
             if a.cut <= 1:
                 one = cm.predicted_ms(p, a, schedule, "prompt", "pipelined", 1)
                 assert one == cm.predicted_ms(p, a, schedule, "prompt", "split")
+            if a.cut == 0:  # the ids only: the decode side's chunked prefill of all L layers
+                q0, h0, m, r0, x0 = fixed
+                assert got == (h0 + cm.transfer_ms(p.token_bytes, gbps) + embed + join
+                               + sum(r0 + L * p.chunk_layer(i, chunks) for i in range(chunks)))
         assert cm.pipelined_ms(p, a, chunks, "chunked") == cm.pipelined_ms(p, a, chunks) <= got
     free = _chunk_profile(L, alpha, restore, gamma, gbps, embed, join, (0,) * 5, 0, share)
     linear = _chunk_profile(L, 0, restore, gamma, gbps, embed, join, (0,) * 5, 0, 0)
@@ -416,10 +447,11 @@ def test_fit_profile_recovers_the_per_chunk_terms():
     for a in (a for a in action_space(L) if a.cut in (0, 1, 3, 5, L)):
         for n in (1, 4) if a.kind == "joint" else (1,):
             ph = cm.phase_ms(truth, a)
-            ph = dataclasses.replace(
-                ph, boundary=ph.boundary + (n - 1) * truth.message_ms,
-                suffix=ph.suffix + (n - 1) * (truth.suffix_fixed_ms
-                                              + (L - a.cut) * truth.chunk_layer_ms))
+            if n > 1:  # the suffix: N chunk calls, each of its layers at γ_i
+                ph = dataclasses.replace(
+                    ph, boundary=ph.boundary + (n - 1) * truth.message_ms,
+                    suffix=n * truth.suffix_fixed_ms + (L - a.cut) * sum(
+                        truth.chunk_layer(i, n) for i in range(n)))
             records.append(Measurement(TINY.name, 256, 2, a, ph, chunks=n))
     fit = fit_profile(TINY, records, hardware="test", link="test link")
     for f in ("chunk_layer_ms", "message_ms", "suffix_fixed_ms", "suffix_layer_ms", "link_gbps",

@@ -40,6 +40,7 @@ from rekv_jax.model.layers import (
     rope_tables,
     xla_attention,  # noqa: F401 (part of this module's API)
 )
+from rekv_jax.sizes import attention_width, token_chunks  # noqa: F401 (this module's API too)
 
 Params = dict  # {"embed", "layers": [L per-layer dicts], "final_norm", "lm_head"?} of arrays
 
@@ -286,16 +287,6 @@ def run_suffix(cfg: ModelConfig, params: Params, h_c: jax.Array, cut: int,
 # ---------------------------------------------------------------------------- token chunks
 
 
-def token_chunks(seq_len: int, chunks: int) -> list[tuple[int, int]]:
-    """The (start, stop) ranges of `chunks` contiguous token chunks covering 0..seq_len-1, sizes
-    differing by at most one (larger first): how every chunked path splits a prompt."""
-    if not 1 <= chunks <= seq_len:
-        raise ValueError(f"chunks must be in 1..{seq_len} (the prompt's tokens), got {chunks}")
-    size, extra = divmod(seq_len, chunks)
-    stops = np.cumsum([size + (i < extra) for i in range(chunks)]).tolist()
-    return list(zip([0, *stops[:-1]], stops, strict=True))
-
-
 def new_cache(cfg: ModelConfig, layers: int, batch: int, capacity: int, dtype: jnp.dtype
               ) -> KVCache:
     """An all-zero cache of `layers` layers [B, C, K, H] for a chunked prefill to write into."""
@@ -363,13 +354,6 @@ def run_layers(cfg: ModelConfig, params: Params, x: jax.Array, first: int, stop:
     if x.ndim != 3 or x.shape[-1] != cfg.hidden_size:
         raise ValueError(f"x must be [B, S, {cfg.hidden_size}], got {x.shape}")
     return _run_layers(cfg, params, x, _positions(x.shape[:2], positions), first, stop)
-
-
-def attention_width(end: int, capacity: int) -> int:
-    """Cache positions a step ending at `end` attends over: the power of two covering `end`,
-    at most the capacity. One program per bucket, not per step, and (on a GPU) attention never
-    reads the cache past the bucket, so a step costs O(end), not O(capacity)."""
-    return min(capacity, 1 << max(end - 1, 0).bit_length())
 
 
 def _extend(cfg: ModelConfig, params: Params, kv: KVCache, tokens: jax.Array, start: int,

@@ -45,12 +45,13 @@ same kind of device, so a prompt layer costs `γ` too and a call `r0`; `E` is th
   all but one layer's quantize and transfer under the prompt's compute. Transfer-only (`c = L`)
   sends the first token in place of `h_c`; full recomputation (`c = 0`) sends only the ids.
 
-Token chunks (`chunks` N). Under a linear per-layer-per-token model with causal
-attention, a layer on chunk i of N costs `γ_i = γ ((1 - s)/N + s (2i + 1)/N²) + [i > 0] κ`:
-`s` is the attention's share of γ (`sizes.attention_share`; chunk i's queries see (i + 1/2) S/N
-keys on average), and κ the fitted cost each extra chunk adds per layer (one more pass over the
-weights; `Σ_i γ_i = γ + (N - 1) κ`). A chunk call costs `r0` plus its layers; each extra message
-costs `m`.
+Token chunks (`chunks` N). The prompt program's attention covers all S positions (masked);
+chunk i of T_i tokens attends over the w_i positions of its bucket (`sizes.attention_width`), so
+a layer on it costs `γ_i = γ ((1 - s) T_i/S + s T_i w_i/S²) + [i > 0] κ` (`chunk_share`): `s` is
+the attention's share of γ (from FLOPs, `sizes.attention_share`, or measured over two lengths,
+`profile_fit.attention_shares`), and κ the fitted cost each extra chunk adds per layer (one more
+pass over the weights; `Σ_i γ_i <= γ + (N - 1) κ`, equal for s = 0). A chunk call costs `r0`
+plus its layers; each extra message costs `m`.
 * Chunked boundary, ready interval (`schedule="chunked"`): after Q, the ids leave with the first
   of N pieces of `h_c` and the prefix follows on the FIFO link. Piece i arrives at
       A_i = Q + h0 + B_tok / W + (i+1) B_H / (N W) + i m
@@ -71,6 +72,8 @@ costs `m`.
       F_i = max(F_{i-1}, D^H_i) + R_i   (D^P_{-1} = τ, F_{-1} = 0)
       T_pipelined = max(D^P_{N-1}, F_{N-1}) + J   (sequential: D^P_{N-1} + Σ R_i + J)
   a three-stage pipeline (prefill compute -> link -> decode compute). N = 1 with c = 1 is T_split.
+  Full recomputation (c = 0) sends the ids only; the decode side's chunked prefill of all L
+  layers costs τ + E + Σ_i (r0 + L γ_i) + J.
   Without per-call and per-chunk costs it never loses to the full prefill; more chunks can lose
   to fewer where a chunk's quantize delays the next chunk's compute, or a late chunk's attention
   (s > 0) outweighs what it hides (tested).
@@ -82,6 +85,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from fractions import Fraction
 from itertools import accumulate
 from pathlib import Path
 from typing import Any
@@ -241,9 +245,9 @@ class Profile:
 
     def chunk_layer(self, chunk: int, chunks: int) -> float:
         """γ_i: one layer's compute of token chunk `chunk` of `chunks` (module docstring)."""
-        s, n = self.attention_share, chunks
-        share = (1 - s) / n + s * (2 * chunk + 1) / n**2
-        return self.suffix_layer_ms * share + (chunk > 0) * self.chunk_layer_ms
+        return (self.suffix_layer_ms * chunk_share(self.seq_len, chunk, chunks,
+                                                   self.attention_share)
+                + (chunk > 0) * self.chunk_layer_ms)
 
     def _check_bits(self, bits: int) -> None:
         if bits not in self.quantize_ms:
@@ -359,6 +363,15 @@ def predicted_ms(profile: Profile, action: Action, schedule: str = Schedule.OVER
     return ready + (prompt_compute_ms(profile, profile.num_layers) if prompt else 0)
 
 
+def chunk_share(seq_len: int, chunk: int, chunks: int, attention_share: float) -> float:
+    """Chunk `chunk`'s share of a prompt layer's γ: its T_i of S tokens, and its attention over
+    the w_i cache positions of its bucket (`sizes.attention_width`) where the prompt program's
+    covers all S (masked): (1 - s) T_i / S + s T_i w_i / S²."""
+    start, stop = sizes.token_chunks(seq_len, chunks)[chunk]
+    tokens, width, s = stop - start, sizes.attention_width(stop, seq_len), attention_share
+    return Fraction(tokens, seq_len**2) * (seq_len * (1 - s) + s * width)  # exact for rational s
+
+
 def chunked_ms(profile: Profile, action: Action, chunks: int) -> float:
     """T_chunked of `action` (ready interval): the flow line of the module docstring."""
     p, ph = profile, phase_ms(profile, action)
@@ -381,8 +394,10 @@ def pipelined_ms(profile: Profile, action: Action, chunks: int, schedule: str = 
     p = profile
     phase_ms(p, action)  # validates the action against the profile
     c, L, b, n = action.cut, p.num_layers, action.bits, chunks
-    if c == 0:  # only the ids cross
-        return streamed_ms(p, action, schedule)
+    if c == 0:  # only the ids cross: the decode side's chunked prefill of all L layers
+        tokens = p.boundary_fixed_ms + transfer_ms(p.token_bytes, p.link_gbps)
+        return (tokens + p.embed_ms + sum(p.suffix_fixed_ms + L * p.chunk_layer(i, n)
+                                          for i in range(n)) + p.join_ms[ActionKind.RECOMPUTE])
     quantize = p.quantize_fixed_ms + c * p.quantize_ms[b] / n if b < 16 else 0  # a
     payload = p.message_ms + p.restore_fixed_ms[b] + c * p.beta(b) / n
     piece = p.message_ms + (transfer_ms(p.boundary_bytes, p.link_gbps) / n if c < L else 0)

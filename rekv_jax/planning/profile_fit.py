@@ -18,7 +18,7 @@ from rekv_jax import sizes
 from rekv_jax.action import ACTION_KINDS, Action
 from rekv_jax.config import ModelConfig
 from rekv_jax.phases import Phases, PrefillMode
-from rekv_jax.planning.costmodel import Profile
+from rekv_jax.planning.costmodel import Profile, chunk_share
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,8 +94,10 @@ def fit_profile(cfg: ModelConfig, records: Sequence[Measurement], hardware: str,
     suf = [r for r in records if r.action.cut < L]
     has_embed = any(r.action.cut == 0 for r in suf)
     has_chunks = any(r.chunks > 1 for r in suf)
+    share = sizes.attention_share(cfg, seq_len)
     r0, gamma, *extra = _lstsq(
-        [[float(r.chunks), float(r.action.suffix_len)]
+        [[float(r.chunks), r.action.suffix_len * sum(chunk_share(seq_len, i, r.chunks, share)
+                                                     for i in range(r.chunks))]
          + ([float(r.action.cut == 0)] if has_embed else [])
          + ([float(r.action.suffix_len * (r.chunks - 1))] if has_chunks else []) for r in suf],
         [r.phases_ms.suffix for r in suf], "suffix times")
@@ -112,7 +114,20 @@ def fit_profile(cfg: ModelConfig, records: Sequence[Measurement], hardware: str,
         restore_fixed_ms=dict(zip(low, restore_fixed, strict=True)),
         suffix_layer_ms=gamma, join_ms=join, embed_ms=embed, quantize_fixed_ms=q0,
         boundary_fixed_ms=h0, message_ms=m, suffix_fixed_ms=r0, chunk_layer_ms=kappa,
-        attention_share=sizes.attention_share(cfg, seq_len))
+        attention_share=share)
+
+
+def attention_shares(profiles: Sequence[Profile]) -> list[Profile]:
+    """`profiles` of one model at two or more lengths, each with the attention share its γ
+    implies: γ(S) = a S + b S² fitted over the lengths (nonnegative), s(S) = b S² / γ(S). FLOPs
+    understate it on hardware where attention runs slower than the projections (on this CPU,
+    tiny-7b at 512 tokens: 0.63 measured, 0.22 from FLOPs), and it sets what token chunks save."""
+    if len({p.seq_len for p in profiles}) < 2 or len({p.model for p in profiles}) != 1:
+        raise ValueError("attention shares need profiles of one model at two or more lengths")
+    a, b = _lstsq([[p.seq_len, p.seq_len**2] for p in profiles],
+                  [p.suffix_layer_ms for p in profiles], "attention shares")
+    return [dataclasses.replace(p, attention_share=min(1.0, b * p.seq_len**2 / p.suffix_layer_ms))
+            if p.suffix_layer_ms > 0 else p for p in profiles]
 
 
 def _lstsq(rows: list[list[float]], ys: list[float], what: str) -> list[float]:

@@ -146,16 +146,22 @@ def sweep(preset: SweepPreset, out: Path, reps: int = 30, warmup: int = 3, pin: 
                 except ValueError as e:
                     no_start.append(f"{_setup_text(model, exp.seq_len, link)} ({e})")
             starts += start.values()
-            fits = {}  # length -> the fit of its grid on the paced link
+            fits, fitted = {}, []  # length -> the fit of its grid on the paced link; all fits
             for exp in grid_experiments(preset, model, link, start, reps, warmup):
                 got = _logged(pair.run(exp), log, records)  # every action, both schedules
                 try:
-                    prof = fit(cfg, got)
+                    fitted.append(fit(cfg, got))
                 except ValueError as e:
                     unfitted.append(f"{_setup_text(model, exp.seq_len, exp.link_gbps)} ({e})")
                     continue
                 if exp.link_gbps == link:
-                    fits[exp.seq_len] = prof
+                    fits[exp.seq_len] = fitted[-1]
+            if len(fits) > 1:  # attention's share of γ, measured over the lengths
+                measured = dict(zip(map(id, fits.values()),
+                                    profile_fit.attention_shares(list(fits.values())), strict=True))
+                fitted = [measured.get(id(p), p) for p in fitted]
+                fits = {s: measured[id(p)] for s, p in fits.items()}
+            for prof in fitted:
                 profiles.append(prof)
                 log.write(json.dumps(prof.to_json()) + "\n")
             # Fig. 3 and batch runs take their cut from the start profile, else the grid's fit
