@@ -80,8 +80,8 @@ def fit_profile(cfg: ModelConfig, records: Sequence[Measurement], hardware: str,
                         + [float(bits == b) for b in fixed])
             ys.append(ph.prefix)
     h0, m, inv_w, *rest = _lstsq(rows, ys, "boundary and prefix times")
-    restore = rest[:len(low)]
-    restore_fixed = [dict(zip(fixed, rest[len(low):], strict=True)).get(b, 0.0) for b in low]
+    restore, fixed_of = rest[:len(low)], dict(zip(fixed, rest[len(low):], strict=True))
+    restore_fixed = [fixed_of.get(b, 0.0) for b in low]
     if not inv_w > 0:
         raise ValueError("cannot fit a link bandwidth: transfer time does not grow with bytes")
     # Quantize: [q0 (per call: one per chunk), α_b for b in low].
@@ -121,7 +121,7 @@ def attention_shares(profiles: Sequence[Profile]) -> list[Profile]:
     """`profiles` of one model at two or more lengths, each with the attention share its γ
     implies: γ(S) = a S + b S² fitted over the lengths (nonnegative), s(S) = b S² / γ(S). FLOPs
     understate it on hardware where attention runs slower than the projections (on this CPU,
-    tiny-7b at 512 tokens: 0.63 measured, 0.22 from FLOPs), and it sets what token chunks save."""
+    tiny-7b at 512 tokens: 0.67 measured, 0.22 from FLOPs), and it sets what token chunks save."""
     if len({p.seq_len for p in profiles}) < 2 or len({p.model for p in profiles}) != 1:
         raise ValueError("attention shares need profiles of one model at two or more lengths")
     a, b = _lstsq([[p.seq_len, p.seq_len**2] for p in profiles],
