@@ -25,6 +25,7 @@ from rekv_jax.study.sweep_plan import (
     action_grid,
     balanced_grid,
     best_cut,
+    chunked_cut,
 )
 
 TINY = ModelConfig.preset("tiny")
@@ -62,6 +63,22 @@ def test_balanced_grid_is_the_balanced_cut_and_its_neighbours():
     fast = balanced_grid(_synthetic_profile(link_gbps=4.0), (8,), spread=0)
     assert [a.cut for a in fast if a.kind == "joint"] == [14, 16, 17]  # 112/8, 112/6.625
     assert best_cut(_synthetic_profile(), 16) in (5, 6)
+
+
+def test_chunked_grid_adds_the_cut_the_chunked_schedule_prefers():
+    """A token-chunked boundary starts the suffix after 1/N of h_c, so with a boundary worth
+    several layers the chunked schedule is fastest at a longer suffix than the overlapped one:
+    the grid runs that cut too, and only when the sweep chunks."""
+    prof = dataclasses.replace(_synthetic_profile(), boundary_bytes=60_000_000)  # 60 ms of h_c
+    L, plain = prof.num_layers, balanced_grid(prof, (8,), spread=0)
+    cut = chunked_cut(prof, 8, 4)
+    chunked = lambda c: cm.predicted_ms(prof, Action(8, c, L), "chunked", chunks=4)  # noqa: E731
+    assert chunked(cut) == min(chunked(c) for c in range(1, L))
+    assert cut < best_cut(prof, 8)  # more suffix layers fit behind the earlier start
+    assert chunked(cut) < chunked(best_cut(prof, 8))
+    grid = balanced_grid(prof, (8,), spread=0, chunks=4)
+    assert set(grid) - set(plain) == {Action(8, cut, L)}
+    assert balanced_grid(prof, (8,), spread=0, chunks=1) == plain
 
 
 def test_balanced_grid_stays_interior():

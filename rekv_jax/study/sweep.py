@@ -145,6 +145,9 @@ def sweep(preset: SweepPreset, out: Path, reps: int = 30, warmup: int = 3, pin: 
                     start[exp.seq_len] = fit(cfg, pair.run(exp))
                 except ValueError as e:
                     no_start.append(f"{_setup_text(model, exp.seq_len, link)} ({e})")
+            if len(start) > 1:  # attention's share of γ over the lengths: what chunks save
+                start = dict(zip(start, profile_fit.attention_shares(list(start.values())),
+                                 strict=True))
             starts += start.values()
             fits, fitted = {}, []  # length -> the fit of its grid on the paced link; all fits
             for exp in grid_experiments(preset, model, link, start, reps, warmup):

@@ -90,12 +90,13 @@ SWEEP_PRESETS = {
     # default): the link paced to the paper's ratio, calibrated on the decode side's core at
     # 512 tokens. The grid is the balanced one of a start profile per length (BF16 recompute
     # and joint Q8 near c*, the paper's Table 1 mechanisms); no crossover, Fig. 3 or batch
-    # runs. Joint actions also run the token-chunked boundary (issue 20), in 2 chunks. 20 reps:
-    # with 30 it took 14 min 20 s on this idle machine, and issue 20 asks for 12 minutes.
+    # runs. Joint actions also run the token-chunked boundary (issue 20), in 2 chunks, with Q8
+    # also at the cut the chunked schedule is predicted fastest at. 16 reps: with 30 (and no
+    # chunked cut) it took 14 min 20 s on this idle machine, and issue 20 asks for 12 minutes.
     "cpu-paper": SweepPreset(models=("tiny-7b",), lengths=(256, 512), suffix_lens=(),
                              transport="transfer-server", link_gbps=None, crossover_factors=(),
                              joint_bits=(8,), cut_spread=0,
-                             schedules=tuple(Schedule), chunks=2, reps=20),
+                             schedules=tuple(Schedule), chunks=2, reps=16),
 }
 
 # `--quick`: the same study on fewer models, lengths and cuts (use with fewer reps). The GPU
@@ -121,10 +122,12 @@ def action_grid(cfg: ModelConfig, suffix_lens: tuple[int, ...], joint_bits: tupl
     return actions + [Action(16, 0, L)]
 
 
-def balanced_grid(prof: costmodel.Profile, joint_bits: tuple[int, ...], spread: int = 1
-                  ) -> list[Action]:
+def balanced_grid(prof: costmodel.Profile, joint_bits: tuple[int, ...], spread: int = 1,
+                  chunks: int = 1) -> list[Action]:
     """BF16 / Q8 / Q4 transfer-only; per precision (BF16: recompute-only) the profile's balanced
-    cuts (Prop. 2) and `spread` interior cuts either side; and full recomputation.
+    cuts (Prop. 2) and `spread` interior cuts either side; `chunks` > 1: per joint precision also
+    the cut predicted fastest in that many token chunks (`chunked_cut`: an earlier start of the
+    suffix moves it to longer suffixes); and full recomputation.
 
     The fit of its records needs two distinct interior cuts (the suffix's fixed and per-layer
     costs) and, per precision, one besides `c = L` (the prefix's): when every balanced cut is
@@ -133,8 +136,10 @@ def balanced_grid(prof: costmodel.Profile, joint_bits: tuple[int, ...], spread: 
     actions = [Action(b, L, L) for b in (16, 8, 4)]
     for bits in (16, *joint_bits):
         cuts = prof.balanced_cut(bits)[1]
-        actions += [Action(bits, c, L) for c in range(min(cuts) - spread, max(cuts) + spread + 1)
-                    if 0 < c < L]
+        grid = set(range(min(cuts) - spread, max(cuts) + spread + 1))
+        if chunks > 1 and bits != 16:
+            grid.add(chunked_cut(prof, bits, chunks))
+        actions += [Action(bits, c, L) for c in sorted(grid) if 0 < c < L]
     interior = {a.cut for a in actions if 0 < a.cut < L}
     if len(interior) == 1 and L > 2:
         (c,) = interior
@@ -148,6 +153,13 @@ def best_cut(prof: costmodel.Profile, bits: int) -> int:
     L = prof.num_layers
     return min(prof.balanced_cut(bits)[1],
                key=lambda c: costmodel.predicted_ms(prof, Action(bits, c, L)))
+
+
+def chunked_cut(prof: costmodel.Profile, bits: int, chunks: int) -> int:
+    """The interior cut of `bits` the profile predicts fastest under the chunked schedule."""
+    L = prof.num_layers
+    return min(range(1, L), key=lambda c: costmodel.predicted_ms(
+        prof, Action(bits, c, L), Schedule.CHUNKED, chunks=chunks))
 
 
 def far_cuts(num_layers: int) -> list[int]:
@@ -189,9 +201,11 @@ def grid_experiments(preset: SweepPreset, model: str, link: float,
                      ) -> list[Experiment]:
     """`model`'s grid runs: per link block (paced, then unpaced) and length, the balanced grid
     of its start profile (`start`: length -> profile), else the fixed grid; both schedules."""
+    chunks = preset.chunks if Schedule.CHUNKED in preset.schedules else 1
+
     def actions(s: int) -> list[Action]:
         if s in start:
-            return balanced_grid(start[s], preset.joint_bits, preset.cut_spread)
+            return balanced_grid(start[s], preset.joint_bits, preset.cut_spread, chunks)
         return action_grid(load_config(model), suffix_lens(preset, model), preset.joint_bits)
 
     return [Experiment(model=model, seq_len=s, actions=tuple(actions(s)),
