@@ -3,7 +3,8 @@
 Ready interval: the best `chunked` joint action over the best `overlapped` joint action (issue
 20's target: >= 1.08). Prompt interval: the best `pipelined` action over the best `full` and the
 best `split` action (>= 1.5, >= 1.3). Each best is the smallest median over the summaries of
-one file set; only checked records count (first token matched, no cache mismatch).
+one file set and setup (model, prompt length, batch); only checked records count (first
+token matched, no cache mismatch). One JSON line per setup.
 
     PYTHONPATH=. python scripts/chunked_ratios.py ready.jsonl [more.jsonl ...]
 """
@@ -34,6 +35,17 @@ def best(summaries: list[Summary], joint: bool, **match: str) -> Summary | None:
 def main(paths: list[str]) -> None:
     summaries = [Summary.from_json(r) for p in paths for r in read_jsonl(p)
                  if r.get("kind") == "summary"]
+    setups: dict[tuple[str, int, int], list[Summary]] = {}
+    for s in summaries:
+        setups.setdefault((s.model, s.seq_len, s.batch), []).append(s)
+    for (model, seq_len, batch), group in sorted(setups.items()):
+        ratios = setup_ratios(group)
+        if ratios:
+            print(json.dumps({"model": model, "seq_len": seq_len, "batch": batch, **ratios}))
+
+
+def setup_ratios(summaries: list[Summary]) -> dict[str, dict[str, object]]:
+    """The speedups of one setup's summaries, each with its target, best and baseline."""
     ready, prompt = Interval.READY, Interval.PROMPT
     pipelined = best(summaries, False, prefill=PrefillMode.PIPELINED)
     pairs = {"chunked_over_overlapped": (best(summaries, True, schedule=Schedule.CHUNKED,
@@ -51,7 +63,7 @@ def main(paths: list[str]) -> None:
         out[name] = {"ratio": old.median_ms / new.median_ms, "target": TARGETS[name],
                      "best": f"{new.action} {new.schedule} N={new.chunks}: {new.median_ms:.2f} ms",
                      "baseline": f"{old.action} {old.schedule}: {old.median_ms:.2f} ms"}
-    print(json.dumps(out))
+    return out
 
 
 if __name__ == "__main__":

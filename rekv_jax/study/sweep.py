@@ -59,11 +59,7 @@ class Pair:
 
     def __init__(self, model: str, cache_dir: Path | None = None, timeout: float = 1800.0,
                  pin: bool = True) -> None:
-        env = dict(os.environ)
-        if cache_dir is not None:
-            env |= {"JAX_COMPILATION_CACHE_DIR": str(cache_dir),
-                    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-                    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+        env = dict(os.environ) | compile_cache_env(cache_dir)
         self._timeout = timeout  # per experiment
         self._session = CliSession(["handoff", "--json", "--session"] + ["--no-pin"] * (not pin),
                                    f"handoff pair ({model})", env)
@@ -91,13 +87,24 @@ def run_experiment(exp: Experiment, cache_dir: Path | None = None, timeout: floa
         return pair.run(exp)
 
 
-def calibrate_pair_link(model: str, seq_len: int, transport: str, pin: bool = True
-                        ) -> LinkCalibration:
+def compile_cache_env(cache_dir: Path | None) -> dict[str, str]:
+    """The environment that makes a child persist every program it compiles in `cache_dir`
+    (none: no change), so the processes of a sweep compile each one once."""
+    if cache_dir is None:
+        return {}
+    return {"JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def calibrate_pair_link(model: str, seq_len: int, transport: str, pin: bool = True,
+                        cache_dir: Path | None = None) -> LinkCalibration:
     """`calibrate_link` in a child on the cores a pair's decode side gets (`pin`: its own half;
-    else all of them)."""
+    else all of them); with `cache_dir`, the programs it compiles (the weights' draws, the
+    layer) persist there for the pair that follows."""
     env = pair_environments(visible_gpus(), os.environ, transport=transport,
                             cpus=usable_cpus() if pin else None)["decode"]
-    return calibrate_link_in_child(model, seq_len, env)
+    return calibrate_link_in_child(model, seq_len, env | compile_cache_env(cache_dir))
 
 
 def fit(cfg: ModelConfig, records: list[Summary]) -> costmodel.Profile:
@@ -135,7 +142,7 @@ def sweep(preset: SweepPreset, out: Path, reps: int = 30, warmup: int = 3, pin: 
         # the link first, uncontended (it times the suffix); each next pair starts (loads its
         # modules) while the last one exits
         link = preset.link_gbps or calibrate_pair_link(
-            models[0], preset.mid_length, preset.transport, pin).link_gbps
+            models[0], preset.mid_length, preset.transport, pin, Path(tmp)).link_gbps
         pair = running.enter_context(Pair(models[0], Path(tmp), pin=pin))
         for i, model in enumerate(tqdm(models, desc="sweep", unit="pair", file=sys.stderr)):
             cfg = load_config(model)

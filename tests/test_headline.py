@@ -1,0 +1,62 @@
+"""The README's headline figures follow from the committed records it cites
+(`results/tiny-7b/`): the suite fails when a record or the README changes and they no longer
+agree, or when a figure falls below issue 20's target."""
+
+import importlib.util
+from pathlib import Path
+
+from rekv_jax.study import tables
+from rekv_jax.study.chunked_table import chunked_rows
+from rekv_jax.study.records import Summary, read_summaries
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "results" / "tiny-7b"
+_spec = importlib.util.spec_from_file_location("chunked_ratios",
+                                               ROOT / "scripts" / "chunked_ratios.py")
+chunked_ratios = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(chunked_ratios)
+
+
+def _here(label: str) -> str:
+    """The `here` cell of the README headline row `label`."""
+    rows = [line for line in (ROOT / "README.md").read_text().splitlines()
+            if line.startswith(f"| {label} |")]
+    assert len(rows) == 1, f"the README has {len(rows)} headline rows {label!r}"
+    return rows[0].split("|")[2].strip()
+
+
+def _summaries(*names: str) -> list[Summary]:
+    return [s for name in names for s in read_summaries(RESULTS / name)]
+
+
+def _ratio(name: str, *files: str) -> float:
+    (ratios,) = [chunked_ratios.setup_ratios(_summaries(*files))]
+    return ratios[name]["ratio"]
+
+
+def test_table1_headline_is_run_1s():
+    row = {r.seq_len: r for r in tables.table1_rows(_summaries("cpu-paper/sweep.jsonl"))}[256]
+    assert row.clean
+    assert _here("joint Q8 vs BF16 transfer, 256 tokens") == f"{row.joint_vs_bf16.x:.2f}×"
+    assert _here("joint Q8 vs the best single mechanism, 256 tokens") == (
+        f"{row.joint_vs_single.x:.2f}×")
+    assert row.joint_vs_bf16.x >= 1.9 and row.joint_vs_single.x >= 1.05
+
+
+def test_chunked_headline_is_run_2s_and_run_1s():
+    n2 = _ratio("chunked_over_overlapped", "ready512-n2.jsonl")
+    n4 = _ratio("chunked_over_overlapped", "ready512-n4.jsonl")
+    assert _here("best chunked joint vs best overlapped joint, 512 tokens") == (
+        f"{n2:.2f}× (N = 2; N = 4: {n4:.2f}×)")
+    assert max(n2, n4) >= 1.08
+    sweep = {r.seq_len: r.speedup.x for r in chunked_rows(_summaries("cpu-paper/sweep.jsonl"))}
+    assert _here("the same in run 1 (N = 2), 512 / 256 tokens") == (
+        f"{sweep[512]:.2f}× / {sweep[256]:.2f}×")
+
+
+def test_pipelined_headline_is_run_3s():
+    files = ("p-full.jsonl", "p-split.jsonl", "p-pipe.jsonl")
+    full, split = (_ratio(f"pipelined_over_{m}", *files) for m in ("full", "split"))
+    assert _here("pipelined prefill vs full, prompt to first token, 512 tokens") == f"{full:.2f}×"
+    assert _here("pipelined vs split prefill, 512 tokens") == f"{split:.2f}×"
+    assert full >= 1.5 and split >= 1.3
