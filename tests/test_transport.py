@@ -82,6 +82,32 @@ def test_local_roundtrip_is_exact_and_acknowledged():
     assert prefill.recv_meta("result", timeout=10) == {"first_token": 3}
 
 
+def test_held_acks_go_on_release_and_before_a_failed_receives():
+    """A handoff holds its "ok" acks until its first token is out (`hold_acks`): the sender
+    sees none before `release_acks`, all of them after; a failed receive sends the held ones,
+    then its error, so the sender never waits on an ack that was held back."""
+    prefill, decode = LocalTransport.pair()
+    sent = prefix_payload()
+    decode.hold_acks()
+    for tag in ("a", "b"):
+        prefill.send(tag, sent)
+        decode.recv(tag, specs(sent), timeout=10)
+    with pytest.raises(TransportTimeout):
+        prefill.wait_ack("a", timeout=0.2)
+    decode.release_acks()
+    prefill.wait_ack("a", timeout=10)
+    prefill.wait_ack("b", timeout=10)
+    decode.hold_acks()
+    prefill.send("c", sent)
+    decode.recv("c", specs(sent), timeout=10)
+    prefill.send("d", prefix_payload(rows=7))
+    with pytest.raises(ValueError, match="prefill sent buffers"):
+        decode.recv("d", specs(prefix_payload(rows=8)), timeout=10)
+    prefill.wait_ack("c", timeout=10)  # released by the failure, ahead of its own ack
+    with pytest.raises(ValueError, match="decode expects"):
+        prefill.wait_ack("d", timeout=10)
+
+
 def test_shape_mismatch_raises_on_both_sides():
     prefill, decode = LocalTransport.pair()
     prefill.send("p", prefix_payload(rows=7))

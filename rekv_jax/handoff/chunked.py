@@ -117,6 +117,7 @@ def receive_chunked(transport: Transport, cfg: ModelConfig, params: Params, acti
     prefix_tags = [f"{tag}/prefix{i}" for i in range(len(ranges))] if pipelined else [
         f"{tag}/prefix"]
     prefix_shapes = [(batch, b - a, c) for a, b in ranges] if pipelined else [(batch, seq_len, c)]
+    transport.hold_acks()  # posted once the first token is out (`outcome`)
     transport.agree(f"{tag}/go", {}, timeout)
     t0 = time.perf_counter()
     # every message is pulled from the start, in the order sent, so the link moves them back to

@@ -230,6 +230,7 @@ def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, acti
                  ActionKind.RECOMPUTE: []}[action.kind]
     else:
         specs = [token_spec, first_spec] + [h_c_spec] * (action.kind == ActionKind.JOINT)
+    transport.hold_acks()  # posted once the first token is out (`outcome`)
     transport.agree(f"{tag}/go", {}, timeout)
     t0 = time.perf_counter()
     boundary_in = threading.Event()  # the boundary's receive ended (its bytes are paced first)

@@ -79,6 +79,7 @@ def outcome(transport: Transport, tag: str, timeout: float, t0: float, prefix: K
     first = sent_first if logits is None else jnp.argmax(logits, axis=-1).astype(jnp.int32)
     kv, first = jax.block_until_ready((kv, first))
     t_end = time.perf_counter()
+    transport.release_acks()  # held since the handoff began (`Transport.hold_acks`)
 
     sent = PrefillTimes.from_json(transport.recv_meta(f"{tag}/prefill", timeout))
     suffix_match = None  # compared after the interval: a device-to-host sync

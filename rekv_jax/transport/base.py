@@ -146,6 +146,7 @@ class Transport:
         # work beside the caller's own thread (the decode side's background receive); one
         # persistent thread per end, stopped by `close`
         self.background = Worker(f"rekv-{role}-background")
+        self._held_acks: list[str] | None = None  # decode side: ok-acks held (`hold_acks`)
 
     def set_link(self, link_gbps: float | None) -> None:
         """Pace later receives to a link of `link_gbps` GB/s (None: unpaced): each experiment of
@@ -257,9 +258,13 @@ class Transport:
                 raise TransportError(f"{tag}: checksum mismatch in buffer(s) {bad}: "
                                      "corrupted payload")
         except TransportError as e:
+            self.release_acks()
             self._channel.post(f"{tag}/ack", f"error: {e}")
             raise
-        self._channel.post(f"{tag}/ack", "ok")
+        if self._held_acks is None:
+            self._channel.post(f"{tag}/ack", "ok")
+        else:
+            self._held_acks.append(tag)
         if self._pacer is not None:  # one link per receiving device (sharded sides)
             if paced_after is not None:
                 paced_after.wait(max(0.0, deadline - time.monotonic()))
@@ -268,6 +273,20 @@ class Transport:
                 per_device[frozenset(a.devices())] += a.nbytes
             self._pacer.wait(max(per_device.values()), start)
         return arrays
+
+    def hold_acks(self) -> None:
+        """Decode side: hold the "ok" acks of later receives until `release_acks` (a failed
+        receive's ack, and every held one before it, go at once). The sender waits for acks only
+        at its end, and each is a control-channel message whose cost would fall inside a timed
+        handoff, on the decode side's cores."""
+        self.release_acks()
+        self._held_acks = []
+
+    def release_acks(self) -> None:
+        """Post the held acks, in order, and stop holding (a no-op when none are held)."""
+        held, self._held_acks = self._held_acks, None
+        for tag in held or ():
+            self._channel.post(f"{tag}/ack", "ok")
 
     def _recheck_header(self, tag: str, expected: list, deadline: float) -> None:
         """`_check_header` after a failed pull (`pull_first`): a header that cannot be read
@@ -283,6 +302,7 @@ class Transport:
             msg = f"{tag}: prefill sent buffers {sent}, decode expects {expected}"
             if self.go_ahead:
                 self._channel.put(f"{tag}/ready", "mismatch: " + msg)
+            self.release_acks()
             self._channel.post(f"{tag}/ack", "mismatch: " + msg)
             raise ValueError(msg)
 
@@ -322,6 +342,7 @@ class Transport:
     def close(self, timeout: float = 10.0) -> None:
         """Release the link and stop this end's threads (idempotent, bounded by `timeout`)."""
         if not self._closed:
+            self.release_acks()
             self._closed = True
             self.background.close()
             self._close(timeout)

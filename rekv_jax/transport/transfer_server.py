@@ -60,8 +60,10 @@ class TransferServerTransport(Transport):
             self._secret = bytes.fromhex(channel.get("transfer-server/secret", timeout))
         self._pending: dict[str, list[jax.Array]] = {}  # sent, not yet acknowledged
         # a pull returns at once and its buffers fill in from the server's threads: the decode
-        # side blocks on them here, bounded, instead of polling `is_ready`
-        self._waiter = Worker("rekv-pull")
+        # side blocks on them here, bounded, instead of polling `is_ready`; one waiter per
+        # receiving thread (the caller's, `background`), so that a receive on one does not queue
+        # behind the other's wait for its bytes
+        self._waiters = {False: Worker("rekv-pull"), True: Worker("rekv-pull-background")}
         self._lander = Worker("rekv-landing")  # notes when prefetched pulls land, in send order
 
     def _push(self, tag: str, arrays: list[jax.Array], deadline: float) -> None:
@@ -91,11 +93,12 @@ class TransferServerTransport(Transport):
         """On the waiter thread (bounded): wait for the pulled bytes, note when they landed, then
         checksum them. The landing time is the paced link's: the checksum program queues behind
         whatever the device computes meanwhile (the overlapped suffix), the bytes do not."""
+        waiter = self._waiters[self.background.on_thread()]
         try:
-            return wait_for(self._waiter.submit(_landed_then_verdict, arrays, sums, landing),
+            return wait_for(waiter.submit(_landed_then_verdict, arrays, sums, landing),
                             deadline, self._channel.peer_alive, tag)
         except TransportError:  # timed out or the peer died: the waiter is stuck on the pull
-            self._waiter.abandon()
+            waiter.abandon()
             raise
         except jax.errors.JaxRuntimeError as e:  # a failed pull materializes as an error buffer
             raise TransportError(f"{tag}: transfer failed: {e}") from e
@@ -105,7 +108,8 @@ class TransferServerTransport(Transport):
 
     def _close(self, timeout: float) -> None:
         self._pending.clear()
-        self._waiter.close()
+        for waiter in self._waiters.values():
+            waiter.close()
         self._lander.close()
         distributed.shutdown(self._channel, timeout)
 

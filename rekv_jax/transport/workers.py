@@ -50,6 +50,10 @@ class Worker:
                 except BaseException as e:  # handed to whoever waits on the future
                     future.set_exception(e)
 
+    def on_thread(self) -> bool:
+        """Whether the calling thread is this worker's."""
+        return threading.current_thread() is self._thread
+
     def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
         if self._jobs is None:
             raise TransportError(f"{self._name}: worker is closed")
@@ -92,9 +96,10 @@ def wait_for(future: concurrent.futures.Future[T], deadline: float,
     every `LIVENESS_S`: a blocking wait inside the runtime would not return if the peer died)."""
     while True:
         remaining = deadline - time.monotonic()
-        done, _ = concurrent.futures.wait([future], timeout=max(0.0, min(LIVENESS_S, remaining)))
-        if done:
-            return future.result()
+        try:  # waits on the future's own condition: no waiter object per call
+            return future.result(timeout=max(0.0, min(LIVENESS_S, remaining)))
+        except concurrent.futures.TimeoutError:
+            pass
         if time.monotonic() >= deadline:
             raise TransportTimeout(f"{what}: payload did not arrive before the timeout")
         if not peer_alive():
