@@ -24,7 +24,9 @@ message is on its critical path.
 
 A `go_ahead` transport (the collective: both sides must enter its program, and mismatched specs
 must never reach it) pushes after the header instead, once the decode side's `put TAG/ready`
-said the specs matched; it is the only one with a message the sender waits for mid-phase.
+has come: the specs it expects, put before it reads the header. Each side compares the header
+with them and enters the program only if they match, so the go-ahead costs no second round trip;
+it is the only message the sender waits for mid-phase.
 
 The checksums are computed on the sender's device and travel as one more buffer beside the ones
 they check, so the sender never waits for them and no message carries them. `post` is a put
@@ -85,6 +87,11 @@ def peer_of(role: Role) -> Role:
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     return "decode" if role == "prefill" else "prefill"
+
+
+def mismatch_text(tag: str, sent: list, expected: list) -> str:
+    """The error both sides raise when the sender's buffer specs are not the receiver's."""
+    return f"{tag}: prefill sent buffers {sent}, decode expects {expected}"
 
 
 def spec_of(x: jax.Array | jax.ShapeDtypeStruct) -> list:
@@ -234,12 +241,13 @@ class Transport:
         self._require("decode", "recv")
         deadline = time.monotonic() + timeout
         expected = [spec_of(s) for s in specs]
+        wire = [*specs, checksums_spec(specs)]  # what crosses: the buffers, then checksums
+        if self.go_ahead:  # put, not post: the sender is waiting for it; put before the header
+            # is read, since the sender compares the specs too (one round trip, not two)
+            self._channel.put(f"{tag}/ready", self._ready(wire, expected))
         if not self.pull_first:
             self._check_header(tag, expected, timeout)
         start = time.monotonic()  # when the header came (`pull_first`: when the bytes did)
-        wire = [*specs, checksums_spec(specs)]  # what crosses: the buffers, then checksums
-        if self.go_ahead:  # put, not post: the sender is waiting for it
-            self._channel.put(f"{tag}/ready", self._ready(wire))
         try:
             try:
                 (*arrays, sums), landing = self._take_pull(tag, wire, deadline)
@@ -299,9 +307,7 @@ class Transport:
         not `expected`. A header that does not come is a TransportError (a timeout)."""
         sent = json.loads(self._channel.get(f"{tag}/header", timeout))
         if sent != expected:
-            msg = f"{tag}: prefill sent buffers {sent}, decode expects {expected}"
-            if self.go_ahead:
-                self._channel.put(f"{tag}/ready", "mismatch: " + msg)
+            msg = mismatch_text(tag, sent, expected)
             self.release_acks()
             self._channel.post(f"{tag}/ack", "mismatch: " + msg)
             raise ValueError(msg)
@@ -387,9 +393,10 @@ class Transport:
     def _unwatch(self) -> None:
         """Hook: a `_watch` that may never end (its pull was discarded) is left to its thread."""
 
-    def _ready(self, specs: Sequence[jax.ShapeDtypeStruct]) -> str:
-        """Decode side (`go_ahead` transports): the go-ahead once the header matched."""
-        return "ok"
+    def _ready(self, specs: Sequence[jax.ShapeDtypeStruct], expected: list) -> str:
+        """Decode side (`go_ahead` transports): the go-ahead, JSON of the buffer specs it
+        expects (`expect`), which the sender compares with its own before it pushes."""
+        return json.dumps({"expect": expected})
 
     def _acked(self, tag: str) -> None:
         """Hook: the decode side is done with `tag` (the sender may drop its buffers)."""

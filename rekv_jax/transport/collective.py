@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from rekv_jax.errors import TransportError
 from rekv_jax.transport import distributed
-from rekv_jax.transport.base import Role, Transport
+from rekv_jax.transport.base import Role, Transport, mismatch_text, spec_of
 from rekv_jax.transport.workers import Worker, wait_for
 
 
@@ -31,6 +31,13 @@ def _devices_by_id() -> dict[int, jax.Device]:
 
 def _device_of(spec: jax.ShapeDtypeStruct) -> jax.Device:
     return next(iter(spec.sharding.device_set))
+
+
+def _placement(specs: list[jax.ShapeDtypeStruct]) -> list[int] | None:
+    """The device id each buffer goes to, where the specs name devices (sharded sides)."""
+    if all(s.sharding is None for s in specs):
+        return None
+    return [_device_of(s).id for s in specs]
 
 
 class CollectiveTransport(Transport):
@@ -64,31 +71,31 @@ class CollectiveTransport(Transport):
         self._broken: str | None = None
 
     def _push(self, tag: str, arrays: list[jax.Array], deadline: float) -> None:
+        sent = json.loads(json.dumps([spec_of(a) for a in arrays]))  # the header's JSON form
         arrays = self._with_checksums(tag, arrays)
-        ready = self._channel.get(f"{tag}/ready", max(0.0, deadline - time.monotonic()))
-        if ready.startswith("mismatch: "):
-            raise ValueError(ready.removeprefix("mismatch: "))
-        if ready == "ok":
+        ready = json.loads(
+            self._channel.get(f"{tag}/ready", max(0.0, deadline - time.monotonic())))
+        if ready["expect"] != sent:  # the decode side finds the same in the header: neither
+            raise ValueError(mismatch_text(tag, sent, ready["expect"]))  # enters the program
+        if ready["placed"] is None:
             self._exchange(tag, [jax.device_put(a, self._device) for a in arrays], deadline)
             return
         src = [next(iter(a.devices())) for a in arrays]
         self._channel.put(f"{tag}/src", json.dumps([d.id for d in src]))
-        dst = [_devices_by_id()[i] for i in json.loads(ready.removeprefix("ok placed "))]
+        dst = [_devices_by_id()[i] for i in ready["placed"]]
         self._exchange_placed(tag, arrays, src, dst, deadline)
 
     def _pull(self, tag: str, specs: list[jax.ShapeDtypeStruct], deadline: float
               ) -> list[jax.Array]:
-        if self._ready(specs) == "ok":
+        if _placement(specs) is None:
             return self._exchange(tag, [self._blank(s) for s in specs], deadline)
         src = json.loads(self._channel.get(f"{tag}/src", max(0.0, deadline - time.monotonic())))
         return self._exchange_placed(tag, specs, [_devices_by_id()[i] for i in src],
                                      [_device_of(s) for s in specs], deadline)
 
-    def _ready(self, specs: list[jax.ShapeDtypeStruct]) -> str:
+    def _ready(self, specs: list[jax.ShapeDtypeStruct], expected: list) -> str:
         """Specs that name their devices (sharded sides) tell the sender where each buffer goes."""
-        if all(s.sharding is None for s in specs):
-            return "ok"
-        return "ok placed " + json.dumps([_device_of(s).id for s in specs])
+        return json.dumps({"expect": expected, "placed": _placement(specs)})
 
     def _blank(self, spec: jax.ShapeDtypeStruct, device: jax.Device | None = None) -> jax.Array:
         device = device or self._device
