@@ -18,7 +18,7 @@ from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
 from rekv_jax.handoff.core import prepare, receive_handoff, send_handoff
 from rekv_jax.transport import LocalTransport, TransportError, TransportTimeout, distributed
-from rekv_jax.transport.local import Board
+from rekv_jax.transport.control import Board
 from rekv_jax.transport.transfer_server import TransferServerTransport
 from rekv_jax.transport.workers import Worker, wait_for
 

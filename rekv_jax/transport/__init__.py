@@ -87,7 +87,7 @@ def connect(kind: str, role: Role, coordinator: str | None = None,
             process_id = distributed.DEFAULT_PROCESS_ID[role]
         distributed.initialize(coordinator, process_id, init_timeout_s=int(timeout),
                                heartbeat_s=heartbeat_s)
-    channel = distributed.KVChannel(stale_s=heartbeat_s)
+    channel = distributed.PeerChannel(heartbeat_s, timeout)
     if kind == "collective":
         return CollectiveTransport(role, channel, link_gbps)
     return TransferServerTransport(role, channel, link_gbps, timeout)

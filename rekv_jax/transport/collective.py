@@ -40,16 +40,35 @@ def _placement(specs: list[jax.ShapeDtypeStruct]) -> list[int] | None:
     return [_device_of(s).id for s in specs]
 
 
+def _packed(xs: tuple[jax.Array, ...]) -> jax.Array:
+    """The buffers' bytes end to end [sum of nbytes] uint8: one collective moves them all (gloo
+    and NCCL pay a fixed cost per collective, about 0.2 ms each on this CPU)."""
+    return jnp.concatenate([jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1) for x in xs])
+
+
+def _unpacked(flat: jax.Array, like: tuple[jax.Array, ...]) -> list[jax.Array]:
+    """`_packed`'s inverse: buffers shaped and typed as `like` from their bytes."""
+    out, start = [], 0
+    for x in like:
+        width = jnp.dtype(x.dtype).itemsize
+        piece = flat[start:start + x.size * width]
+        out.append(jax.lax.bitcast_convert_type(
+            piece.reshape(x.shape if width == 1 else (*x.shape, width)), x.dtype))
+        start += x.size * width
+    return out
+
+
 class CollectiveTransport(Transport):
     """Each buffer [n, ...] becomes the local block of a global [2n, ...] array sharded over the
-    process axis; the program moves the prefill block to the decode device (the decode side
-    contributes a cached zero block). The decode side confirms the header (`go_ahead`) before
-    either side enters the program, so mismatched shapes never reach the collective."""
+    process axis; the program moves the prefill blocks, packed into one byte buffer, to the
+    decode device (the decode side contributes cached zero blocks). The decode side confirms the
+    header (`go_ahead`) before either side enters the program, so mismatched shapes never reach
+    the collective."""
 
     kind = "collective"
     go_ahead = True
 
-    def __init__(self, role: Role, channel: distributed.KVChannel,
+    def __init__(self, role: Role, channel: distributed.PeerChannel,
                  link_gbps: float | None = None) -> None:
         super().__init__(role, channel, link_gbps)
         me = jax.process_index()
@@ -61,7 +80,7 @@ class CollectiveTransport(Transport):
         perm = [(src, 1 - src)]
         self._sharding = NamedSharding(mesh, P("p"))
         self._program = jax.jit(jax.shard_map(
-            lambda *xs: [jax.lax.ppermute(x, "p", perm) for x in xs],
+            lambda *xs: _unpacked(jax.lax.ppermute(_packed(xs), "p", perm), xs),
             mesh=mesh, in_specs=P("p"), out_specs=P("p")))
         # The program blocks its calling thread until the peer joins: run it on a worker thread
         # so that every wait stays bounded. One worker keeps the programs in call order.

@@ -1,5 +1,6 @@
-"""jax.distributed for the two-process handoff: bounded-failure setup, the key-value store as the
-control channel, and an ordered shutdown. Every private JAX API the package uses is in this file.
+"""jax.distributed for the two-process handoff: bounded-failure setup, the control channel between
+the two processes (`PeerChannel`), and an ordered shutdown. Every private JAX API the package
+uses is in this file.
 
 What JAX does when a peer dies (jax 0.10, seen here): the coordination service lives in process 0.
 If process 0 dies, the JAX client in process 1 aborts its process at once ("Terminating process
@@ -14,14 +15,14 @@ called it), so it serves that wait but not as a liveness probe: the channel keep
 JAX's client aborts its process (a C++ fatal error and stack) on any error it detects: a
 coordinator that never answers, or one that went away. `initialize` hands the client an error
 callback instead, which records the error: connecting then fails with a TransportError, and a peer
-lost later is reported by `KVChannel` like any other dead peer. A prefill side first waits
+lost later is reported by `PeerChannel` like any other dead peer. A prefill side first waits
 (bounded) for the coordinator's port to open, so an unreachable coordinator is a one-line error.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -31,8 +32,9 @@ import jax
 from jax._src import distributed as _jax_distributed  # private: the KV-store client
 
 from rekv_jax.errors import TransportError, TransportTimeout
+from rekv_jax.transport import control
 from rekv_jax.transport.base import Role
-from rekv_jax.transport.workers import LIVENESS_S, Worker
+from rekv_jax.transport.workers import LIVENESS_S
 
 # The decode side hosts the coordination service so that it survives the prefill side's death.
 DEFAULT_PROCESS_ID: dict[Role, int] = {"decode": 0, "prefill": 1}
@@ -141,16 +143,18 @@ def local_ip() -> str:
         return s.getsockname()[0]
 
 
-class KVChannel:
-    """Control channel over the coordination service's key-value store.
+class PeerChannel:
+    """The control channel between the two processes: messages over one direct connection
+    (`control.PeerSocket`), which the coordinator's key-value store only helps set up; liveness
+    and the ordered leave (`shutdown`) through the store.
 
     Liveness: each side bumps its own `beat` key every `stale_s / 5` s from a daemon thread; the
-    peer counts as gone once its beat has not changed for `stale_s`. (`get_live_nodes` cannot
-    serve: it is a barrier that returns only once every live task has called it.) Waits are
-    sliced so that a dead peer is reported instead of waited out. `post` hands the put to a
-    persistent poster thread, so that a caller that need not wait for the store does not."""
+    peer counts as gone once its beat has not changed for `stale_s`, or at once when its end of
+    the connection closed (a process that died). (`get_live_nodes` cannot serve: it is a barrier
+    that returns only once every live task has called it.) Waits are sliced so that a dead peer
+    is reported instead of waited out."""
 
-    def __init__(self, stale_s: float = 10.0) -> None:
+    def __init__(self, stale_s: float = 10.0, timeout: float = 60.0) -> None:
         self._client = _jax_distributed.global_state.client
         if self._client is None:
             raise ValueError("jax.distributed is not initialized")
@@ -162,33 +166,54 @@ class KVChannel:
         self._stop = threading.Event()
         self._beater = threading.Thread(target=self._beat, name="rekv-beat", daemon=True)
         self._beater.start()
-        self._poster = Worker("rekv-post")
+        self._board = control.Board()
+        self._socket = control.PeerSocket(self._open(timeout), self._board,
+                                          f"the peer process {self.peer_id} is gone "
+                                          "(its control connection closed)")
+
+    def _open(self, timeout: float) -> socket.socket:
+        """Process 0 listens where the coordinator routes (loopback on one machine) and posts
+        its address and a new secret in the store; process 1 reads them and connects."""
+        key = _PREFIX + "control"
+        if self.process_id == 0:
+            secret = control.new_secret()
+            listener, address = control.listen(local_ip())
+            with listener:
+                self._client.key_value_set(key, json.dumps([address, secret.hex()]))
+                return control.accept(listener, secret, timeout)
+        deadline = time.monotonic() + timeout
+        while True:  # the store's own wait, in slices that check the peer's beat
+            try:
+                address, secret = json.loads(self._client.blocking_key_value_get(
+                    key, max(1, int(1000 * min(LIVENESS_S, deadline - time.monotonic())))))
+                return control.connect(address, bytes.fromhex(secret), timeout)
+            except jax.errors.JaxRuntimeError as e:
+                if "DEADLINE_EXCEEDED" not in str(e) or time.monotonic() >= deadline:
+                    raise TransportError(f"the peer process {self.peer_id} did not open the "
+                                         f"control channel within {timeout:g}s: {e}") from e
+            if not self.peer_alive():
+                raise TransportError(f"the peer process {self.peer_id} is gone (before the "
+                                     "control channel opened)")
 
     def put(self, key: str, value: str) -> None:
-        try:
-            self._client.key_value_set(_PREFIX + key, value)
-        except jax.errors.JaxRuntimeError as e:
-            if "ALREADY_EXISTS" in str(e):
-                raise ValueError(f"{key!r} was already posted (tags must be unique)") from e
-            raise TransportError(f"control channel failed posting {key!r}: {e}") from e
+        """Send `key` to the peer (write-once; it does not wait for the peer to read it)."""
+        self._board.put(key, value)
+        self._socket.send(key, value)
 
     def post(self, key: str, value: str) -> None:
-        self._poster.submit(self.put, key, value)
-
-    def flush(self, timeout: float) -> None:
-        """Wait (at most `timeout` s) until every post has landed or failed; stop the poster."""
-        concurrent.futures.wait([self._poster.submit(lambda: None)], timeout)
-        self._poster.close()
+        """`put`, where a failed send is dropped (the peer's wait then finds this side gone)."""
+        self._board.put(key, value)
+        with contextlib.suppress(TransportError):
+            self._socket.send(key, value)
 
     def get(self, key: str, timeout: float) -> str:
+        """The value the peer sent under `key` (or this side did)."""
         deadline = time.monotonic() + timeout
         while True:
-            slice_ms = max(1, int(1000 * min(LIVENESS_S, deadline - time.monotonic())))
             try:
-                return self._client.blocking_key_value_get(_PREFIX + key, slice_ms)
-            except jax.errors.JaxRuntimeError as e:
-                if "DEADLINE_EXCEEDED" not in str(e):
-                    raise TransportError(f"control channel failed waiting for {key!r}: {e}") from e
+                return self._board.get(key, min(LIVENESS_S, max(0.0, deadline - time.monotonic())))
+            except TransportTimeout:
+                pass
             if not self.peer_alive():
                 raise TransportError(f"the peer process {self.peer_id} is gone "
                                      f"(no heartbeat for {self._stale_s:g}s; waiting for {key!r})")
@@ -196,8 +221,8 @@ class KVChannel:
                 raise TransportTimeout(f"nothing under {key!r} within {timeout:g}s")
 
     def peer_alive(self) -> bool:
-        if _client_error:  # the coordination service told our client the peer is gone
-            return False
+        if _client_error or not self._board.peer_alive():  # the service or the connection
+            return False  # told us the peer is gone
         try:
             beat = self._client.key_value_try_get(f"{_PREFIX}beat/{self.peer_id}")
         except jax.errors.JaxRuntimeError:  # not beating yet, or the service is gone
@@ -219,8 +244,10 @@ class KVChannel:
         waiter.start()
         waiter.join(timeout)
 
-    def stop_beating(self) -> None:
+    def stop(self) -> None:
+        """Stop beating and end the connection (after the ordered leave's messages)."""
         self._stop.set()
+        self._socket.close()
 
     def _beat(self) -> None:
         n = 0
@@ -235,17 +262,16 @@ class KVChannel:
                 return
 
 
-def shutdown(channel: KVChannel, timeout: float) -> None:
-    """Leave in order: both post 'close'; process 1 disconnects first, process 0 waits (bounded)
+def shutdown(channel: PeerChannel, timeout: float) -> None:
+    """Leave in order: both send 'close'; process 1 disconnects first, process 0 waits (bounded)
     until it has, since a JAX client whose coordinator vanishes aborts its process."""
     deadline = time.monotonic() + timeout
-    channel.flush(timeout)  # acks first: the peer may still be waiting for them
     try:
         channel.put(f"close/{channel.process_id}", "1")
         channel.get(f"close/{channel.peer_id}", max(0.0, deadline - time.monotonic()))
     except TransportError:
         pass  # the peer is gone or stuck: leave anyway
-    channel.stop_beating()
+    channel.stop()
     if channel.process_id == 0:
         channel.wait_peer_disconnected(max(0.0, deadline - time.monotonic()))
     jax.distributed.shutdown()

@@ -9,36 +9,10 @@ from typing import Any, TypeVar
 
 import jax
 
-from rekv_jax.errors import TransportTimeout
 from rekv_jax.transport.base import Transport
+from rekv_jax.transport.control import Board
 
 T = TypeVar("T")
-
-
-class Board:
-    """In-process channel: write-once keys with a condition variable; values may be any object."""
-
-    def __init__(self) -> None:
-        self._values: dict[str, object] = {}
-        self._cond = threading.Condition()
-
-    def put(self, key: str, value: object) -> None:
-        with self._cond:
-            if key in self._values:
-                raise ValueError(f"{key!r} was already posted (tags must be unique)")
-            self._values[key] = value
-            self._cond.notify_all()
-
-    post = put  # in-process, a put does not wait for anything
-
-    def get(self, key: str, timeout: float) -> object:
-        with self._cond:
-            if not self._cond.wait_for(lambda: key in self._values, timeout):
-                raise TransportTimeout(f"nothing under {key!r} within {timeout:g}s")
-            return self._values[key]
-
-    def peer_alive(self) -> bool:
-        return True
 
 
 class LocalTransport(Transport):

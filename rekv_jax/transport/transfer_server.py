@@ -40,7 +40,7 @@ class TransferServerTransport(Transport):
     kind = "transfer-server"
     pull_first = True
 
-    def __init__(self, role: Role, channel: distributed.KVChannel,
+    def __init__(self, role: Role, channel: distributed.PeerChannel,
                  link_gbps: float | None = None, timeout: float = 60.0) -> None:
         super().__init__(role, channel, link_gbps)
         self._device = jax.local_devices()[0]
@@ -49,8 +49,8 @@ class TransferServerTransport(Transport):
         self._server = transfer.start_transfer_server(self._device.client, address, [address])
         channel.put(f"transfer-server/{role}", self._server.address())
         # the run's secret: made by the prefill side (the side that serves buffers), read by the
-        # decode side through the coordinator's key-value store, where it already waits for the
-        # prefill side's address; the prefill side waits for nothing here
+        # decode side over the control channel, where it already waits for the prefill side's
+        # address; the prefill side waits for nothing here
         self._connection = None
         if role == "prefill":
             self._secret = secrets.token_bytes(SECRET_BYTES)

@@ -1,0 +1,107 @@
+"""The control channel's direct connection (`transport.control`) and the collective's packed
+buffers: frames arrive in order both ways, only the holder of the run's secret gets a connection,
+a closed connection fails waits at once, and packing moves every bit."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rekv_jax.transport import TransportError, TransportTimeout, control
+from rekv_jax.transport.collective import _packed, _unpacked
+
+
+def connected_pair(secret: bytes = b"s" * 16) -> tuple[control.Board, control.PeerSocket,
+                                                        control.Board, control.PeerSocket]:
+    """Both ends of one control connection in this process: (board, socket) per end."""
+    listener, address = control.listen("127.0.0.1")
+    with listener:
+        opened = []
+        opener = threading.Thread(target=lambda: opened.append(control.connect(address, secret,
+                                                                               10)))
+        opener.start()
+        accepted = control.accept(listener, secret, 10)
+        opener.join(10)
+    ends = []
+    for sock in (accepted, opened[0]):
+        board = control.Board()
+        ends += [board, control.PeerSocket(sock, board, "peer gone")]
+    return tuple(ends)
+
+
+def test_frames_arrive_in_order_both_ways():
+    board0, end0, board1, end1 = connected_pair()
+    keys = [f"k{i}" for i in range(200)]
+    for k in keys:
+        end1.send(k, k.upper() * 50)  # frames of several hundred bytes back to back
+    end0.send("back", "é ✓")  # any text
+    assert [board0.get(k, 10) for k in keys] == [k.upper() * 50 for k in keys]
+    assert board1.get("back", 10) == "é ✓"
+    end0.close(), end1.close()
+
+
+def test_a_closed_connection_fails_waits_at_once_and_keeps_what_came():
+    board0, end0, board1, end1 = connected_pair()
+    end1.send("came", "1")
+    assert board0.get("came", 10) == "1"
+    start = time.monotonic()
+    threading.Timer(0.2, end1.close).start()
+    with pytest.raises(TransportError, match="peer gone .*'never'"):
+        board0.get("never", 30)
+    assert time.monotonic() - start < 5  # not the timeout
+    assert not board0.peer_alive()
+    assert board0.get("came", 0) == "1"
+    end0.close()
+
+
+def test_only_the_secret_opens_a_connection():
+    secret = b"right-secret-16b"
+    listener, address = control.listen("127.0.0.1")
+    with listener:
+        tried = []
+
+        def strangers_then_peer() -> None:
+            tried.append(control.connect(address, b"wrong-secret-16b", 10))
+            tried.append(control.connect(address, secret[:-1], 10))
+            tried.append(control.connect(address, secret, 10))
+
+        opener = threading.Thread(target=strangers_then_peer)
+        opener.start()
+        accepted = control.accept(listener, secret, 10)
+        opener.join(10)
+    wrong, short, right = tried
+    for refused in (wrong, short):  # closed by the listening side: reads end at once
+        refused.settimeout(5)
+        assert refused.recv(1) == b""
+    right.sendall(b"x")
+    accepted.settimeout(5)
+    assert accepted.recv(1) == b"x"
+    for sock in (accepted, *tried):
+        sock.close()
+
+
+def test_accept_times_out_when_nobody_connects():
+    listener, _ = control.listen("127.0.0.1")
+    with listener, pytest.raises(TransportTimeout, match="control connection"):
+        control.accept(listener, b"s" * 16, 0.3)
+
+
+def test_packed_buffers_unpack_to_the_same_bits():
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 2**16, (3, 5), dtype=np.uint16)
+    buffers = (jnp.asarray(bits.view(jnp.bfloat16)),  # every bf16 pattern, NaNs included
+               jnp.asarray(rng.standard_normal((2, 7)), jnp.float16),
+               jnp.asarray(rng.integers(-2**31, 2**31 - 1, (4,)), jnp.int32),
+               jnp.asarray(rng.integers(0, 256, (2, 3, 2)), jnp.uint8),
+               jnp.asarray(rng.integers(-128, 128, (5,)), jnp.int8),
+               jnp.asarray(rng.integers(0, 2**32 - 1, (3,), dtype=np.uint64), jnp.uint32))
+    flat = jax.jit(_packed)(buffers)
+    assert flat.dtype == jnp.uint8 and flat.shape == (sum(b.nbytes for b in buffers),)
+    for got, want in zip(jax.jit(_unpacked)(flat, buffers), buffers, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert np.array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
