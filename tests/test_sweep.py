@@ -341,21 +341,25 @@ def test_a_pair_keeps_its_transport_and_devices():
 
 def test_a_pair_of_processes_runs_experiments_in_turn(tmp_path):
     """`sweep.Pair` over the transfer-server transport (two processes, jax.distributed): a
-    second experiment, on another link, runs in the same pair; a failed one is one line."""
+    second experiment, on another link, and a third, of another model, run in the same pair
+    (as a sweep runs its models); a failed one is one line."""
     from rekv_jax.study.experiment import Experiment
     from rekv_jax.study.sweep import Pair
 
     bf16, q8 = Action.parse("bf16:full", 6), Action.parse("q8:r=2", 6)
     first = Experiment(seq_len=16, actions=(bf16,), transport="transfer-server", warmup=0,
                        reps=1, link_gbps=0.0005)
-    with Pair("tiny", tmp_path) as pair:
+    with Pair(tmp_path) as pair:
         paced = pair.run(first)
         unpaced = pair.run(dataclasses.replace(first, actions=(q8,), link_gbps=None))
-        with pytest.raises(ValueError, match=r"handoff pair \(tiny\): .*not for tiny"):
+        other = pair.run(dataclasses.replace(first, model="tiny-qwen3", actions=(q8,)))
+        with pytest.raises(ValueError, match=r"handoff pair: .*not for tiny"):
             pair.run(dataclasses.replace(first, actions=(Action(16, 8, 8),)))
-    assert [(str(r.action), r.link_gbps) for r in paced + unpaced] == [
-        ("bf16:full", 0.0005), ("q8:r=2", None), ("q8:r=2", None)]
-    assert all(r.first_token_match for r in paced + unpaced)
+    assert [(r.model, str(r.action), r.link_gbps) for r in paced + unpaced + other] == [
+        ("tiny", "bf16:full", 0.0005), ("tiny", "q8:r=2", None), ("tiny", "q8:r=2", None),
+        ("tiny-qwen3", "q8:r=2", 0.0005), ("tiny-qwen3", "q8:r=2", 0.0005)]
+    assert all(r.first_token_match for r in paced + unpaced + other)
+    assert all(r.cache_check.startswith("suffix bitwise") for r in unpaced + other)
     ms_at_link = 1e3 / 0.5e6  # per byte at 0.5 MB/s
     assert paced[0].median_ms > paced[0].sent_bytes * ms_at_link
 

@@ -1,10 +1,10 @@
 """`rekv profile` and `rekv sweep`: measured handoffs over models x lengths x actions (paper §4).
 
-A sweep runs one process pair per model (`Pair`: `rekv handoff --session` in a subprocess, its
-prefill side a child of that), which runs all of that model's experiments in order: its start
-profiles, then its grid (decided from them), crossover links, Fig. 3 and batch runs
-(`sweep_plan`), building the weights once per process. The link is calibrated in a child on the
-cores of the pairs' decode side (`calibrate_pair_link`). Profiles are fitted from the
+A sweep runs one process pair (`Pair`: `rekv handoff --session` in a subprocess, its prefill side
+a child of that) for all its models, model after model; each model's experiments in order: its
+start profiles, then its grid (decided from them), crossover links, Fig. 3 and batch runs
+(`sweep_plan`), building each model's weights once per process. The link is calibrated in a
+child on the cores of the pair's decode side (`calibrate_pair_link`). Profiles are fitted from the
 sequential schedule (phases measured without contention) and predict every measured action;
 `rekv_jax.study.report` turns the records into Table 1 / Fig. 2 / Table 3 / crossover outputs.
 """
@@ -38,7 +38,7 @@ from rekv_jax.study.sweep_plan import (
     estimate,
     estimate_text,
     grid_experiments,
-    plan_pairs,
+    plan_models,
     profile_experiment,
     start_experiments,
     tail_experiments,
@@ -52,17 +52,17 @@ class Pair:
     load their modules meanwhile, then wait for the first experiment (which decides the rest);
     `run` gives it one experiment after another, and returns each one's summary records.
 
-    With `cache_dir`, compiled programs persist there, so the two sides and later pairs of the
-    same shapes compile each program once (compilation is not part of any timed interval). Its
-    launcher gives each side a GPU or a memory share of one, or on CPU its own cores unless not
-    `pin` (`transport.launch.pair_environments`)."""
+    With `cache_dir`, compiled programs persist there, so the calibration child and the two
+    sides compile a program once where they do not compile it at the same time (compilation is
+    not part of any timed interval). Its launcher gives each side a GPU or a memory share of
+    one, or on CPU its own cores unless not `pin` (`transport.launch.pair_environments`)."""
 
-    def __init__(self, model: str, cache_dir: Path | None = None, timeout: float = 1800.0,
+    def __init__(self, cache_dir: Path | None = None, timeout: float = 1800.0,
                  pin: bool = True) -> None:
         env = dict(os.environ) | compile_cache_env(cache_dir)
         self._timeout = timeout  # per experiment
         self._session = CliSession(["handoff", "--json", "--session"] + ["--no-pin"] * (not pin),
-                                   f"handoff pair ({model})", env)
+                                   "handoff pair", env)
 
     def run(self, exp: Experiment) -> list[Summary]:
         lines = self._session.ask(exp.to_json(), SESSION_DONE, self._timeout)
@@ -83,7 +83,7 @@ class Pair:
 def run_experiment(exp: Experiment, cache_dir: Path | None = None, timeout: float = 1800.0
                    ) -> list[Summary]:
     """One experiment in a pair of its own; its summary records."""
-    with Pair(exp.model, cache_dir, timeout) as pair:
+    with Pair(cache_dir, timeout) as pair:
         return pair.run(exp)
 
 
@@ -128,9 +128,9 @@ def sweep(preset: SweepPreset, out: Path, reps: int = 30, warmup: int = 3, pin: 
           ) -> tuple[list[Summary], list[costmodel.Profile]]:
     """Run the whole sweep, write DIR/sweep.jsonl, DIR/sweep.csv and the report files.
 
-    One pair per model runs all of its experiments. With `preset.cut_spread`, each length is
-    first profiled in that pair (short sequential handoffs; DIR/start_profiles.jsonl), and its
-    grid is the balanced one (`balanced_grid`). A fit that fails (ValueError) costs only its
+    One pair runs every model's experiments, model after model. With `preset.cut_spread`, each
+    length is first profiled in that pair (short sequential handoffs; DIR/start_profiles.jsonl),
+    and its grid is the balanced one (`balanced_grid`). A fit that fails (ValueError) costs only its
     predictions: the sweep goes on, writes every output and names what it could not fit, and
     why, in one line on stderr. On CPU each side runs on its own cores unless not `pin`."""
     out.mkdir(parents=True, exist_ok=True)
@@ -139,12 +139,11 @@ def sweep(preset: SweepPreset, out: Path, reps: int = 30, warmup: int = 3, pin: 
     models = preset.models
     with (open(out / "sweep.jsonl", "w") as log, tempfile.TemporaryDirectory() as tmp,
           contextlib.ExitStack() as running):
-        # the link first, uncontended (it times the suffix); each next pair starts (loads its
-        # modules) while the last one exits
+        # the link first, uncontended (it times the suffix); then one pair for every model
         link = preset.link_gbps or calibrate_pair_link(
             models[0], preset.mid_length, preset.transport, pin, Path(tmp)).link_gbps
-        pair = running.enter_context(Pair(models[0], Path(tmp), pin=pin))
-        for i, model in enumerate(tqdm(models, desc="sweep", unit="pair", file=sys.stderr)):
+        pair = running.enter_context(Pair(Path(tmp), pin=pin))
+        for model in tqdm(models, desc="sweep", unit="model", file=sys.stderr):
             cfg = load_config(model)
             start = {}  # length -> start profile
             for exp in start_experiments(preset, model, link):
@@ -179,10 +178,6 @@ def sweep(preset: SweepPreset, out: Path, reps: int = 30, warmup: int = 3, pin: 
             skipped += missing
             for exp in tail:
                 _logged(pair.run(exp), log, records)
-            last = pair
-            if i + 1 < len(models):
-                pair = running.enter_context(Pair(models[i + 1], Path(tmp), pin=pin))
-            last.close()
     if preset.cut_spread is not None:
         (out / "start_profiles.jsonl").write_text(
             "".join(json.dumps(p.to_json()) + "\n" for p in starts))
@@ -215,7 +210,7 @@ def _setup_text(model: str, seq_len: int, link_gbps: float | None) -> str:
 
 def dry_run(name: str, preset: SweepPreset, reps: int, warmup: int, quick: bool = False,
             pin: bool = True) -> str:
-    """`rekv sweep --dry-run`: the pairs, experiments, handoffs and programs of a sweep of
+    """`rekv sweep --dry-run`: the experiments, handoffs and programs per model of a sweep of
     `preset` (named `name`, `quick` or not: its `COSTS`), and its wall time estimated from those
     parts. A GPU preset's predicted medians are `planner.analytic_profile`'s; a preset
     calibrated here (the CPU one) measures its suffix layer (`calibrate_link`, which the sweep
@@ -237,11 +232,11 @@ def dry_run(name: str, preset: SweepPreset, reps: int, warmup: int, quick: bool 
                 f"{tflops * 1e3:.3g} "
                 f"GFLOP/s) and an assumed {CPU_MEMORY_GBPS:g} GB/s memory, on the calibrated "
                 f"{link:.4g} GB/s link")
-    pairs = plan_pairs(preset, link, reps, warmup, profile_of)
-    est = estimate(pairs, costs, link, profile_of)
+    plans = plan_models(preset, link, reps, warmup, profile_of)
+    est = estimate(plans, costs, link, profile_of)
     title = f"rekv sweep --preset {name}{' --quick' * quick}: plan ({reps} reps, {warmup} warmup)"
     return estimate_text(title,
-                         pairs, est, costs, note, preset.unpaced_block)
+                         plans, est, costs, note, preset.unpaced_block)
 
 
 def write_csv(records: list[Summary], path: Path) -> None:

@@ -1,10 +1,11 @@
-"""What `rekv sweep` runs: its presets, the experiments of each model's process pair, and the
-dry run's plan and wall-time estimate (`rekv sweep --dry-run`).
+"""What `rekv sweep` runs: its presets, the experiments of each model, and the dry run's plan
+and wall-time estimate (`rekv sweep --dry-run`).
 
-A sweep runs one process pair per model (`sweep.Pair`): that model's start profiles, its grid
-over every length and link block, its crossover links, Fig. 3 and batch runs, one `Experiment`
-after another, with the weights built once per process. The sweep (measured start profiles) and
-the dry run (analytic stand-ins for them) build each pair's experiments with the same functions.
+A sweep runs one process pair (`sweep.Pair`) for all its models, model after model: each model's
+start profiles, its grid over every length and link block, its crossover links, Fig. 3 and batch
+runs, one `Experiment` after another, with each model's weights built once per process. The
+sweep (measured start profiles) and the dry run (analytic stand-ins for them) build each model's
+experiments with the same functions.
 """
 
 from __future__ import annotations
@@ -279,10 +280,11 @@ ProfileOf = Callable[[str, int, int, float], costmodel.Profile]  # (model, lengt
 class PairCosts:
     """The parts of a sweep's wall time besides its timed handoffs, and where each comes from."""
 
-    startup_s: float  # one pair: both processes, JAX, jax.distributed, the weights
+    startup_s: float  # the pair: both processes, JAX, jax.distributed, the first weights
     compile_s: float  # one model program (`MODEL_PROGRAMS`)
     small_compile_s: float  # one small program (checksums, packing, quantize; `programs`)
     handoff_overhead_ms: float  # per handoff, beyond its timed interval (checks, messages)
+    weights_s: float  # each later model's weights (the first model's are in `startup_s`)
     source: str
 
 
@@ -291,16 +293,19 @@ COSTS = {
     # this 2-core machine while other work kept its load at ~6; a tiny program compiled there in
     # 2.4-3.3 s (first call minus second of `prefill` and `run_prefix`, before the per-layer
     # model core), so ~40 s of the 52 s is the pair's start-up. Inflated by that load.
-    "cpu": PairCosts(40.0, 3.0, 0.3, 20.0, "start-up and model-program compile measured on "
-                     "this 2-core machine under load ~6 (one-action handoff run: 52 s; a tiny "
-                     "prefill program, before the per-layer model core: 2.4-3.3 s); 0.3 s per "
-                     "small program and 20 ms per handoff beyond its timed interval: assumed"),
+    # A model's synthetic weights: tiny's took 3.2 s in a fresh process here, tiny-qwen3's 0.5 s
+    # after them (most of it compiling the per-shape random draws, which the two share).
+    "cpu": PairCosts(40.0, 3.0, 0.3, 20.0, 3.0, "start-up and model-program compile measured "
+                     "on this 2-core machine under load ~6 (one-action handoff run: 52 s; a tiny "
+                     "prefill program, before the per-layer model core: 2.4-3.3 s), 3 s per "
+                     "later model's weights measured idle; 0.3 s per small program and 20 ms "
+                     "per handoff beyond its timed interval: assumed"),
     # Never measured: no GPU has run this code. Guesses for an H100/H200 with autotuning off
     # (`transport.launch.GPU_XLA_FLAGS`) and the shared compile cache.
-    "gpu": PairCosts(60.0, 10.0, 1.0, 20.0, "ASSUMED, never measured on a GPU: 60 s per pair "
-                     "start-up (CUDA, jax.distributed, synthetic weights), 10 s per model "
-                     "program and 1 s per small program to compile, 20 ms per handoff beyond "
-                     "its timed interval"),
+    "gpu": PairCosts(60.0, 10.0, 1.0, 20.0, 15.0, "ASSUMED, never measured on a GPU: 60 s "
+                     "pair start-up (CUDA, jax.distributed, synthetic weights), 15 s per later "
+                     "model's weights, 10 s per model program and 1 s per small program to "
+                     "compile, 20 ms per handoff beyond its timed interval"),
 }
 
 
@@ -317,7 +322,8 @@ SMALL_PROGRAMS_PER_ACTION = 5
 
 
 def programs(experiments: list[Experiment]) -> tuple[set[tuple], set[tuple]]:
-    """(model programs, small programs) one pair compiles: per prompt shape (length, batch),
+    """(model programs, small programs) a model's experiments compile: per prompt shape
+    (length, batch),
     `MODEL_PROGRAMS`; per distinct action at a shape, SMALL_PROGRAMS_PER_ACTION."""
     model, small = set(), set()
     for e in experiments:
@@ -329,8 +335,8 @@ def programs(experiments: list[Experiment]) -> tuple[set[tuple], set[tuple]]:
 
 
 @dataclasses.dataclass(frozen=True)
-class PairPlan:
-    """One process pair of a sweep: its model and experiments, in run order."""
+class ModelPlan:
+    """One model's part of a sweep: its experiments, in run order (on the sweep's one pair)."""
 
     model: str
     experiments: tuple[Experiment, ...]
@@ -346,31 +352,31 @@ class PairPlan:
         return len(model), len(small)
 
 
-def plan_pairs(preset: SweepPreset, link: float, reps: int, warmup: int, profile_of: ProfileOf
-               ) -> list[PairPlan]:
-    """The pairs a sweep of `preset` runs, with `profile_of` standing in for every start profile
-    and grid fit (the sweep measures those, so its balanced cuts may differ)."""
-    pairs = []
+def plan_models(preset: SweepPreset, link: float, reps: int, warmup: int, profile_of: ProfileOf
+                ) -> list[ModelPlan]:
+    """What a sweep of `preset` runs, per model, with `profile_of` standing in for every start
+    profile and grid fit (the sweep measures those, so its balanced cuts may differ)."""
+    plans = []
     for m in preset.models:
         start = ({s: profile_of(m, s, 1, link) for s in preset.lengths}
                  if preset.cut_spread is not None else {})
         fits = {s: profile_of(m, s, 1, link) for s in preset.lengths}
         tail, _ = tail_experiments(preset, m, link, start, fits, reps, warmup)
-        pairs.append(PairPlan(m, tuple(start_experiments(preset, m, link)
-                                       + grid_experiments(preset, m, link, start, reps, warmup)
-                                       + tail)))
-    return pairs
+        plans.append(ModelPlan(m, tuple(start_experiments(preset, m, link)
+                                        + grid_experiments(preset, m, link, start, reps, warmup)
+                                        + tail)))
+    return plans
 
 
 @dataclasses.dataclass(frozen=True)
 class Estimate:
     """A sweep's wall time from its parts (seconds)."""
 
-    pairs: int
+    pairs: int  # process pairs started (one for the whole sweep)
     experiments: int
     handoffs: int
     programs: tuple[int, int]  # model programs, small programs
-    startup_s: float  # pairs x start-up
+    startup_s: float  # pairs x start-up + each later model's weights
     compile_s: float  # programs x their compile times
     handoff_s: float  # sum of (warmup + reps) x (predicted median + overhead), per action
 
@@ -379,21 +385,24 @@ class Estimate:
         return self.startup_s + self.compile_s + self.handoff_s
 
 
-def estimate(pairs: list[PairPlan], costs: PairCosts, link: float, profile_of: ProfileOf
+def estimate(plans: list[ModelPlan], costs: PairCosts, link: float, profile_of: ProfileOf
              ) -> Estimate:
-    """`pairs`' wall time: start-ups, compiles, and every handoff at `profile_of`'s predicted
-    median for its action, schedule and interval (an unpaced run priced at `link`)."""
+    """The wall time of a sweep of `plans` on one pair: its start-up, compiles, and every handoff
+    at `profile_of`'s predicted median for its action, schedule and interval (an unpaced run
+    priced at `link`)."""
     handoff_ms = 0.0
-    for pair in pairs:
-        for e in pair.experiments:
+    for plan in plans:
+        for e in plan.experiments:
             prof = profile_of(e.model, e.seq_len, e.batch, e.link_gbps or link)
             handoff_ms += (e.warmup + e.reps) * sum(
                 costmodel.predicted_ms(prof, a, s, e.interval, e.prefill)
                 + costs.handoff_overhead_ms for a in e.actions for s in e.schedules_of(a))
-    model = sum(p.programs[0] for p in pairs)
-    small = sum(p.programs[1] for p in pairs)
-    return Estimate(len(pairs), sum(len(p.experiments) for p in pairs),
-                    sum(p.handoffs for p in pairs), (model, small), len(pairs) * costs.startup_s,
+    model = sum(p.programs[0] for p in plans)
+    small = sum(p.programs[1] for p in plans)
+    pairs = int(bool(plans))
+    startup_s = pairs * costs.startup_s + max(0, len(plans) - 1) * costs.weights_s
+    return Estimate(pairs, sum(len(p.experiments) for p in plans),
+                    sum(p.handoffs for p in plans), (model, small), startup_s,
                     model * costs.compile_s + small * costs.small_compile_s, handoff_ms / 1e3)
 
 
@@ -403,19 +412,20 @@ def analytic_profile_of(**rates: float) -> ProfileOf:
     return lambda m, s, b, lk: analytic_profile(load_config(m), s, b, lk, **rates)
 
 
-def estimate_text(title: str, pairs: list[PairPlan], est: Estimate, costs: PairCosts,
+def estimate_text(title: str, plans: list[ModelPlan], est: Estimate, costs: PairCosts,
                   profile_note: str, unpaced: bool) -> str:
-    """The dry run's output: each pair's experiments, handoffs and programs; the estimate's
+    """The dry run's output: each model's experiments, handoffs and programs; the estimate's
     parts; what is measured and what is assumed (`unpaced`: how an unpaced block is priced)."""
     lines = [title]
-    lines += [f"  pair {i}: {p.model}: {len(p.experiments)} experiments, {p.handoffs} handoffs, "
+    lines += [f"  {p.model}: {len(p.experiments)} experiments, {p.handoffs} handoffs, "
               f"{p.programs[0]} model + {p.programs[1]} small programs to compile"
-              for i, p in enumerate(pairs, 1)]
+              for p in plans]
     (model, small) = est.programs
-    lines += [f"total: {est.pairs} pairs, {est.experiments} experiments, {est.handoffs} "
+    lines += [f"total: {est.pairs} pair, {est.experiments} experiments, {est.handoffs} "
               f"handoffs, {model} model + {small} small programs",
-              f"estimate: {est.total_s:.0f} s ({est.total_s / 60:.1f} min) = {est.pairs} pairs x "
-              f"{costs.startup_s:g} s start-up ({est.startup_s:.0f} s) + compiles "
+              f"estimate: {est.total_s:.0f} s ({est.total_s / 60:.1f} min) = {est.pairs} pair x "
+              f"{costs.startup_s:g} s start-up + {max(0, len(plans) - 1)} later models x "
+              f"{costs.weights_s:g} s weights ({est.startup_s:.0f} s) + compiles "
               f"({est.compile_s:.0f} s: {model} x {costs.compile_s:g} s + {small} x "
               f"{costs.small_compile_s:g} s) + handoffs "
               f"({est.handoff_s:.0f} s: (warmup + reps) x predicted median + "
