@@ -22,6 +22,7 @@ from transport_worker import COMPUTE_S, PACED_S
 
 from rekv_jax.transport import LocalTransport, TransportError, TransportTimeout, checksums, connect
 from rekv_jax.transport.base import LinkPacer
+from rekv_jax.transport.checksums import _checksums_and_word, _host_checksum
 from rekv_jax.transport.launch import run_pair
 
 WORKER = Path(__file__).with_name("transport_worker.py")
@@ -58,6 +59,20 @@ def test_checksum_detects_any_single_byte_change(dtype, shape, seed, where, mask
     x = jnp.asarray(np.random.default_rng(seed).integers(0, 100, shape), dtype)
     index = int(where * x.nbytes)
     assert checksums([x]) != checksums([flip_byte(x, index, mask)])
+
+
+@settings(max_examples=20, deadline=None)
+@given(dtype=st.sampled_from([*DTYPES, jnp.bool_]), shape=st.sampled_from([*SHAPES, (0,), (7,)]),
+       seed=st.integers(0, 2**16))
+def test_host_checksums_are_the_device_programs_bit_for_bit(dtype, shape, seed):
+    """CPU buffers are summed by numpy (no program to compile), accelerator buffers by the jitted
+    program: the two give the same words (odd sizes padded alike, bools as bytes)."""
+    rng = np.random.default_rng(seed)
+    xs = [jnp.asarray(rng.integers(0, 100, shape), dtype),
+          jnp.asarray(rng.integers(0, 2**16, (3, 5), dtype=np.uint16).view(jnp.bfloat16))]
+    host = [_host_checksum(np.asarray(x)) for x in xs]
+    assert checksums(xs) == host  # CPU devices here: the host path
+    assert np.asarray(_checksums_and_word(xs, 12345)).tolist() == [*host, 12345]
 
 
 def test_checksum_is_position_weighted_sum_of_words():

@@ -82,8 +82,9 @@ class CollectiveTransport(Transport):
         self._program = jax.jit(jax.shard_map(
             lambda *xs: _unpacked(jax.lax.ppermute(_packed(xs), "p", perm), xs),
             mesh=mesh, in_specs=P("p"), out_specs=P("p")))
-        # The program blocks its calling thread until the peer joins: run it on a worker thread
-        # so that every wait stays bounded. One worker keeps the programs in call order.
+        # The program's results come once the peer joined, and waiting for them has no timeout:
+        # run it on a worker thread so that every wait stays bounded. One worker keeps the
+        # programs in call order.
         self._runner = Worker("rekv-collective")
         self._blanks: dict[tuple, jax.Array] = {}
         self._placed: dict[tuple, tuple] = {}  # (devices, pairs) -> (sharding, program)
