@@ -317,7 +317,9 @@ CPU_MEMORY_GBPS = 10.0
 MODEL_PROGRAMS = ("embed", "layer", "head")
 # Small programs (checksums, packing, quantize and restore of a phase's buffers) new to each
 # action: measured on this machine with `jax_log_compiles` (tiny at 64 tokens, after a first
-# handoff): 14 for four more BF16 cuts, 12 for two Q8 cuts, then 12 for two more.
+# handoff): 14 for four more BF16 cuts, 12 for two Q8 cuts, then 12 for two more. Since CPU
+# buffers are checksummed by numpy (`transport.checksums`), a CPU run compiles fewer: this
+# overestimates the CPU preset (its dry run: 409 s; measured: 137-159 s).
 SMALL_PROGRAMS_PER_ACTION = 5
 
 
