@@ -85,10 +85,15 @@ def test_only_the_secret_opens_a_connection():
         sock.close()
 
 
-def test_accept_times_out_when_nobody_connects():
+def test_accept_times_out_when_nobody_connects_and_stops_once_the_peer_is_gone():
     listener, _ = control.listen("127.0.0.1")
     with listener, pytest.raises(TransportTimeout, match="control connection"):
         control.accept(listener, b"s" * 16, 0.3)
+    listener, _ = control.listen("127.0.0.1")
+    start = time.monotonic()
+    with listener, pytest.raises(TransportError, match="gone"):
+        control.accept(listener, b"s" * 16, 30, peer_alive=lambda: False)
+    assert time.monotonic() - start < 5  # within a liveness slice, not the timeout
 
 
 def test_packed_buffers_unpack_to_the_same_bits():

@@ -16,8 +16,10 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from rekv_jax.errors import TransportError, TransportTimeout
+from rekv_jax.transport.workers import LIVENESS_S
 
 SECRET_BYTES = 16
 _HELLO_S = 5.0  # how long a connection that opened may take to present the secret
@@ -129,16 +131,21 @@ def listen(host: str) -> tuple[socket.socket, str]:
     return listener, f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def accept(listener: socket.socket, secret: bytes, timeout: float) -> socket.socket:
+def accept(listener: socket.socket, secret: bytes, timeout: float,
+           peer_alive: Callable[[], bool] = lambda: True) -> socket.socket:
     """The first connection to `listener` that presents `secret` (others are closed);
-    TransportTimeout after `timeout` s."""
+    TransportTimeout after `timeout` s, TransportError once `peer_alive()` says the peer is gone
+    (asked every `LIVENESS_S`)."""
     deadline = time.monotonic() + timeout
     while (left := deadline - time.monotonic()) > 0:
-        listener.settimeout(left)
+        listener.settimeout(min(left, LIVENESS_S))
         try:
             sock, _ = listener.accept()
         except TimeoutError:
-            break
+            if not peer_alive():
+                raise TransportError("the peer is gone (before it opened the control "
+                                     "connection)") from None
+            continue
         try:
             sock.settimeout(min(_HELLO_S, max(0.1, deadline - time.monotonic())))
             if hmac.compare_digest(_read_frame(sock), secret):

@@ -180,7 +180,7 @@ class PeerChannel:
             listener, address = control.listen(local_ip())
             with listener:
                 self._client.key_value_set(key, json.dumps([address, secret.hex()]))
-                return control.accept(listener, secret, timeout)
+                return control.accept(listener, secret, timeout, self.peer_alive)
         deadline = time.monotonic() + timeout
         while True:  # the store's own wait, in slices that check the peer's beat
             try:
