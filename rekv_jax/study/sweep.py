@@ -11,7 +11,6 @@ sequential schedule (phases measured without contention) and predict every measu
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import dataclasses
 import json
@@ -137,47 +136,46 @@ def sweep(preset: SweepPreset, out: Path, reps: int = 30, warmup: int = 3, pin: 
     records, profiles, starts = [], [], []
     no_start, unfitted, skipped = [], [], []
     models = preset.models
-    with (open(out / "sweep.jsonl", "w") as log, tempfile.TemporaryDirectory() as tmp,
-          contextlib.ExitStack() as running):
+    with (open(out / "sweep.jsonl", "w") as log, tempfile.TemporaryDirectory() as tmp):
         # the link first, uncontended (it times the suffix); then one pair for every model
         link = preset.link_gbps or calibrate_pair_link(
             models[0], preset.mid_length, preset.transport, pin, Path(tmp)).link_gbps
-        pair = running.enter_context(Pair(Path(tmp), pin=pin))
-        for model in tqdm(models, desc="sweep", unit="model", file=sys.stderr):
-            cfg = load_config(model)
-            start = {}  # length -> start profile
-            for exp in start_experiments(preset, model, link):
-                try:
-                    start[exp.seq_len] = fit(cfg, pair.run(exp))
-                except ValueError as e:
-                    no_start.append(f"{_setup_text(model, exp.seq_len, link)} ({e})")
-            if len(start) > 1:  # attention's share of γ over the lengths: what chunks save
-                start = dict(zip(start, profile_fit.attention_shares(list(start.values())),
-                                 strict=True))
-            starts += start.values()
-            fits, fitted = {}, []  # length -> the fit of its grid on the paced link; all fits
-            for exp in grid_experiments(preset, model, link, start, reps, warmup):
-                got = _logged(pair.run(exp), log, records)  # every action, both schedules
-                try:
-                    fitted.append(fit(cfg, got))
-                except ValueError as e:
-                    unfitted.append(f"{_setup_text(model, exp.seq_len, exp.link_gbps)} ({e})")
-                    continue
-                if exp.link_gbps == link:
-                    fits[exp.seq_len] = fitted[-1]
-            if len(fits) > 1:  # attention's share of γ, measured over the lengths
-                measured = dict(zip(map(id, fits.values()),
-                                    profile_fit.attention_shares(list(fits.values())), strict=True))
-                fitted = [measured.get(id(p), p) for p in fitted]
-                fits = {s: measured[id(p)] for s, p in fits.items()}
-            for prof in fitted:
-                profiles.append(prof)
-                log.write(json.dumps(prof.to_json()) + "\n")
-            # Fig. 3 and batch runs take their cut from the start profile, else the grid's fit
-            tail, missing = tail_experiments(preset, model, link, start, fits, reps, warmup)
-            skipped += missing
-            for exp in tail:
-                _logged(pair.run(exp), log, records)
+        with Pair(Path(tmp), pin=pin) as pair:
+            for model in tqdm(models, desc="sweep", unit="model", file=sys.stderr):
+                cfg = load_config(model)
+                start = {}  # length -> start profile
+                for exp in start_experiments(preset, model, link):
+                    try:
+                        start[exp.seq_len] = fit(cfg, pair.run(exp))
+                    except ValueError as e:
+                        no_start.append(f"{_setup_text(model, exp.seq_len, link)} ({e})")
+                if len(start) > 1:  # attention's share of γ over the lengths: what chunks save
+                    start = dict(zip(start, profile_fit.attention_shares(list(start.values())),
+                                     strict=True))
+                starts += start.values()
+                fits, fitted = {}, []  # length -> the fit of its grid on the paced link; all fits
+                for exp in grid_experiments(preset, model, link, start, reps, warmup):
+                    got = _logged(pair.run(exp), log, records)  # every action, both schedules
+                    try:
+                        fitted.append(fit(cfg, got))
+                    except ValueError as e:
+                        unfitted.append(f"{_setup_text(model, exp.seq_len, exp.link_gbps)} ({e})")
+                        continue
+                    if exp.link_gbps == link:
+                        fits[exp.seq_len] = fitted[-1]
+                if len(fits) > 1:  # attention's share of γ, measured over the lengths
+                    shares = profile_fit.attention_shares(list(fits.values()))
+                    measured = dict(zip(map(id, fits.values()), shares, strict=True))
+                    fitted = [measured.get(id(p), p) for p in fitted]
+                    fits = {s: measured[id(p)] for s, p in fits.items()}
+                for prof in fitted:
+                    profiles.append(prof)
+                    log.write(json.dumps(prof.to_json()) + "\n")
+                # Fig. 3 and batch runs take their cut from the start profile, else the grid's fit
+                tail, missing = tail_experiments(preset, model, link, start, fits, reps, warmup)
+                skipped += missing
+                for exp in tail:
+                    _logged(pair.run(exp), log, records)
     if preset.cut_spread is not None:
         (out / "start_profiles.jsonl").write_text(
             "".join(json.dumps(p.to_json()) + "\n" for p in starts))

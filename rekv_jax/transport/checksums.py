@@ -45,6 +45,10 @@ def _on_host(arrays: Sequence[jax.Array]) -> bool:
     return all(d.platform == "cpu" for a in arrays for d in a.devices())
 
 
+def _host_checksums(arrays: Sequence[jax.Array]) -> list[int]:
+    return [_host_checksum(np.asarray(a)) for a in arrays]
+
+
 @jax.jit
 def _checksums_device(arrays: list[jax.Array]) -> jax.Array:
     return jnp.stack([_checksum(x) for x in arrays])  # [n] uint32
@@ -67,8 +71,7 @@ def _checksums_dispatch(arrays: Sequence[jax.Array]
     share a device, as on a single-device side): (buffer indices, their checksums). In host
     memory: the sums themselves, computed here."""
     if _on_host(arrays):
-        return [(list(range(len(arrays))),
-                 np.asarray([_host_checksum(np.asarray(a)) for a in arrays], np.uint32))]
+        return [(list(range(len(arrays))), np.asarray(_host_checksums(arrays), np.uint32))]
     groups: dict[frozenset, list[int]] = {}
     for i, a in enumerate(arrays):
         groups.setdefault(frozenset(a.devices()), []).append(i)
@@ -96,8 +99,8 @@ def checksums_buffer(arrays: list[jax.Array], word: int) -> jax.Array:
     """Sender: the buffers' checksums, then `word` (`spec_word`), as one uint32 [n + 1] array on
     the first buffer's device, dispatched (not waited for; in host memory: computed here)."""
     if _on_host(arrays):
-        sums = [_host_checksum(np.asarray(a)) for a in arrays]
-        return jax.device_put(np.asarray([*sums, word], np.uint32), _first_device(arrays[0]))
+        sums = np.asarray([*_host_checksums(arrays), word], np.uint32)
+        return jax.device_put(sums, _first_device(arrays[0]))
     if len({frozenset(a.devices()) for a in arrays}) == 1:  # one program for all
         return _checksums_and_word(arrays, word)
     device = _first_device(arrays[0])

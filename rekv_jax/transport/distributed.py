@@ -202,9 +202,8 @@ class PeerChannel:
 
     def post(self, key: str, value: str) -> None:
         """`put`, where a failed send is dropped (the peer's wait then finds this side gone)."""
-        self._board.put(key, value)
         with contextlib.suppress(TransportError):
-            self._socket.send(key, value)
+            self.put(key, value)
 
     def get(self, key: str, timeout: float) -> str:
         """The value the peer sent under `key` (or this side did)."""
