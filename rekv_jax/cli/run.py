@@ -106,6 +106,8 @@ def cmd_handoff(args: argparse.Namespace) -> None:
     else:  # both processes on this machine: we are the decode side, a child is the prefill side
         experiment.launch_pair(exp, emit, bar.update, rest, not args.no_pin)
     bar.close()
+    for warning in filter(None, (s.fidelity_warning() for s in summaries)):
+        print(warning, file=sys.stderr, flush=True)
     if not args.json:
         print("\n".join(report.conclusion(summaries)), file=out, flush=True)
 

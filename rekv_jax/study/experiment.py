@@ -15,10 +15,12 @@ rebuilds that cache from the token ids and both sides go on.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TextIO
 
@@ -39,7 +41,7 @@ from rekv_jax.handoff.core import (
 )
 from rekv_jax.handoff.outcome import Handoff
 from rekv_jax.model.loader import load_model
-from rekv_jax.model.transformer import Params, attention_backend, prefill
+from rekv_jax.model.transformer import Params, attention_backend, prefill, run_prefix, run_suffix
 from rekv_jax.phases import (
     FALLBACKS,
     PAPER_SCHEDULES,
@@ -55,8 +57,8 @@ from rekv_jax.phases import (
 from rekv_jax.sharding import shard_params
 from rekv_jax.sizes import action_bytes
 from rekv_jax.study.device import Device
-from rekv_jax.study.records import Rep, Summary, record_schedule, serializes
-from rekv_jax.transport import Transport, TransportError, checksums
+from rekv_jax.study.records import Fidelity, Rep, Summary, record_schedule, serializes
+from rekv_jax.transport import Transport, TransportError, checksums, cores
 from rekv_jax.transport.base import Role
 from rekv_jax.transport.cores import PINNING_ENV, usable_cpus
 from rekv_jax.transport.job import PairJob
@@ -270,17 +272,15 @@ def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
                         raise
                     # the decode side rebuilds this cache from the token ids and goes on
                 continue
+            before = cores.thread_times()
             result = receive_handoff(transport, cfg, params, action, exp.batch, exp.seq_len,
                                      tag, schedule, exp.fallback, exp.backend, exp.timeout,
                                      exp.prefill, chunks)
+            use = cores.core_use(before, cores.thread_times())
             progress(1)
             if rep >= exp.warmup:  # every timed rep is checked, then its cache is dropped
-                first_ok, cache_check = references.check(action, result, runs_in)
-                stated = record_schedule(action, schedule)
-                record = Rep(action, stated, rep - exp.warmup,
-                             result.total_ms, result.phases_ms, result.fallback,
-                             result.timeline_ms, result.sent_bytes, first_ok, cache_check,
-                             serializes(exp.transport, stated, jax.default_backend()), runs_in)
+                record = references.rep(exp, action, schedule, rep - exp.warmup, result,
+                                        runs_in, use)
                 results[schedule].append(record)
                 emit(record)
         if role == "decode":
@@ -301,6 +301,7 @@ class References:
         self._sharded = self._devices != (1, 1)
         self._pipelined = exp.prefill == PrefillMode.PIPELINED
         self._cache: dict[tuple[int, int], tuple[HostReference, np.ndarray, str]] = {}
+        self._boundaries: dict[int, jax.Array] = {}  # h_c [B, S, D] per cut (`fidelity`)
         if not self._sharded:  # compile the model's programs now, beside the prefill side's
             self._reference(0, exp.chunks if self._pipelined else 1)
 
@@ -317,6 +318,39 @@ class References:
             self._cache[key] = (HostReference(reference),
                                 np.asarray(jnp.argmax(logits, axis=-1)), name)
         return self._cache[key]
+
+    def rep(self, exp: Experiment, action: Action, schedule: str, rep: int, result: Handoff,
+            chunks: int, use: cores.CoreUse | None) -> Rep:
+        """The record of timed rep `rep`: its checks (`check`) and its `fidelity`."""
+        first_ok, cache_check = self.check(action, result, chunks)
+        stated = record_schedule(action, schedule)
+        return Rep(action, stated, rep, result.total_ms, result.phases_ms, result.fallback,
+                   result.timeline_ms, result.sent_bytes, first_ok, cache_check,
+                   serializes(exp.transport, stated, jax.default_backend()), chunks,
+                   self.fidelity(action, result, chunks, use))
+
+    def fidelity(self, action: Action, result: Handoff, chunks: int,
+                 use: cores.CoreUse | None) -> Fidelity | None:
+        """The handoff's suffix phase beside the same layers run alone here, now (one-device
+        sides; None where nothing was recomputed)."""
+        suffix_ms = result.phases_ms.suffix
+        if self._sharded or suffix_ms <= 0:
+            return None
+        recompute = result.fallback or action.kind == ActionKind.RECOMPUTE
+        args = self._cfg, self._params
+        if recompute:
+            tokens = self._tokens
+            run = functools.partial(prefill, *args, tokens, 1 if result.fallback else chunks)
+        else:
+            if action.cut not in self._boundaries:
+                self._boundaries[action.cut] = run_prefix(*args, self._tokens, action.cut)[0]
+            run = functools.partial(run_suffix, *args, self._boundaries[action.cut], action.cut,
+                                    chunks=chunks)
+        start = time.perf_counter()
+        jax.block_until_ready(run())
+        alone_ms = 1e3 * (time.perf_counter() - start)
+        return Fidelity(alone_ms, suffix_ms / alone_ms, use and use.device_wait_ms,
+                        use and use.host_ms)
 
     def check(self, action: Action, result: Handoff, chunks: int = 1) -> tuple[bool, str]:
         """(first token matches, what held of the cache: `check_cache`, plus for sharded sides
@@ -359,7 +393,8 @@ def summarize(cfg: ModelConfig, exp: Experiment, action: Action, schedule: str,
         interval=exp.interval, prefill=exp.prefill, prefill_devices=exp.prefill_devices,
         decode_devices=exp.decode_devices, paired=exp.paired and len(exp.schedules_of(action)) > 1,
         sent_bytes=max(r.sent_bytes for r in reps), serialized=any(r.serialized for r in reps),
-        pinning=os.environ.get(PINNING_ENV, ""), chunks=exp.chunks_of(action, schedule))
+        pinning=os.environ.get(PINNING_ENV, ""), chunks=exp.chunks_of(action, schedule),
+        fidelity=Fidelity.median(r.fidelity for r in reps))
 
 
 def _reference_text(cfg: ModelConfig, cut: int, prefill_devices: int, decode_devices: int

@@ -18,6 +18,8 @@ from rekv_jax.jsonl import read_jsonl
 from rekv_jax.phases import SCHEDULES, Interval, Phases, PrefillMode, Schedule, Timeline
 from rekv_jax.study import stats
 
+FIDELITY_LIMIT = 1.10  # a suffix phase past this many times its standalone time is warned of
+
 # The schedule of a record: overlapped, sequential or chunked for a joint action; "n/a" for
 # transfer-only and full recomputation, which have nothing to overlap.
 RECORD_SCHEDULES = (*SCHEDULES, "n/a")
@@ -34,6 +36,33 @@ def serializes(transport: str, schedule: str, platform: str) -> bool:
     it runs before or after the suffix program, not beside it (see rekv_jax/transport). Such a
     record states `serialized: true`; its times are not an overlapped schedule's."""
     return transport == "collective" and schedule == Schedule.OVERLAPPED and platform == "gpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fidelity:
+    """How faithfully a CPU pair emulated the decode device during a handoff's suffix: its suffix
+    phase beside the same layers run alone, at once after, in the same process on the same
+    core; and what the device's threads lost to other threads meanwhile (`cores.CoreUse`)."""
+
+    suffix_alone_ms: float  # the same layers (and chunks) alone, outside any handoff
+    ratio: float  # suffix phase / suffix_alone_ms (1: the handoff cost the suffix nothing)
+    device_wait_ms: float | None = None  # the device's threads waited for their core
+    host_ms: float | None = None  # this process's other threads ran (on any core)
+
+    def to_json(self) -> dict[str, float | None]:
+        return {k: None if v is None else round(v, 4) for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def median(cls, of: Iterable[Fidelity | None]) -> Fidelity | None:
+        """The field-wise median of reps' figures (None where no rep has one)."""
+        got = [f for f in of if f is not None]
+        if not got:
+            return None
+        waits = [f.device_wait_ms for f in got if f.device_wait_ms is not None]
+        hosts = [f.host_ms for f in got if f.host_ms is not None]
+        return cls(stats.median([f.suffix_alone_ms for f in got]),
+                   stats.median([f.ratio for f in got]),
+                   stats.median(waits) if waits else None, stats.median(hosts) if hosts else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +119,11 @@ class Summary:
     # (`transport.cores`); "" elsewhere (GPUs, one process, a multi-host pair, older lines)
     pinning: str = ""
     chunks: int = 1  # token chunks of the chunked schedule / pipelined prefill (1: unchunked)
+    fidelity: Fidelity | None = None  # the emulation's, over the reps (medians)
 
     def __post_init__(self) -> None:
+        if isinstance(self.fidelity, dict):  # from JSON
+            object.__setattr__(self, "fidelity", Fidelity(**self.fidelity))
         if self.schedule not in RECORD_SCHEDULES:
             raise ValueError(f"record {self.action}: schedule {self.schedule!r} not in "
                              f"{RECORD_SCHEDULES}")
@@ -109,6 +141,21 @@ class Summary:
         return Setup(self.hardware, self.transport, self.link_gbps, self.batch, self.interval,
                      self.prefill, self.prefill_devices, self.decode_devices, self.pinning)
 
+    def fidelity_warning(self) -> str | None:
+        """One line when the suffix ran more than FIDELITY_LIMIT times its standalone time where
+        it waits for no input (the chunked schedule and a pipelined prefill wait for their
+        chunks, so there the figure is recorded, not judged)."""
+        f = self.fidelity
+        waits = self.schedule == Schedule.CHUNKED or self.prefill == PrefillMode.PIPELINED
+        if f is None or waits or f.ratio <= FIDELITY_LIMIT:
+            return None
+        lost = "" if f.device_wait_ms is None else (
+            f"; its device threads waited {f.device_wait_ms:.1f} ms for their core and this "
+            f"process's other threads ran {f.host_ms:.1f} ms")
+        return (f"warning: the suffix of {self.action} ({self.schedule}) took {f.ratio:.2f}× the "
+                f"{f.suffix_alone_ms:.1f} ms of the same layers alone on the same core{lost}: "
+                "the emulation charged it for other work, so its speedups understate ReKV's")
+
     @property
     def family(self) -> str:
         """The mechanism: `BF16 transfer`, `Q8 transfer`, `Q4 transfer`, `BF16 recompute` (any
@@ -123,6 +170,7 @@ class Summary:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         a = self.action
         return {"kind": "summary", **d, "action": str(a), "phases_ms": self.phases_ms.to_json(),
+                "fidelity": self.fidelity and self.fidelity.to_json(),
                 "bits": a.bits, "cut": a.cut,
                 "suffix_len": a.suffix_len, "num_layers": a.num_layers,
                 "reps_ms": list(self.reps_ms), "ci95_ms": list(self.ci95_ms)}
@@ -172,13 +220,19 @@ class Rep:
     cache_check: str = ""  # what held of this rep's cache (cache_check.check_cache)
     serialized: bool = False  # overlapped, but serialized on the device (`serializes`)
     chunks: int = 1  # token chunks of the chunked schedule / pipelined prefill (1: unchunked)
+    fidelity: Fidelity | None = None  # None: nothing recomputed, or not measured
+
+    def __post_init__(self) -> None:
+        if isinstance(self.fidelity, dict):  # from JSON
+            object.__setattr__(self, "fidelity", Fidelity(**self.fidelity))
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (`kind: "rep"`); inverse of `from_json`."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         timeline = self.timeline_ms.to_json() if self.timeline_ms else {}
         return {"kind": "rep", **d, "action": str(self.action),
-                "phases_ms": self.phases_ms.to_json(), "timeline_ms": timeline}
+                "phases_ms": self.phases_ms.to_json(), "timeline_ms": timeline,
+                "fidelity": self.fidelity and self.fidelity.to_json()}
 
     @classmethod
     def from_json(cls, d: dict[str, Any], num_layers: int) -> Rep:

@@ -52,10 +52,12 @@ is a fused elementwise reduction: microseconds per MB on a GPU (about 1.5 GB/s o
 
 from __future__ import annotations
 
+import os
+
 import jax
 
 from rekv_jax.errors import TransportError, TransportTimeout
-from rekv_jax.transport import distributed
+from rekv_jax.transport import cores, distributed
 from rekv_jax.transport.base import ROLES, Role, Transport, peer_of
 from rekv_jax.transport.checksums import checksums
 from rekv_jax.transport.collective import CollectiveTransport
@@ -87,6 +89,8 @@ def connect(kind: str, role: Role, coordinator: str | None = None,
             process_id = distributed.DEFAULT_PROCESS_ID[role]
         distributed.initialize(coordinator, process_id, init_timeout_s=int(timeout),
                                heartbeat_s=heartbeat_s)
+    cores.start_device(os.environ)  # on a pinned CPU side, its host threads leave its cores
+    distributed.check_two_processes()
     channel = distributed.PeerChannel(heartbeat_s, timeout)
     if kind == "collective":
         return CollectiveTransport(role, channel, link_gbps)

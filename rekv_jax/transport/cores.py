@@ -1,19 +1,28 @@
 """Each side of a CPU pair on one machine on its own cores, so that both compute at once, as two
-GPUs do (otherwise the prefill process, the decode side's suffix and its receive thread all share
-every core). `launch.pair_environments` splits the cores; two environment variables carry the
-split; the launcher pins its own process and starts each child on its side's cores (Linux CPU
-affinity, which a child inherits). Where affinity cannot be set, or there is one core, the sides
-share the cores and say so."""
+GPUs do. `launch.pair_environments` splits the cores; environment variables carry the split; the
+launcher pins its own process and starts each child on its side's cores (Linux CPU affinity,
+which a child inherits). Where affinity cannot be set, or there is one core, the sides share the
+cores and say so.
+
+A side's cores are its *device*: only the threads of JAX's CPU backend, which run its programs,
+stay on them (`start_device`). Every other thread (Python's, the transport's, the coordination
+client's) is a *host* thread and may run on any of the pair's cores, as a GPU node's host threads
+run on its CPUs and never on the GPU's SMs: a receive, a checksum or a dispatch then takes an
+idle core (the other side's, between its programs) instead of the core a suffix computes on.
+`CoreUse` measures what a device's threads lost to others over an interval."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import dataclasses
 import os
 from collections.abc import Iterator, Mapping, Sequence
 
 from rekv_jax.transport.base import ROLES, Role
 
-CPUS_ENV = "REKV_CPUS"  # the CPU ids this side runs on, a comma list
+CPUS_ENV = "REKV_CPUS"  # the CPU ids this side computes on (its device), a comma list
+HOST_CPUS_ENV = "REKV_HOST_CPUS"  # the CPU ids its host threads may use: the pair's
 PINNING_ENV = "REKV_PINNING"  # the pair's split in words, for the header and the records
 SHARED = "cores shared"
 
@@ -36,19 +45,20 @@ def cpu_environments(env: Mapping[str, str], cpus: Sequence[int] | None
     """Each CPU side's environment: `env` with its own half of `cpus` (the prefill side the
     first half, the decode side the rest, which runs the receive thread too) in CPUS_ENV, and
     the split in PINNING_ENV. `cpus` None (`--no-pin`) or fewer than two: both share the cores."""
-    base = {k: v for k, v in env.items() if k != CPUS_ENV}
+    base = {k: v for k, v in env.items() if k not in (CPUS_ENV, HOST_CPUS_ENV)}
     if cpus is None or len(cpus) < 2:
         why = " (one core: nothing to pin)" if cpus is not None and len(cpus) == 1 else ""
         return {role: {**base, PINNING_ENV: SHARED + why} for role in ROLES}
     half = len(cpus) // 2
     mine = {"prefill": list(cpus[:half]), "decode": list(cpus[half:])}
     split = f"pinned: prefill {cpu_text(mine['prefill'])}, decode {cpu_text(mine['decode'])}"
-    return {role: {**base, CPUS_ENV: ",".join(map(str, mine[role])), PINNING_ENV: split}
+    return {role: {**base, CPUS_ENV: ",".join(map(str, mine[role])),
+                   HOST_CPUS_ENV: ",".join(map(str, cpus)), PINNING_ENV: split}
             for role in ROLES}
 
 
-def _cpus(env: Mapping[str, str]) -> set[int] | None:
-    return {int(c) for c in env[CPUS_ENV].split(",")} if env.get(CPUS_ENV) else None
+def _cpus(env: Mapping[str, str], name: str = CPUS_ENV) -> set[int] | None:
+    return {int(c) for c in env[name].split(",")} if env.get(name) else None
 
 
 def pin_process(env: Mapping[str, str]) -> None:
@@ -77,3 +87,93 @@ def children_on(env: Mapping[str, str]) -> Iterator[None]:
         yield
     finally:
         os.sched_setaffinity(0, mine)
+
+
+# ---------------------------------------------------------------------------- device and host
+
+
+_device_cpus: frozenset[int] | None = None  # this side's device cores, once `start_device` split
+
+
+def _thread_ids() -> set[int]:
+    return {int(tid) for tid in os.listdir("/proc/self/task")}
+
+
+def start_device(env: Mapping[str, str]) -> None:
+    """Start JAX's backend in this process and, on a pinned CPU side (`env` names its host cores,
+    HOST_CPUS_ENV), free every thread but the backend's to run on the host cores. Call it once
+    the process is pinned (`pin_process`) and before the backend starts: the threads it starts,
+    and the threads they start, are this side's device. Elsewhere (GPUs, unpinned, already
+    started) it only starts the backend."""
+    global _device_cpus
+    import jax
+
+    from rekv_jax.transport.distributed import backends_started
+
+    device, host = _cpus(env), _cpus(env, HOST_CPUS_ENV)
+    if device is None or host is None or backends_started() or not usable_cpus():
+        jax.devices()
+        return
+    keep_freed_memory()
+    before = _thread_ids()
+    jax.devices()  # the backend's threads run every program of this process: the device
+    for tid in before:  # a thread they start later inherits the host cores
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(tid, host)
+    _device_cpus = frozenset(device)
+
+
+def keep_freed_memory() -> None:
+    """Have this process's allocator keep what a program frees for the next one, as a GPU's
+    caching allocator does, instead of handing it back to the kernel and faulting it in again
+    (glibc: no mmap'd chunks, no trimming). A CPU device's buffers are malloc'd: without this, a
+    program's CPU time varies from run to run with the pages it faults in, which depends on the
+    allocator's history, not on the program. A no-op where malloc is not glibc's."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None)
+        libc.mallopt(_M_MMAP_MAX, 0)
+        libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+
+
+@dataclasses.dataclass(frozen=True)
+class CoreUse:
+    """CPU time of this process's threads over an interval, ms (Linux per-thread schedstat)."""
+
+    device_ms: float  # the device's threads (those on the device cores only) ran
+    device_wait_ms: float  # they were ready to run but waited for their core
+    host_ms: float  # every other thread of this process ran (on any core it may use)
+
+    def to_json(self) -> dict[str, float]:
+        return {k: round(v, 3) for k, v in dataclasses.asdict(self).items()}
+
+
+ThreadTimes = dict[int, tuple[int, int, bool]]  # thread id -> (ns run, ns waited, on the device)
+
+
+def thread_times() -> ThreadTimes | None:
+    """Each thread's CPU time so far and whether it is the device's; None where the device is not
+    known (no `start_device` split in this process)."""
+    if _device_cpus is None:
+        return None
+    times = {}
+    for tid in _thread_ids():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                run, wait, _ = f.read().split()
+            times[tid] = int(run), int(wait), os.sched_getaffinity(tid) <= _device_cpus
+    return times
+
+
+def core_use(before: ThreadTimes | None, after: ThreadTimes | None) -> CoreUse | None:
+    """What the threads used between two `thread_times` (None if either is)."""
+    if before is None or after is None:
+        return None
+    ms = {True: [0.0, 0.0], False: [0.0, 0.0]}  # on the device: [run, wait]
+    for tid, (run, wait, on_device) in after.items():
+        run0, wait0, _ = before.get(tid, (0, 0, on_device))
+        ms[on_device][0] += (run - run0) / 1e6
+        ms[on_device][1] += (wait - wait0) / 1e6
+    return CoreUse(ms[True][0], ms[True][1], ms[False][0])

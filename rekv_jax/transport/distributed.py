@@ -130,6 +130,11 @@ def initialize(coordinator: str | None, process_id: int | None, *, init_timeout_
         peer = "prefill" if process_id == 0 else "decode"
         raise TransportError(f"the {peer} side did not join {coordinator or 'the cluster'} "
                              f"within {init_timeout_s}s") from e
+
+
+def check_two_processes() -> None:
+    """ValueError unless the cluster is the two processes of a handoff (this starts JAX's
+    backend: `cores.start_device` first)."""
     if jax.process_count() != 2:
         raise ValueError(f"a handoff needs exactly 2 processes, JAX reports {jax.process_count()}")
 

@@ -1,0 +1,138 @@
+"""The emulation's fidelity: every record with a recomputed suffix carries it, `rekv handoff`
+warns when a suffix ran slower than alone, and a pinned side's host threads leave its core."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from rekv_jax import Action
+from rekv_jax.phases import Phases
+from rekv_jax.study.experiment import Experiment, run_local
+from rekv_jax.study.records import FIDELITY_LIMIT, Fidelity, Rep, Summary
+from rekv_jax.transport.cores import CoreUse, core_use, usable_cpus
+
+L = 6
+
+
+def _summary(ratio: float, schedule: str = "overlapped", prefill: str = "full") -> Summary:
+    fidelity = Fidelity(10.0, ratio, 2.0, 3.0)
+    return Summary("tiny", 64, 1, Action.parse("q8:r=2", L), "local", schedule, None, "cpu",
+                   (1.0, 2.0), Phases(0, 0, 0, 10 * ratio, 0), 100, prefill=prefill,
+                   fidelity=fidelity)
+
+
+def test_every_record_with_a_suffix_carries_its_fidelity():
+    got = []
+    exp = Experiment(model="tiny", seq_len=32, actions=tuple(
+        Action.parse(a, L) for a in ("bf16:full", "q8:r=2", "bf16:recompute")),
+        transport="local", warmup=0, reps=2, schedules=("overlapped", "chunked"), chunks=2)
+    run_local(exp, got.append)
+    for record in got:
+        line = json.loads(json.dumps(record.to_json()))
+        if record.action.kind == "transfer":
+            assert record.fidelity is None and line["fidelity"] is None
+            continue
+        f = record.fidelity
+        assert f.suffix_alone_ms > 0 and f.ratio == pytest.approx(
+            record.phases_ms.suffix / f.suffix_alone_ms, rel=1e-9 if isinstance(record, Rep)
+            else 1.0)  # a summary's figures are medians of its reps'
+        back = (Summary.from_json(line) if isinstance(record, Summary)
+                else Rep.from_json(line, L))
+        assert back.fidelity == Fidelity(**line["fidelity"])
+
+
+@pytest.mark.parametrize("ratio, schedule, prefill, warned", [
+    (FIDELITY_LIMIT + 0.01, "overlapped", "full", True),
+    (FIDELITY_LIMIT, "overlapped", "full", False),
+    (1.0, "sequential", "full", False),
+    (2.0, "chunked", "full", False),  # waits for its chunks: recorded, not judged
+    (2.0, "overlapped", "pipelined", False),
+])
+def test_the_warning_judges_only_a_suffix_that_waits_for_nothing(ratio, schedule, prefill,
+                                                                warned):
+    text = _summary(ratio, schedule, prefill).fidelity_warning()
+    assert (text is not None) == warned
+    if warned:
+        assert f"{ratio:.2f}×" in text and "waited 2.0 ms" in text
+
+
+SLOWED = textwrap.dedent("""
+    import os, sys, threading
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core for every thread
+    from rekv_jax.study import experiment
+
+    def busy(stop):  # takes the core from the suffix while a handoff runs, and only then
+        while not stop.is_set():
+            sum(range(1000))
+
+    received = experiment.receive_handoff
+    def slowed(*args, **kwargs):
+        stop = threading.Event()
+        thread = threading.Thread(target=busy, args=(stop,))
+        thread.start()
+        try:
+            return received(*args, **kwargs)
+        finally:
+            stop.set()
+            thread.join()
+    experiment.receive_handoff = slowed
+    from rekv_jax.cli.main import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def test_rekv_handoff_warns_when_the_suffix_is_slowed_on_purpose():
+    argv = ["handoff", "--model", "tiny", "--seq-len", "128", "--actions", "q8:r=4",
+            "--schedule", "overlapped", "--transport", "local", "--link-gbps", "unpaced",
+            "--warmup", "1", "--reps", "3"]
+    out = subprocess.run([sys.executable, "-c", SLOWED, *argv], capture_output=True, text=True,
+                         timeout=300, env=os.environ)
+    assert out.returncode == 0, out.stderr[-2000:]
+    warnings = [line for line in out.stderr.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1 and "q8:r=4 (overlapped)" in warnings[0], out.stderr[-2000:]
+
+
+def test_core_use_splits_device_and_host_threads():
+    before = {1: (0, 0, True), 2: (0, 0, False)}
+    after = {1: (5_000_000, 1_000_000, True), 2: (2_000_000, 0, False), 3: (1_000_000, 0, False)}
+    assert core_use(before, after) == CoreUse(device_ms=5.0, device_wait_ms=1.0, host_ms=3.0)
+    assert core_use(None, after) is None
+
+
+SPLIT_PARENT = """import json, os, sys
+from rekv_jax.transport import cores
+from rekv_jax.transport.cores import usable_cpus
+from rekv_jax.transport.launch import pair_environments, with_prefill_child
+
+def decode(coordinator):
+    cores.start_device(os.environ)
+    import jax, jax.numpy as jnp
+    f = jax.jit(lambda a: a @ a)
+    a = jnp.ones((512, 512))
+    f(a).block_until_ready()
+    before = cores.thread_times()
+    for _ in range(20):
+        f(a).block_until_ready()
+    after = cores.thread_times()
+    ran = {t: after[t][0] - before.get(t, (0, 0, 0))[0] for t in after}
+    busiest = max(ran, key=ran.get)
+    return {"main": sorted(os.sched_getaffinity(0)), "busiest_on_device": after[busiest][2],
+            "busiest": sorted(os.sched_getaffinity(busiest))}
+
+envs = pair_environments([], os.environ, cpus=usable_cpus())
+print(json.dumps(with_prefill_child([sys.executable, "-c", "pass"], decode, 60, envs)))"""
+
+
+@pytest.mark.skipif(len(usable_cpus()) < 2, reason="pinning needs two cores")
+def test_a_pinned_side_runs_programs_on_its_core_and_everything_else_on_any():
+    out = subprocess.run([sys.executable, "-c", SPLIT_PARENT], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout)
+    cpus = usable_cpus()
+    assert got["main"] == cpus  # the host's thread may take any core of the pair
+    assert got["busiest_on_device"] and got["busiest"] == cpus[len(cpus) // 2:]
