@@ -34,13 +34,13 @@ def _pad(x: jax.Array, capacity: int) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
-def _span(arrays: tuple[jax.Array, ...], start: int, stop: int) -> tuple[jax.Array, ...]:
-    return tuple(x[:, start:stop] for x in arrays)  # n x [B, stop - start, K, H]
+def _span(x: jax.Array, start: int, stop: int) -> jax.Array:
+    return x[:, start:stop]  # [B, stop - start, K, H]
 
 
 @jax.jit
-def _join(parts: tuple[tuple[jax.Array, ...], ...]) -> tuple[jax.Array, ...]:
-    return tuple(jnp.concatenate(layer, axis=1) for layer in zip(*parts, strict=True))
+def _join(parts: tuple[jax.Array, ...]) -> jax.Array:
+    return jnp.concatenate(parts, axis=1)  # [B, S, K, H]
 
 
 @jax.tree_util.register_dataclass
@@ -77,6 +77,10 @@ class KVCache:
         return self._layer_shape[0][1]
 
     @property
+    def dtype(self) -> np.dtype:
+        return self._layer_shape[1]
+
+    @property
     def k(self) -> jax.Array:
         """Keys stacked `[L, B, S, K, H]` (a copy)."""
         return self._stack(self.keys)
@@ -98,13 +102,17 @@ class KVCache:
         return KVCache(keys, values, None if keys else self._layer_shape)
 
     def span(self, start: int, stop: int) -> KVCache:
-        """Positions `start..stop-1` of every layer (a token chunk; new buffers; >= 1 layer)."""
-        return KVCache(_span(self.keys, start, stop), _span(self.values, start, stop))
+        """Positions `start..stop-1` of every layer (a token chunk; new buffers; >= 1 layer;
+        one program per layer shape, whatever the layer count)."""
+        return KVCache(tuple(_span(k, start, stop) for k in self.keys),
+                       tuple(_span(v, start, stop) for v in self.values))
 
     @staticmethod
     def join_spans(*parts: KVCache) -> KVCache:
         """Join token chunks of the same layers (>= 1) in order (a pipelined prefix's)."""
-        return KVCache(_join(tuple(p.keys for p in parts)), _join(tuple(p.values for p in parts)))
+        return KVCache(tuple(_join(layer) for layer in zip(*(p.keys for p in parts), strict=True)),
+                       tuple(_join(layer) for layer in zip(*(p.values for p in parts),
+                                                            strict=True)))
 
     def pad(self, capacity: int) -> KVCache:
         """Zero-extend the sequence axis to `capacity` positions (room for decoding); always

@@ -25,7 +25,8 @@ from pallas_kernels.quant import F16_TO_INF, QMAX, QuantizedTensor, quantized_sp
 from rekv_jax.sizes import GROUP_SIZE
 
 __all__ = ["BACKENDS", "BACKEND_ENV", "QMAX", "QuantizedTensor", "check_finite", "dequantize",
-           "error_bound", "quantize", "quantize_unchecked", "quantized_specs", "resolve_backend"]
+           "error_bound", "finite_error", "quantize", "quantize_unchecked", "quantized_specs",
+           "resolve_backend"]
 BACKENDS = ("xla", "pallas", "pallas-interpret")
 BACKEND_ENV = "REKV_QUANT_BACKEND"
 
@@ -55,11 +56,15 @@ def check_finite(q: QuantizedTensor) -> QuantizedTensor:
     """Raise ValueError if a scale is NaN/Inf (NaN/Inf input, or a float16 scale overflow)."""
     bad = int(_count_nonfinite(q.scales))  # one small reduction and one host sync
     if bad:
-        raise ValueError(
-            f"quantize: {bad} group(s) of {q.group_size} have a non-finite scale: the input holds "
-            f"NaN/Inf, or a group's max |x| is >= {F16_TO_INF * QMAX[q.bits]:.0f} "
-            f"(its float16 scale overflows)")
+        raise ValueError(finite_error(bad, q.bits, q.group_size))
     return q
+
+
+def finite_error(bad: int, bits: int, group_size: int = GROUP_SIZE) -> str:
+    """The error of `bad` groups whose scale is not finite."""
+    return (f"quantize: {bad} group(s) of {group_size} have a non-finite scale: the input holds "
+            f"NaN/Inf, or a group's max |x| is >= {F16_TO_INF * QMAX[bits]:.0f} (its float16 "
+            "scale overflows)")
 
 
 @jax.jit

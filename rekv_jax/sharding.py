@@ -83,6 +83,7 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
 }
 KV_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")  # [L, B, S, K, H]
 KV_AXIS = 3  # K in [L, B, S, K, H]: the axis the KV is sharded over
+KV_LAYER_AXIS = KV_AXIS - 1  # K in one layer's [B, S, K, *]
 
 
 def make_mesh(cfg: ModelConfig, devices: int | Sequence[jax.Device], dp: int = 1) -> Mesh:
@@ -138,6 +139,12 @@ def kv_sharding(mesh: Mesh, shape: tuple[int, ...], rules: ShardingRules = RULES
                 ) -> NamedSharding:
     """The KV `[L, B, S, K, H]` on `mesh`: split over K (and B over dp)."""
     return named(mesh, shape, *KV_AXES, rules=rules)
+
+
+def kv_layer_sharding(mesh: Mesh, shape: tuple[int, ...], rules: ShardingRules = RULES
+                      ) -> NamedSharding:
+    """One layer's KV `[B, S, K, *]` (values, or codes and scales) on `mesh`: split over K."""
+    return named(mesh, shape, *KV_AXES[1:], rules=rules)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -19,16 +19,16 @@ import dataclasses
 import json
 
 from rekv_jax.action import Action
+from rekv_jax.mode import Schedule
 from rekv_jax.model.loader import load_config
-from rekv_jax.phases import Schedule
-from rekv_jax.study.calibrate import calibrate_link_in_child
+from rekv_jax.study.calibrate import LinkCalibration, calibrate_link_in_child
 from rekv_jax.study.experiment import Experiment, launch_pair, side_environments
 from rekv_jax.study.records import Summary
 
 TARGET = 1.05  # the suffix phase over the same layers alone
 
 
-def experiments(args: argparse.Namespace) -> list[Experiment]:
+def experiments(args: argparse.Namespace) -> tuple[list[Experiment], LinkCalibration]:
     """The overlapped run, then a chunked run per N, on one calibrated link."""
     cfg = load_config(args.model)
     action = Action.parse(args.action, cfg.num_layers)
@@ -53,8 +53,7 @@ def row(s: Summary) -> dict:
 def chunk_cost(rows: list[dict]) -> dict | None:
     """What the chunked run with most chunks costs beyond the one with fewest, past the extra
     compute of its smaller chunks (their standalone times): the cost of its extra messages."""
-    chunked = sorted((r for r in rows if r["schedule"] == Schedule.CHUNKED),
-                     key=lambda r: r["chunks"])
+    chunked = sorted((r for r in rows if r["chunks"] > 1), key=lambda r: r["chunks"])
     if len(chunked) < 2:
         return None
     few, many = chunked[0], chunked[-1]

@@ -80,7 +80,7 @@ def decode_side(t: Transport, kb: int, reps: int) -> list[float]:
     received_at = []
     for i in range(WARMUP + reps):
         t.send_meta(f"go/{i}", {})
-        t.recv(f"x/{i}", specs, TIMEOUT)
+        t.recv(f"x/{i}", specs, TIMEOUT).result(TIMEOUT)
         received_at.append(time.monotonic())
     return received_at
 

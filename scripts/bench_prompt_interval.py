@@ -13,8 +13,8 @@ import json
 import sys
 
 from rekv_jax.action import parse_actions
+from rekv_jax.mode import Interval, PrefillMode
 from rekv_jax.model.loader import SHIPPED_MODEL, load_config
-from rekv_jax.phases import Interval, PrefillMode
 from rekv_jax.study.calibrate import calibrate_link
 from rekv_jax.study.experiment import Experiment
 from rekv_jax.study.sweep import run_experiment
@@ -42,9 +42,9 @@ def main() -> None:
     print("| model | link GB/s | action | schedule | full ms | split ms | full/split |",
           file=sys.stderr)
     print("| --- | ---: | --- | --- | ---: | ---: | ---: |", file=sys.stderr)
-    full = {(m, s.action, s.schedule): s for m, _, s in rows if s.prefill == PrefillMode.FULL}
+    full = {(m, s.action, s.schedule): s for m, _, s in rows if not s.mode.streams}
     for m, link, s in rows:
-        if s.prefill == PrefillMode.SPLIT:
+        if s.mode.streams_layers:
             f = full[(m, s.action, s.schedule)]
             print(f"| {m} | {link:.4f} | {s.action} | {s.schedule} | {f.median_ms:.2f} | "
                   f"{s.median_ms:.2f} | {f.median_ms / s.median_ms:.2f}x |", file=sys.stderr)

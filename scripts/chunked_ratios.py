@@ -1,7 +1,7 @@
 """The chunked schedules' speedups from `rekv handoff --json` outputs, as one JSON line.
 
-Ready interval: the best `chunked` joint action over the best `overlapped` joint action (issue
-20's target: >= 1.08). Prompt interval: the best `pipelined` action over the best `full` and the
+Ready interval: the best `chunked` joint action over the best `overlapped` joint action (target:
+>= 1.08). Prompt interval: the best `pipelined` action over the best `full` and the
 best `split` action (>= 1.5, >= 1.3). Each best is the smallest median over the summaries of
 one file set and setup (model, prompt length, batch); only checked records count (first
 token matched, no cache mismatch). One JSON line per setup.
@@ -13,22 +13,20 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 
-from rekv_jax.action import ActionKind
 from rekv_jax.jsonl import read_jsonl
-from rekv_jax.phases import Interval, PrefillMode, Schedule
+from rekv_jax.mode import Formula, Mode
 from rekv_jax.study.records import Summary
 
 TARGETS = {"chunked_over_overlapped": 1.08, "pipelined_over_full": 1.5,
            "pipelined_over_split": 1.3}
 
 
-def best(summaries: list[Summary], joint: bool, **match: str) -> Summary | None:
-    """The fastest checked summary whose fields equal `match` (joint actions only: `joint`)."""
-    ok = [s for s in summaries
-          if all(getattr(s, k) == v for k, v in match.items()) and s.first_token_match
-          and not s.cache_check.startswith("MISMATCH")
-          and (s.action.kind == ActionKind.JOINT or not joint)]
+def best(summaries: list[Summary], which: Callable[[Mode], bool]) -> Summary | None:
+    """The fastest checked summary whose mode is `which`."""
+    ok = [s for s in summaries if which(s.mode) and s.first_token_match
+          and not s.cache_check.startswith("MISMATCH")]
     return min(ok, key=lambda s: s.median_ms, default=None)
 
 
@@ -46,16 +44,14 @@ def main(paths: list[str]) -> None:
 
 def setup_ratios(summaries: list[Summary]) -> dict[str, dict[str, object]]:
     """The speedups of one setup's summaries, each with its target, best and baseline."""
-    ready, prompt = Interval.READY, Interval.PROMPT
-    pipelined = best(summaries, False, prefill=PrefillMode.PIPELINED)
-    pairs = {"chunked_over_overlapped": (best(summaries, True, schedule=Schedule.CHUNKED,
-                                              interval=ready),
-                                         best(summaries, True, schedule=Schedule.OVERLAPPED,
-                                              interval=ready)),
-             "pipelined_over_full": (pipelined, best(summaries, False, prefill=PrefillMode.FULL,
-                                                     interval=prompt)),
-             "pipelined_over_split": (pipelined,
-                                      best(summaries, False, prefill=PrefillMode.SPLIT))}
+    pipelined = best(summaries, lambda m: m.streams_chunks)
+    pairs = {"chunked_over_overlapped": (
+                 best(summaries, lambda m: m.joint and m.formula == Formula.CHUNKED),
+                 best(summaries, lambda m: m.joint and m.formula == Formula.OVERLAPPED
+                      and not m.from_prompt)),
+             "pipelined_over_full": (pipelined, best(summaries, lambda m: m.from_prompt
+                                                     and not m.streams)),
+             "pipelined_over_split": (pipelined, best(summaries, lambda m: m.streams_layers))}
     out = {}
     for name, (new, old) in pairs.items():
         if new is None or old is None:

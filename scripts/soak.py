@@ -84,10 +84,11 @@ def run_side(role: str, coordinator: str, args: argparse.Namespace) -> None:
 
     from rekv_jax.action import Action
     from rekv_jax.handoff.check import check_cache
-    from rekv_jax.handoff.core import prepare, receive_handoff, send_handoff
+    from rekv_jax.handoff.receiver import receive_handoff
+    from rekv_jax.handoff.sender import prepare, send_handoff
+    from rekv_jax.mode import PAPER_SCHEDULES, Mode
     from rekv_jax.model.loader import load_model
     from rekv_jax.model.transformer import prefill
-    from rekv_jax.phases import PAPER_SCHEDULES
     from rekv_jax.transport import TransportError, TransportTimeout, connect
 
     transport = connect("transfer-server", role, coordinator, timeout=HANDOFF_TIMEOUT)
@@ -97,31 +98,34 @@ def run_side(role: str, coordinator: str, args: argparse.Namespace) -> None:
     actions = {a: Action.parse(a, cfg.num_layers) for a in ACTIONS}
     steps = plan(args.handoffs, args.fault_rate, args.seed)
     warmup = [Step(a, s, "error", None) for a in ACTIONS for s in PAPER_SCHEDULES]
-    push, pull = transport._push, transport._pull  # the fault hooks (see transport_worker.py)
+    send, receive = transport._send, transport._receive  # the fault hooks
 
-    def faulty_push(tag: str, arrays: list, deadline: float) -> None:
+    def faulty_send(tag: str, buffers: list, header: str, deadline: float) -> None:
         fault = faults.get(tag)
         if fault in ("delay", "corrupt"):
             injected[fault] += 1
         if fault == "delay":
             time.sleep(DELAY_S)
         elif fault == "corrupt":
-            flipped = np.asarray(arrays[0]).copy()
+            flipped = np.asarray(buffers[0]).copy()
             flipped.reshape(-1).view(np.uint8)[7] ^= 0x10
-            arrays = [jax.device_put(flipped), *arrays[1:]]
-        push(tag, arrays, deadline)
+            buffers = [jax.device_put(flipped), *buffers[1:]]
+        send(tag, buffers, header, deadline)
 
-    def faulty_pull(tag: str, specs: list, deadline: float) -> list:
-        if faults.get(tag) == "lost":
+    def faulty_receive(arrival, specs: list, wire: list) -> None:
+        if faults.get(arrival.tag) == "lost":
             injected["lost"] += 1
-            raise TransportError(f"{tag}: injected loss of the prefix")
-        return pull(tag, specs, deadline)
+            transport._settle(arrival, error=TransportError(
+                f"{arrival.tag}: injected loss of the prefix"))
+            return
+        receive(arrival, specs, wire)
 
     faults: dict[str, str] = {}
     injected = dict.fromkeys(FAULTS, 0)  # faults this side's hooks applied
-    transport._push, transport._pull = faulty_push, faulty_pull
+    transport._send, transport._receive = faulty_send, faulty_receive
     if role == "prefill":
-        states = {a: prepare(cfg, params, tokens, action) for a, action in actions.items()}
+        states = {a: prepare(cfg, params, tokens, Mode.of(action))
+                  for a, action in actions.items()}
     else:
         reference, logits = prefill(cfg, params, tokens)
         first = np.asarray(jax.numpy.argmax(logits, axis=-1))
@@ -137,12 +141,13 @@ def run_side(role: str, coordinator: str, args: argparse.Namespace) -> None:
         if step.fault:
             faults[f"{tag}/prefix"] = step.fault
         action = actions[step.action]
+        mode = Mode.of(action, step.schedule)
         try:
             if role == "prefill":
-                send_handoff(transport, states[step.action], action, tag, timeout=timeout)
+                send_handoff(transport, states[step.action], mode, tag, timeout=timeout)
                 continue
-            result = receive_handoff(transport, cfg, params, action, 1, args.seq_len, tag,
-                                     step.schedule, step.fallback, timeout=timeout)
+            result = receive_handoff(transport, cfg, params, mode, 1, args.seq_len, tag,
+                                     step.fallback, timeout=timeout)
         except TransportTimeout as e:
             if role == "decode":
                 counts["hangs"] += 1

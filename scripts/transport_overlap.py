@@ -1,7 +1,7 @@
-"""Does a background receive overlap jitted compute? Prints one JSON line per transport and link.
+"""Does a receive overlap jitted compute? Prints one JSON line per transport and link.
 
-On the decode side, per repetition: compute alone, the receive alone, then both (the receive on
-a worker thread while the main thread computes). Overlap is real when `both_ms` is near
+On the decode side, per repetition: compute alone, the receive alone, then both (the receive
+started, then the compute on this thread, then the receive's result). Overlap is real when `both_ms` is near
 `max(compute_ms, recv_ms)` rather than `compute_ms + recv_ms`. The link is the loopback itself,
 a paced link (`--gbps`), or a sender that starts `--delay-ms` late (the receive then waits inside
 the collective program or the pending pull, which shows whether the runtime runs it beside compute).
@@ -17,7 +17,6 @@ import statistics
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -59,30 +58,28 @@ def prefill_side(t: Transport, mb: int, reps: int, delay_ms: float) -> None:
 def decode_side(t: Transport, mb: int, reps: int) -> dict:
     specs = payload_specs(mb)
     a = jnp.full((1024, 1024), 1e-3, jnp.float32)
-    pool = ThreadPoolExecutor(1, thread_name_prefix="recv")
     suffix_like(a).block_until_ready()
 
-    def receive(i: int, background: bool):
+    def receive(i: int):
         t.send_meta(f"go/{i}", {})
-        return pool.submit(t.recv, f"x/{i}", specs, TIMEOUT) if background else t.recv(
-            f"x/{i}", specs, TIMEOUT)
+        return t.recv(f"x/{i}", specs, TIMEOUT)
 
-    receive(0, background=False)
+    receive(0).result(TIMEOUT)
     times: dict[str, list[float]] = {"compute": [], "recv": [], "both": [], "checksum": []}
     for r in range(reps):
         t0 = time.perf_counter()
         suffix_like(a).block_until_ready()
         times["compute"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        got = receive(1 + 2 * r, background=False)
+        got = receive(1 + 2 * r).result(TIMEOUT)
         times["recv"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         checksums(got)
         times["checksum"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        pending = receive(2 + 2 * r, background=True)
+        pending = receive(2 + 2 * r)
         suffix_like(a).block_until_ready()
-        pending.result()
+        pending.result(TIMEOUT)
         times["both"].append(time.perf_counter() - t0)
     med = {f"{k}_ms": median_ms(v) for k, v in times.items()}
     bound = max(med["compute_ms"], med["recv_ms"])

@@ -105,15 +105,15 @@ def test_payload_crosses_meshes_in_pieces(sides, bits):
     src = sharding.make_mesh(cfg, n)
     placed = KVCache.stacked(*(jax.device_put(x, sharding.kv_sharding(src, shape))
                                for x in (kv.k, kv.v)))
-    sent = pack_prefix(placed, bits)
-    assert all(np.array_equal(a, b) for a, b in zip(sent, pack_prefix(kv, bits), strict=True))
+    sent, _ = pack_prefix(placed, bits)  # per layer [B, S, K, *]
+    assert all(np.array_equal(a, b) for a, b in zip(sent, pack_prefix(kv, bits)[0], strict=True))
     if bits != 16:
         assert quantize(placed.k, bits).values.addressable_shards[0].data.shape[3] == 4 // n
     dst = sharding.make_mesh(cfg, m)
     pieces = math.lcm(n, m)
     for x in sent:
-        transit = transport_mesh.Transit(sharding.KV_AXIS, pieces)
-        target = sharding.kv_sharding(dst, x.shape)
+        transit = transport_mesh.Transit(sharding.KV_LAYER_AXIS, pieces)
+        target = sharding.kv_layer_sharding(dst, x.shape)
         parts = transport_mesh.split(x, transit)
         specs = transport_mesh.piece_specs(jax.ShapeDtypeStruct(x.shape, x.dtype), transit, target)
         assert all(len(p.devices()) == 1 for p in parts)

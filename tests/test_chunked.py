@@ -17,16 +17,12 @@ from test_model import FAMILIES, random_params, small_config, tokens_for
 
 from rekv_jax import Action, ModelConfig, init_params, parse_actions
 from rekv_jax.handoff.check import check_cache
-from rekv_jax.handoff.chunked import reference
-from rekv_jax.handoff.core import (
-    check_schedule,
-    prepare,
-    receive_handoff,
-    send_handoff,
-    send_prompt,
-)
+from rekv_jax.handoff.check import reference as mode_reference
 from rekv_jax.handoff.generate import Request, generate
-from rekv_jax.handoff.payload import pack_prefix, unpack_prefix
+from rekv_jax.handoff.payload import round_trip
+from rekv_jax.handoff.receiver import receive_handoff
+from rekv_jax.handoff.sender import prepare, send_handoff, send_prompt
+from rekv_jax.mode import Mode, Reference
 from rekv_jax.model import new_cache, prefill, run_chunk, run_prefix, run_suffix, token_chunks
 from rekv_jax.quality.gate import reconstruct_cache
 from rekv_jax.study.experiment import Experiment, run_local
@@ -95,29 +91,33 @@ def test_one_chunk_is_the_unchunked_prefill_and_chunks_differ_little():
         run_suffix(cfg, params, run_prefix(cfg, params, tokens, 2)[0], 2, tokens * 0, chunks=2)
 
 
+def reference(cfg, params, tokens, cut, chunks, pipelined):
+    """The chunked handoff's reference cache, logits and name."""
+    ref = Reference(chunks, split_at_cut=not pipelined)
+    return (*mode_reference(cfg, params, tokens, ref, cut), ref.name)
+
+
 def handoff(cfg, params, tokens, action, chunks, pipelined):
     """One chunked (ready) or pipelined (prompt) handoff over a local link paced to 1 MB/s, so
     the prefix (tens of KB) is still in flight when the first chunk's suffix starts."""
     sender, receiver = LocalTransport.pair(link_gbps=1e-3)
+    mode = Mode.of(action, "chunked", "pipelined" if pipelined else "full", chunks)
     errors = []
 
     def send():
         try:
             if pipelined:
-                send_prompt(sender, cfg, params, tokens, action, "t", "pipelined", timeout=120,
-                            chunks=chunks)
+                send_prompt(sender, cfg, params, tokens, mode, "t", timeout=120)
             else:
-                state = prepare(cfg, params, tokens, action, check_suffix=True, chunks=chunks)
-                send_handoff(sender, state, action, "t", timeout=120, chunks=chunks)
+                state = prepare(cfg, params, tokens, mode, check_suffix=True)
+                send_handoff(sender, state, mode, "t", timeout=120)
         except Exception as e:  # surfaced by the assertion below
             errors.append(e)
 
     thread = threading.Thread(target=send)
     thread.start()
     try:
-        result = receive_handoff(receiver, cfg, params, action, *tokens.shape, "t", "chunked",
-                                 timeout=120, prefill_mode="pipelined" if pipelined else "full",
-                                 chunks=chunks)
+        result = receive_handoff(receiver, cfg, params, mode, *tokens.shape, "t", timeout=120)
     finally:
         thread.join(120)
     assert not errors and not thread.is_alive()
@@ -136,8 +136,7 @@ def test_handoff_is_its_chunked_reference_bitwise(family, seq, chunks, action, p
     result = handoff(cfg, params, tokens, action, chunks, pipelined)
     kv, logits, name = reference(cfg, params, tokens, action.cut, chunks, pipelined)
     c = action.cut
-    restored = unpack_prefix(pack_prefix(kv.layers(0, c), action.bits), action.bits,
-                             jnp.bfloat16)
+    restored = round_trip(kv.layers(0, c), action.bits)
     assert_same([result.kv.k[:c], result.kv.v[:c], result.kv.k[c:], result.kv.v[c:]],
                 [restored.k, restored.v, kv.k[c:], kv.v[c:]])
     assert np.array_equal(result.first_token, jnp.argmax(logits, axis=-1))
@@ -161,15 +160,20 @@ def test_pipelined_transfer_and_recompute(action):
 
 
 def test_schedules_and_prefills_that_do_not_go_together():
-    check_schedule("chunked", "full", 4, 8)
-    check_schedule("chunked", "pipelined", 2, 8)
-    for args in [("chunked", "full", 1), ("overlapped", "full", 4), ("chunked", "split", 4),
-                 ("overlapped", "pipelined", 1), ("overlapped", "pipelined", 4),
-                 ("fastest", "full", 1), ("chunked", "full", 9)]:
+    joint = Action(8, 4, 6)
+    Mode.of(joint, "chunked", "full", 4)
+    Mode.of(joint, "chunked", "pipelined", 2)
+    assert Mode.of(joint, "overlapped", "full", 4).chunks == 1  # chunks only where they apply
+    for args in [("chunked", "full", 1), ("chunked", "split", 4), ("overlapped", "pipelined", 4),
+                 ("chunked", "pipelined", 1), ("fastest", "full", 1), ("chunked", "full", 0)]:
         with pytest.raises(ValueError):
-            check_schedule(*args, 8)
+            Mode.of(joint, *args)
+    with pytest.raises(ValueError):
+        Mode(joint, "chunked", "full", 1)  # the constructor takes only a normal form
     with pytest.raises(ValueError, match="chunks"):
-        Experiment(actions=(Action(8, 4, 6),), schedules=("chunked",))
+        Experiment(actions=(joint,), schedules=("chunked",), chunks=1)
+    with pytest.raises(ValueError, match="at least as many tokens"):
+        Experiment(actions=(joint,), schedules=("chunked",), chunks=9, seq_len=8)
 
 
 def test_runner_records_name_the_chunked_reference():
@@ -212,7 +216,7 @@ def test_quality_scores_the_chunked_caches():
         kv, logits = reconstruct_cache(cfg, params, tokens, action, 4, pipelined)
         want, want_logits, name = reference(cfg, params, tokens, action.cut, 4, pipelined)
         assert np.array_equal(logits, want_logits) and np.array_equal(kv.k[4:], want.k[4:])
-        restored = unpack_prefix(pack_prefix(want.layers(0, 4), 8), 8, jnp.bfloat16)
+        restored = round_trip(want.layers(0, 4), 8)
         assert np.array_equal(kv.k[:4], restored.k) and np.array_equal(kv.v[:4], restored.v)
 
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from rekv_jax import sizes
 from rekv_jax.action import ACTION_KINDS, Action, action_space
 from rekv_jax.config import ModelConfig
+from rekv_jax.mode import Mode
 from rekv_jax.planning import costmodel as cm
 from rekv_jax.planning import profile_fit
 from rekv_jax.planning.profile_fit import Measurement, fit_profile
@@ -21,6 +22,12 @@ SETTINGS = settings(max_examples=200, deadline=None)
 # Exact rationals: the propositions are statements about real numbers, so test them exactly.
 nonneg = st.fractions(min_value=0, max_value=100, max_denominator=50)
 pos = st.fractions(min_value=Fraction(1, 50), max_value=100, max_denominator=50)
+
+
+def predict(p: cm.Profile, a: Action, schedule: str = "overlapped", interval: str | None = None,
+            prefill: str = "full", chunks: int = 1) -> float:
+    """`predicted_ms` of `a` run as the mode these name."""
+    return cm.predicted_ms(p, Mode.of(a, schedule, prefill, chunks, interval))
 
 
 @SETTINGS
@@ -128,7 +135,7 @@ def test_phases_per_action_kind():
     for a in action_space(L):
         pred = cm.predict(p, a)
         assert pred.t_seq_ms - pred.t_ov_ms == pytest.approx(pred.saved_ms)
-        assert cm.predicted_ms(p, a, "sequential") == pred.t_seq_ms
+        assert predict(p, a, "sequential") == pred.t_seq_ms
 
 
 def test_profile_balanced_cut_minimizes_predicted_interior_cuts():
@@ -136,7 +143,7 @@ def test_profile_balanced_cut_minimizes_predicted_interior_cuts():
         p = _profile(link_gbps=w)
         L = p.num_layers
         for bits in (16, 8, 4):
-            costs = {c: cm.predicted_ms(p, Action(bits, c, L)) for c in range(1, L)}
+            costs = {c: predict(p, Action(bits, c, L)) for c in range(1, L)}
             _, cuts = p.balanced_cut(bits)
             assert min(costs[c] for c in cuts) == pytest.approx(min(costs.values()))
 
@@ -196,7 +203,7 @@ def test_fit_profile_with_one_prefix_length_of_a_precision():
     fit = fit_profile(TINY, records, hardware="test", link="test link")
     assert fit.restore_fixed_ms == pytest.approx({16: 0.0, 8: 0.3, 4: 0.0})
     for a in actions:
-        assert cm.predicted_ms(fit, a) == pytest.approx(cm.predicted_ms(truth, a), rel=1e-6)
+        assert predict(fit, a) == pytest.approx(predict(truth, a), rel=1e-6)
 
 
 def test_attention_shares_from_two_lengths():
@@ -235,7 +242,7 @@ def test_fit_profile_needs_enough_distinct_points():
     (lambda: _profile(link_gbps=0), "link_gbps"),
     (lambda: _profile(restore_ms={16: 0.0, 8: 0.1}), "same bits"),
     (lambda: cm.phase_ms(_profile(), Action(8, 3, 7)), "7 layers"),
-    (lambda: cm.predicted_ms(_profile(), Action(8, 3, 6), "both"), "schedule"),
+    (lambda: predict(_profile(), Action(8, 3, 6), "both"), "schedule"),
     (lambda: cm.Profile.from_json({**_profile().to_json(), "alpha": 1}), "unknown"),
     (lambda: cm.phase_ms(_profile(quantize_ms={16: 0.0}, restore_ms={16: 0.0}),
                          Action(8, 3, 6)), "8-bit"),
@@ -286,8 +293,8 @@ def test_streamed_schedule_closed_form(L, alpha, restore, gamma, gbps, embed, jo
             at_prefix = max(computed + a, at_h) + link
             r = r0 + (L - c) * gamma if c < L else 0
             action = Action(bits, c, L)
-            assert cm.streamed_ms(p, action, "overlapped") == max(at_prefix, at_h + r) + join
-            assert cm.streamed_ms(p, action, "sequential") == at_prefix + r + join
+            assert cm.streamed_ms(p, action) == max(at_prefix, at_h + r) + join
+            assert cm.streamed_ms(p, action, sequential=True) == at_prefix + r + join
 
 
 @SETTINGS
@@ -305,14 +312,14 @@ def test_split_prefill_never_slower_when_the_link_keeps_up(L, alpha, restore, ga
             action = Action(bits, c, L)
             for schedule in ("overlapped", "sequential"):
                 # `phase_ms` writes absent phases as 0.0, so `full` is a float: 1e-12 of slack
-                full = cm.predicted_ms(p, action, schedule, "prompt", "full")
-                ready = cm.predicted_ms(p, action, schedule)
+                full = predict(p, action, schedule, "prompt", "full")
+                ready = predict(p, action, schedule)
                 assert math.isclose(full, ready + embed + L * gamma, rel_tol=1e-12, abs_tol=1e-12)
-                split = cm.predicted_ms(p, action, schedule, "prompt", "split")
+                split = predict(p, action, schedule, "prompt", "split")
                 assert split <= full * (1 + 1e-12) + 1e-12
-            assert cm.streamed_ms(p, action) <= cm.streamed_ms(p, action, "sequential")
+            assert cm.streamed_ms(p, action) <= cm.streamed_ms(p, action, sequential=True)
     with pytest.raises(ValueError, match="split prefill streams"):
-        cm.predicted_ms(p, Action(8, 1, L), "overlapped", "ready", "split")
+        predict(p, Action(8, 1, L), "overlapped", "ready", "split")
 
 
 # -- token chunks: the chunked boundary (ready interval) and the pipelined prefill (prompt) ----
@@ -362,10 +369,10 @@ def test_chunked_schedule_flow_line(L, alpha, restore, gamma, gbps, embed, join,
     n = chunks
     for a in action_space(L, (8,)):  # exact: BF16's absent quantize phase is the float 0.0
         ph, t_ov = cm.phase_ms(p, a), cm.predict(p, a).t_ov_ms
-        got = cm.predicted_ms(p, a, "chunked", chunks=n)
-        if a.kind != "joint":
-            assert got == t_ov
+        if a.kind != "joint":  # nothing to chunk: Eq. 8 = Eq. 9 (a float beside a fraction)
+            assert predict(p, a, "chunked", chunks=n) == pytest.approx(t_ov, rel=1e-12)
             continue
+        got = predict(p, a, "chunked", chunks=n) if n > 1 else t_ov
         tau = h0 + cm.transfer_ms(p.token_bytes, gbps)
         piece = cm.transfer_ms(p.boundary_bytes, gbps) / n
         arrive = [ph.quantize + tau + (i + 1) * piece + i * m for i in range(n)]
@@ -380,7 +387,10 @@ def test_chunked_schedule_flow_line(L, alpha, restore, gamma, gbps, embed, join,
         assert got >= arrive[0] + sum(runs) + ph.join
         if (m, r0, kappa) == (0, 0, 0):  # per-chunk costs nil: chunking never hurts
             assert got <= t_ov
-        assert cm.predicted_ms(p, a, "chunked", "prompt", chunks=n) == got + embed + r0 + L * gamma
+        if n > 1:
+            prompt = predict(p, a, "chunked", "prompt", chunks=n)
+            assert prompt == got + embed + r0 + L * gamma
+        assert cm.chunked_ms(p, a, n) == got
 
 
 @CHUNK_SETTINGS
@@ -392,20 +402,19 @@ def test_pipelined_prefill(L, alpha, restore, gamma, gbps, embed, join, fixed, k
     module docstring)."""
     p = _chunk_profile(L, alpha, restore, gamma, gbps, embed, join, fixed, kappa, share)
     for a in action_space(L, (16, 8)):
-        for schedule in ("overlapped", "sequential"):
-            got = cm.predicted_ms(p, a, schedule, "prompt", "pipelined", chunks)
-            if a.cut <= 1:
-                one = cm.predicted_ms(p, a, schedule, "prompt", "pipelined", 1)
-                assert one == cm.predicted_ms(p, a, schedule, "prompt", "split")
-            if a.cut == 0:  # the ids only: the decode side's chunked prefill of all L layers
-                q0, h0, m, r0, x0 = fixed
-                assert got == (h0 + cm.transfer_ms(p.token_bytes, gbps) + embed + join
-                               + sum(r0 + L * p.chunk_layer(i, chunks) for i in range(chunks)))
-        assert cm.pipelined_ms(p, a, chunks, "chunked") == cm.pipelined_ms(p, a, chunks) <= got
+        got = cm.pipelined_ms(p, a, chunks)
+        if chunks > 1:
+            assert predict(p, a, "chunked", "prompt", "pipelined", chunks) == got
+        if a.cut <= 1:  # one chunk of at most one prefix layer: the split stream
+            assert cm.pipelined_ms(p, a, 1) == predict(p, a, "overlapped", "prompt", "split")
+        if a.cut == 0:  # the ids only: the decode side's chunked prefill of all L layers
+            q0, h0, m, r0, x0 = fixed
+            assert got == (h0 + cm.transfer_ms(p.token_bytes, gbps) + embed + join
+                           + sum(r0 + L * p.chunk_layer(i, chunks) for i in range(chunks)))
     free = _chunk_profile(L, alpha, restore, gamma, gbps, embed, join, (0,) * 5, 0, share)
     linear = _chunk_profile(L, 0, restore, gamma, gbps, embed, join, (0,) * 5, 0, 0)
     for a in action_space(L, (16, 8)):
-        full = cm.predicted_ms(free, a, "overlapped", "prompt", "full")  # a float for BF16
+        full = predict(free, a, "overlapped", "prompt", "full")  # a float for BF16
         assert cm.pipelined_ms(free, a, chunks) <= full * (1 + 1e-12) + 1e-12
         # more chunks never hurt only without a quantize before the next chunk's compute and
         # with chunks of equal cost (s = 0): else hypothesis finds L = 2, α = γ = 1, s = 1
@@ -419,22 +428,20 @@ def test_chunked_schedules_never_slower_on_a_faster_link(L, alpha, restore, gamm
     p = _chunk_profile(L, alpha, restore, gamma, gbps, embed, join, fixed, kappa, share)
     q = p.at_link(gbps * faster, "faster")
     for a in action_space(L, (8,)):  # exact rationals (BF16 has a float 0.0 phase)
-        for args in (("chunked", "ready", "full"), ("overlapped", "prompt", "pipelined"),
-                     ("sequential", "prompt", "pipelined")):
-            assert cm.predicted_ms(q, a, *args, chunks) <= cm.predicted_ms(p, a, *args, chunks)
+        assert cm.chunked_ms(q, a, chunks) <= cm.chunked_ms(p, a, chunks)
+        assert cm.pipelined_ms(q, a, chunks) <= cm.pipelined_ms(p, a, chunks)
 
 
 @pytest.mark.parametrize("args, match", [
-    (("overlapped", "ready", "full", 2), "chunks need schedule"),
     (("chunked", "prompt", "split", 2), "split prefill streams per layer"),
-    (("chunked", "ready", "full", 0), "chunks must be an integer in 1..256"),
-    (("chunked", "ready", "full", 257), "1..256"),
+    (("chunked", "ready", "full", 0), "chunks must be a positive integer"),
+    (("chunked", "ready", "full", 257), "257 chunks need at least as many tokens"),
     (("overlapped", "ready", "pipelined", 2), "pipelined prefill streams"),
     (("both", "ready", "full", 1), "schedule must be one of"),
 ])
 def test_bad_chunks_raise(args, match):
     with pytest.raises(ValueError, match=match):
-        cm.predicted_ms(_profile(), Action(8, 3, 6), *args)
+        predict(_profile(), Action(8, 3, 6), *args)
     with pytest.raises(ValueError, match="attention_share"):
         _profile(attention_share=1.5)
 

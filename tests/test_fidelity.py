@@ -3,6 +3,7 @@ warns when a suffix ran slower than alone, and a pinned side's host threads leav
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -20,8 +21,10 @@ L = 6
 
 def _summary(ratio: float, schedule: str = "overlapped", prefill: str = "full") -> Summary:
     fidelity = Fidelity(10.0, ratio, 2.0, 3.0)
+    chunks = 2 if "chunked" in (schedule, prefill) or prefill == "pipelined" else 1
     return Summary("tiny", 64, 1, Action.parse("q8:r=2", L), "local", schedule, None, "cpu",
                    (1.0, 2.0), Phases(0, 0, 0, 10 * ratio, 0), 100, prefill=prefill,
+                   interval="ready" if prefill == "full" else "prompt", chunks=chunks,
                    fidelity=fidelity)
 
 
@@ -29,20 +32,26 @@ def test_every_record_with_a_suffix_carries_its_fidelity():
     got = []
     exp = Experiment(model="tiny", seq_len=32, actions=tuple(
         Action.parse(a, L) for a in ("bf16:full", "q8:r=2", "bf16:recompute")),
-        transport="local", warmup=0, reps=2, schedules=("overlapped", "chunked"), chunks=2)
+        transport="local", warmup=1, reps=3, schedules=("overlapped", "chunked"), chunks=2)
     run_local(exp, got.append)
+    reps: dict[tuple, list[float]] = {}
     for record in got:
         line = json.loads(json.dumps(record.to_json()))
+        key = (str(record.action), record.schedule)
         if record.action.kind == "transfer":
             assert record.fidelity is None and line["fidelity"] is None
             continue
         f = record.fidelity
-        assert f.suffix_alone_ms > 0 and f.ratio == pytest.approx(
-            record.phases_ms.suffix / f.suffix_alone_ms, rel=1e-9 if isinstance(record, Rep)
-            else 1.0)  # a summary's figures are medians of its reps'
-        back = (Summary.from_json(line) if isinstance(record, Summary)
-                else Rep.from_json(line, L))
-        assert back.fidelity == Fidelity(**line["fidelity"])
+        assert f.suffix_alone_ms > 0
+        if isinstance(record, Rep):
+            assert f.ratio == pytest.approx(record.phases_ms.suffix / f.suffix_alone_ms)
+            reps.setdefault(key, []).append(f.ratio)
+            assert Rep.from_json(line, L).fidelity == Fidelity(**line["fidelity"])
+        else:  # a summary's figures are its reps' medians
+            assert f.ratio == pytest.approx(statistics.median(reps[key]))
+            assert Summary.from_json(line).fidelity == Fidelity(**line["fidelity"])
+    assert set(reps) == {("q8:r=2", "overlapped"), ("q8:r=2", "chunked"),
+                         ("bf16:recompute", "n/a")}
 
 
 @pytest.mark.parametrize("ratio, schedule, prefill, warned", [
@@ -50,7 +59,8 @@ def test_every_record_with_a_suffix_carries_its_fidelity():
     (FIDELITY_LIMIT, "overlapped", "full", False),
     (1.0, "sequential", "full", False),
     (2.0, "chunked", "full", False),  # waits for its chunks: recorded, not judged
-    (2.0, "overlapped", "pipelined", False),
+    (2.0, "chunked", "pipelined", False),
+    (2.0, "sequential", "split", True),
 ])
 def test_the_warning_judges_only_a_suffix_that_waits_for_nothing(ratio, schedule, prefill,
                                                                 warned):

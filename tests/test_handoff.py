@@ -23,10 +23,12 @@ from rekv_jax import (
     sizes,
 )
 from rekv_jax.handoff.check import SUFFIX_ACROSS, HostReference, check_cache
-from rekv_jax.handoff.core import prepare, receive_handoff, send_handoff, send_prompt
-from rekv_jax.handoff.outcome import TIMELINE, Handoff, PrefillTimes
-from rekv_jax.handoff.payload import pack_prefix, unpack_prefix
-from rekv_jax.phases import PAPER_SCHEDULES, Phases
+from rekv_jax.handoff.outcome import Handoff, PrefillTimes
+from rekv_jax.handoff.payload import round_trip
+from rekv_jax.handoff.receiver import receive_handoff
+from rekv_jax.handoff.sender import prepare, send_handoff, send_prompt
+from rekv_jax.mode import PAPER_SCHEDULES, Mode
+from rekv_jax.phases import TIMELINE, Phases
 from rekv_jax.planning.planner import analytic_profile
 from rekv_jax.sizes import action_bytes
 from rekv_jax.study.experiment import Experiment, handoff_order, run_local
@@ -188,10 +190,11 @@ def test_sides_that_disagree_both_fail():
 class FailingPrefix(LocalTransport):
     """A link that loses the prefix payload (the peer 'dies' mid-transfer)."""
 
-    def _pull(self, tag, specs, deadline):
-        if tag.endswith("/prefix"):
-            raise TransportError(f"{tag}: connection reset")
-        return super()._pull(tag, specs, deadline)
+    def _take(self, arrival, specs):
+        if arrival.tag.endswith("/prefix"):
+            self._settle(arrival, error=TransportError(f"{arrival.tag}: connection reset"))
+            return
+        super()._take(arrival, specs)
 
 
 @pytest.mark.parametrize("fallback", ["error", "recompute"])
@@ -200,13 +203,14 @@ def test_failed_prefix_transfer(fallback):
     params = init_params(cfg, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (1, 64), 0, cfg.vocab_size, jnp.int32)
     action = Action.parse("q8:r=2", cfg.num_layers)
-    board_pair = LocalTransport.pair()
-    sender, receiver = board_pair[0], FailingPrefix("decode", board_pair[1]._channel)
+    mode = Mode.of(action)
+    sender, decode = LocalTransport.pair()
+    receiver = FailingPrefix("decode", decode._channel)
     errors = []
 
     def send():
         try:
-            send_handoff(sender, prepare(cfg, params, tokens, action), action, "t", timeout=10)
+            send_handoff(sender, prepare(cfg, params, tokens, mode), mode, "t", timeout=10)
         except Exception as e:
             errors.append(e)
 
@@ -215,9 +219,9 @@ def test_failed_prefix_transfer(fallback):
     try:
         if fallback == "error":
             with pytest.raises(TransportError, match="connection reset"):
-                receive_handoff(receiver, cfg, params, action, 1, 64, "t", timeout=10)
+                receive_handoff(receiver, cfg, params, mode, 1, 64, "t", timeout=10)
         else:
-            result = receive_handoff(receiver, cfg, params, action, 1, 64, "t",
+            result = receive_handoff(receiver, cfg, params, mode, 1, 64, "t",
                                      fallback="recompute", timeout=10)
             assert result.fallback
             reference, logits = prefill(cfg, params, tokens)
@@ -233,14 +237,15 @@ def test_lost_prefix_on_one_rep_falls_back_through_the_runner(monkeypatch):
     """A link that loses the prefix of one timed rep: under `fallback="recompute"` that rep's
     cache is rebuilt from the token ids and counted, both sides go on, and every rep checks."""
     lost = "q8:r=2/overlapped/2/prefix"  # the second of three timed reps (one warm-up)
-    pull = LocalTransport._pull
+    take = LocalTransport._take
 
-    def losing(self, tag, specs, deadline):
-        if tag == lost:
-            raise TransportError(f"{tag}: connection reset")
-        return pull(self, tag, specs, deadline)
+    def losing(self, arrival, specs):
+        if arrival.tag == lost:
+            self._settle(arrival, error=TransportError(f"{arrival.tag}: connection reset"))
+            return
+        take(self, arrival, specs)
 
-    monkeypatch.setattr(LocalTransport, "_pull", losing)
+    monkeypatch.setattr(LocalTransport, "_take", losing)
     exp = Experiment(seq_len=32, actions=(Action.parse("q8:r=2", 6),), schedules=("overlapped",),
                      transport="local", warmup=1, reps=3, fallback="recompute")
     out = []
@@ -283,7 +288,7 @@ def test_cache_check_does_not_trust_the_payload_code():
                                                     0.0, Phases(0.0, 0.0, 0.0, 0.0, 0.0)))
 
     def restored(bits: int) -> KVCache:
-        return unpack_prefix(pack_prefix(reference.layers(0, 4), bits), bits, jnp.bfloat16)
+        return round_trip(reference.layers(0, 4), bits)
 
     q8 = restored(8)
     assert check(q8) == "suffix bitwise, prefix within the q8 error bound"
@@ -303,19 +308,20 @@ def run_one(cfg, params, tokens, action, prefill_mode, schedule="overlapped", re
     Timeouts are generous: the first call compiles every per-layer step on a loaded machine."""
     sender, decode = LocalTransport.pair()
     receiver = receiver(decode._channel) if receiver else decode
+    mode = Mode.of(action, schedule, prefill_mode, interval="prompt")
     errors = []
 
     def send():
         try:
-            send_prompt(sender, cfg, params, tokens, action, "t", prefill_mode, timeout=120)
+            send_prompt(sender, cfg, params, tokens, mode, "t", timeout=120)
         except Exception as e:
             errors.append(e)
 
     thread = threading.Thread(target=send)
     thread.start()
     try:
-        result = receive_handoff(receiver, cfg, params, action, *tokens.shape, "t", schedule,
-                                 fallback, timeout=120, prefill_mode=prefill_mode)
+        result = receive_handoff(receiver, cfg, params, mode, *tokens.shape, "t", fallback,
+                                 timeout=120)
     finally:
         thread.join(120)
     assert not thread.is_alive()
@@ -345,10 +351,12 @@ def lose_layer(k):
     class LosesLayer(LocalTransport):
         """A prefill peer that dies after streaming k prefix layers."""
 
-        def _pull(self, tag, specs, deadline):
-            if tag.endswith(f"/layer{k}"):
-                raise TransportError(f"{tag}: the peer process is gone")
-            return super()._pull(tag, specs, deadline)
+        def _take(self, arrival, specs):
+            if arrival.tag.endswith(f"/layer{k}"):
+                self._settle(arrival, error=TransportError(
+                    f"{arrival.tag}: the peer process is gone"))
+                return
+            super()._take(arrival, specs)
 
     return lambda channel: LosesLayer("decode", channel)
 
@@ -360,7 +368,7 @@ def test_peer_dies_mid_stream(fallback):
     tokens = jax.random.randint(jax.random.key(1), (1, 32), 0, cfg.vocab_size, jnp.int32)
     action = Action.parse("q8:r=2", cfg.num_layers)  # c = 4 streamed layers; the 3rd is lost
     if fallback == "error":
-        with pytest.raises(TransportError, match="prefix layer 2 lost after 2 of 4 arrived"):
+        with pytest.raises(TransportError, match="prefix part layer2 lost after 2 of 4 arrived"):
             run_one(cfg, params, tokens, action, "split", receiver=lose_layer(2))
         return
     result, errors = run_one(cfg, params, tokens, action, "split", receiver=lose_layer(2),
@@ -375,13 +383,13 @@ def test_peer_dies_mid_stream(fallback):
 def test_paired_reps_alternate_the_schedules():
     exp = Experiment(actions=(Action(16, 4, 6),), schedules=("sequential", "overlapped"),
                      warmup=1, reps=2, paired=True)
-    assert handoff_order(exp, exp.schedules) == [
-        ("sequential", 0), ("overlapped", 0), ("sequential", 1), ("overlapped", 1),
-        ("sequential", 2), ("overlapped", 2)]
+    seq, ov = exp.modes(exp.actions[0])
+    assert (seq.schedule, ov.schedule) == ("sequential", "overlapped")
+    assert handoff_order(exp, [seq, ov]) == [
+        (seq, 0), (ov, 0), (seq, 1), (ov, 1), (seq, 2), (ov, 2)]
     blocks = dataclasses.replace(exp, paired=False)
-    assert handoff_order(blocks, exp.schedules) == [
-        ("sequential", 0), ("sequential", 1), ("sequential", 2),
-        ("overlapped", 0), ("overlapped", 1), ("overlapped", 2)]
+    assert handoff_order(blocks, [seq, ov]) == [
+        (seq, 0), (seq, 1), (seq, 2), (ov, 0), (ov, 1), (ov, 2)]
 
 
 def test_fig3_twin_prompt_interval_paired_reps():

@@ -18,6 +18,7 @@ import pytest
 from rekv_jax.action import Action
 from rekv_jax.cli import main as cli
 from rekv_jax.errors import RuntimeMismatch, describe
+from rekv_jax.mode import Mode
 from rekv_jax.study import experiment
 from rekv_jax.study.experiment import Experiment, run_local
 from rekv_jax.study.records import Rep, Summary, serializes
@@ -299,10 +300,14 @@ def test_a_prefill_process_with_other_suffix_bits_is_a_mismatch(monkeypatch):
 # --------------------------------------------------------- collective + overlapped on a GPU
 
 
-def test_serialized_only_for_the_collective_overlapped_on_a_gpu():
-    assert serializes("collective", "overlapped", "gpu")
-    for args in [("collective", "sequential", "gpu"), ("collective", "overlapped", "cpu"),
-                 ("transfer-server", "overlapped", "gpu"), ("collective", "n/a", "gpu")]:
+def test_serialized_only_for_the_collective_overlapping_on_a_gpu():
+    joint, full = Action.parse("bf16:r=2", 6), Action.parse("bf16:full", 6)
+    assert serializes("collective", Mode.of(joint, "overlapped"), "gpu")
+    assert serializes("collective", Mode.of(joint, "chunked", chunks=2), "gpu")
+    for args in [("collective", Mode.of(joint, "sequential"), "gpu"),
+                 ("collective", Mode.of(joint, "overlapped"), "cpu"),
+                 ("transfer-server", Mode.of(joint, "overlapped"), "gpu"),
+                 ("collective", Mode.of(full), "gpu")]:
         assert not serializes(*args)
 
 

@@ -16,7 +16,9 @@ import pytest
 from rekv_jax import init_params
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
-from rekv_jax.handoff.core import prepare, receive_handoff, send_handoff
+from rekv_jax.handoff.receiver import receive_handoff
+from rekv_jax.handoff.sender import prepare, send_handoff
+from rekv_jax.mode import Mode
 from rekv_jax.transport import LocalTransport, TransportError, TransportTimeout, distributed
 from rekv_jax.transport.control import Board
 from rekv_jax.transport.transfer_server import TransferServerTransport
@@ -85,11 +87,12 @@ def test_a_phase_is_one_header_and_one_posted_ack_and_no_wait_sleeps(make, monke
     sent = payload()
     monkeypatch.setattr(time, "sleep", no_sleeping)
     prefill.send("p", sent)
-    got = decode.recv("p", specs(sent), timeout=30)
+    got = decode.recv("p", specs(sent), timeout=30).result(timeout=30)
     prefill.wait_ack("p", timeout=30)
     for g, s in zip(got, sent, strict=True):
         assert np.array_equal(np.asarray(g), np.asarray(s))
-    assert board.counts == (PULL_FIRST if decode.pull_first else ONE_PHASE)
+    pulls_first = isinstance(decode, TransferServerTransport)
+    assert board.counts == (PULL_FIRST if pulls_first else ONE_PHASE)
 
 
 @pytest.mark.parametrize("make", [local_pair, transfer_server_pair])
@@ -101,64 +104,57 @@ def test_failed_phases_cost_no_extra_message(make, monkeypatch):
         board.counts.clear()
         prefill.send(tag, sent)
         with pytest.raises(ValueError, match="decode expects"):
-            decode.recv(tag, specs(payload()), timeout=30)
+            decode.recv(tag, specs(payload()), timeout=30).result(timeout=30)
         with pytest.raises(ValueError, match="decode expects"):
             prefill.wait_ack(tag, timeout=30)
         assert board.counts == ONE_PHASE
 
     board.counts.clear()
-    original = prefill._push
+    original = prefill._send
 
-    def corrupt(tag, arrays, deadline):
-        host = np.array(arrays[1])
+    def corrupt(tag, buffers, header, deadline):
+        host = np.array(buffers[1])
         host.reshape(-1)[3] ^= 1
-        original(tag, [arrays[0], jnp.asarray(host)], deadline)
+        original(tag, [buffers[0], jnp.asarray(host), *buffers[2:]], header, deadline)
 
-    prefill._push = corrupt
+    prefill._send = corrupt
     prefill.send("p/2", payload())
     with pytest.raises(TransportError, match=r"checksum mismatch in buffer\(s\) \[1\]"):
-        decode.recv("p/2", specs(payload()), timeout=30)
+        decode.recv("p/2", specs(payload()), timeout=30).result(timeout=30)
     with pytest.raises(TransportError, match="checksum mismatch"):
         prefill.wait_ack("p/2", timeout=30)
-    assert board.counts == (PULL_FIRST if decode.pull_first else ONE_PHASE)
+    pulls_first = isinstance(decode, TransferServerTransport)
+    assert board.counts == (PULL_FIRST if pulls_first else ONE_PHASE)
 
 
-def test_the_receive_thread_is_made_once_per_transport_not_per_handoff(monkeypatch):
+def test_no_thread_is_started_inside_a_handoff(monkeypatch):
+    """The threads a handoff waits on (the transport's receive worker, the watchers of its
+    device work) are made once, not per handoff; `close` ends the transport's."""
     cfg = ModelConfig.preset("tiny")
     params = init_params(cfg, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (1, 16), 0, cfg.vocab_size, jnp.int32)
-    action = Action.parse("bf16:r=2", cfg.num_layers)  # joint: the prefix arrives beside the suffix
+    mode = Mode.of(Action.parse("bf16:r=2", cfg.num_layers))  # the prefix beside the suffix
     prefill, decode = LocalTransport.pair()
-    state = prepare(cfg, params, tokens, action)
+    state = prepare(cfg, params, tokens, mode)
     reps = 4
     sender = threading.Thread(target=lambda: [
-        send_handoff(prefill, state, action, f"h{i}", timeout=60) for i in range(reps)])
+        send_handoff(prefill, state, mode, f"h{i}", timeout=60) for i in range(reps)])
     sender.start()
-    receive_handoff(decode, cfg, params, action, 1, 16, "h0", "overlapped", timeout=60)  # warm
-
-    receivers = []
-    recv = decode.recv
-
-    def recording(tag, *args, **kwargs):
-        receivers.append((tag, threading.current_thread()))
-        return recv(tag, *args, **kwargs)
+    receive_handoff(decode, cfg, params, mode, 1, 16, "h0", timeout=60)  # warm
 
     def no_new_threads(self):
         raise AssertionError(f"thread {self.name} started inside a handoff")
 
-    monkeypatch.setattr(decode, "recv", recording)
     monkeypatch.setattr(threading.Thread, "start", no_new_threads)
     for i in range(1, reps):
-        receive_handoff(decode, cfg, params, action, 1, 16, f"h{i}", "overlapped", timeout=60)
+        receive_handoff(decode, cfg, params, mode, 1, 16, f"h{i}", timeout=60)
     monkeypatch.undo()
     sender.join(60)
-    prefix = [thread for tag, thread in receivers if tag.endswith("/prefix")]
-    assert len(prefix) == reps - 1
-    (thread,) = set(prefix)  # one persistent thread served every handoff ...
-    assert thread is not threading.main_thread()  # ... beside the suffix on this one
+    worker = decode._worker._thread
+    assert worker.is_alive()
     decode.close()
-    thread.join(10)
-    assert not thread.is_alive()  # and `close` ends it
+    worker.join(10)
+    assert not worker.is_alive()
 
 
 def test_a_stuck_job_is_abandoned_and_later_jobs_still_run():

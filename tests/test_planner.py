@@ -11,6 +11,7 @@ from rekv_jax.action import Action, action_space
 from rekv_jax.cli.main import main
 from rekv_jax.config import ModelConfig
 from rekv_jax.gate_result import GateResult
+from rekv_jax.mode import Mode
 from rekv_jax.planning import costmodel as cm
 from rekv_jax.planning import planner
 
@@ -39,7 +40,8 @@ def test_analytic_plan_is_labelled_and_consistent():
     assert out.best == min(out.candidates, key=lambda c: c.predicted_ms)
     for c in out.candidates:
         assert c.predicted_ms == cm.predict(out.profile, c.action).t_ov_ms
-        assert (c.schedule, c.prefill, c.chunks, c.quality) == ("overlapped", "full", 1,
+        schedule = "overlapped" if c.action.kind == "joint" else "n/a"
+        assert (c.schedule, c.prefill, c.chunks, c.quality) == (schedule, "full", 1,
                                                                  "unchecked")
     for prec, bc in out.balanced_cut.items():  # Prop. 2 finds the best interior cut
         interior = [c for c in out.candidates
@@ -81,17 +83,18 @@ def test_plan_tries_every_schedule_and_chunk_count_where_they_matter():
         ways = {(str(c.action), c.schedule, c.prefill, c.chunks) for c in out.candidates}
         assert len(ways) == len(out.candidates)
         for c in out.candidates:  # every prediction is the cost model's
-            assert c.predicted_ms == cm.predicted_ms(out.profile, c.action, c.schedule, interval,
-                                                     c.prefill, c.chunks)
+            assert c.predicted_ms == cm.predicted_ms(out.profile, c.mode)
+            assert c.mode == Mode.of(c.action, c.mode.schedule, c.prefill, c.chunks, interval)
             assert c.chunks in (1, 2, 4)  # at most one chunk per token
         joint, transfer = "q8:r=13", "q8:full"
         assert {(s, n) for a, s, p, n in ways if a == joint and p == "full"} == {
             ("overlapped", 1), ("sequential", 1), ("chunked", 2), ("chunked", 4)}
-        assert {s for a, s, p, n in ways if a == transfer and p == "full"} == {"overlapped"}
+        assert {s for a, s, p, n in ways if a == transfer and p == "full"} == {"n/a"}
         prefills = {p for a, s, p, n in ways}
         assert prefills == ({"full", "split", "pipelined"} if interval == "prompt" else {"full"})
         assert out.best == min(out.candidates, key=lambda c: c.predicted_ms)
-    assert str(Action(16, 0, L)) not in _by_action(out, prefill="pipelined")  # that is split
+    # a pipelined full recomputation: the ids at once, the decode side's chunked prefill
+    assert str(Action(16, 0, L)) in _by_action(out, prefill="pipelined", chunks=2)
 
 
 QWEN7B_GATE = [  # the paper's verdicts at 8K (§4.1, Table 2): joint Q8 passes, joint Q4 fails
@@ -184,11 +187,11 @@ def test_cli_plan_with_profile_file_and_link(tmp_path, capsys):
     out = json.loads(lines[0])
     assert out["profile"]["link_gbps"] == 4.0 and out["profile"]["source"] == "measured"
     assert {c["bits"] for c in out["candidates"]} == {16, 8}
-    assert {(c["schedule"], c["chunks"]) for c in out["candidates"]} == {("overlapped", 1),
-                                                                         ("chunked", 4)}
+    assert {(c["schedule"], c["chunks"]) for c in out["candidates"]} == {
+        ("overlapped", 1), ("chunked", 4), ("n/a", 1)}  # n/a: transfer-only, full recompute
     best = out["best"]
-    expected = cm.predicted_ms(p.at_link(4.0), Action.parse(best["action"], 6), best["schedule"],
-                               "ready", "full", best["chunks"])
+    expected = cm.predicted_ms(p.at_link(4.0), Mode.of_record(
+        Action.parse(best["action"], 6), best["schedule"], "full", best["chunks"], "ready"))
     assert best["predicted_ms"] == pytest.approx(expected)
 
 

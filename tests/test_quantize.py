@@ -11,7 +11,6 @@ from quant_data import random_groups
 
 from rekv_jax import quantize as Q
 from rekv_jax import sizes
-from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
 from rekv_jax.handoff.payload import prefix_specs
 from rekv_jax.kv import KVCache
@@ -197,14 +196,14 @@ def test_receiver_sizes_quantized_buffers_without_a_backend(monkeypatch):
     """The decode side sizes Q8/Q4 buffers from the contract, not by tracing a backend: on a GPU,
     where `xla` is refused, tracing it once failed every quantized receive."""
     cfg = ModelConfig.preset("tiny")
-    x = jnp.ones((2, 1, 8, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)  # [c, B, S, K, H]
+    x = jnp.ones((1, 8, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)  # one layer [B, S, K, H]
     monkeypatch.delenv(Q.BACKEND_ENV, raising=False)
     for bits in (8, 4):
         q = Q.quantize(x, bits)
-        want = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q.values, q.scales)] * 2
+        layer = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q.values, q.scales)] * 2
         with monkeypatch.context() as gpu:
             gpu.setattr(jax, "default_backend", lambda: "gpu")
-            assert prefix_specs(cfg, Action(bits, 2, cfg.num_layers), 1, 8, jnp.bfloat16) == want
+            assert prefix_specs(cfg, bits, 1, 8, 2, jnp.bfloat16) == layer * 2  # 2 layers
 
 
 def test_backend_resolution(monkeypatch):

@@ -9,12 +9,20 @@ import pytest
 from rekv_jax import sizes
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
+from rekv_jax.mode import Mode
 from rekv_jax.phases import Phases
-from rekv_jax.planning.costmodel import predicted_ms, t_ov
+from rekv_jax.planning.costmodel import predicted_ms as mode_predicted_ms
+from rekv_jax.planning.costmodel import t_ov
 from rekv_jax.planning.planner import analytic_profile
 from rekv_jax.study import chunked_table, report, stats
 from rekv_jax.study import tables as study_tables
 from rekv_jax.study.records import Summary, read_summaries
+
+
+def predicted_ms(profile, action, schedule="overlapped", interval=None, prefill="full",
+                 chunks=1):
+    """The cost model's prediction of `action` run as the mode these name."""
+    return mode_predicted_ms(profile, Mode.of(action, schedule, prefill, chunks, interval))
 
 TINY = ModelConfig.preset("tiny")  # L = 6
 L = TINY.num_layers
@@ -118,14 +126,15 @@ def test_chunked_and_pipelined_records_are_predicted_with_their_chunks():
     profile = dataclasses.replace(analytic_profile(TINY, 256, link_gbps=1.0), suffix_layer_ms=300.0)
     slow = 0.001  # GB/s
     recs = [_rec("q8:r=2", 16.0, "chunked", link=slow, chunks=4),
-            _rec("q8:r=2", 30.0, link=slow, interval="prompt", prefill="pipelined", chunks=4)]
+            _rec("q8:r=2", 30.0, "chunked", link=slow, interval="prompt", prefill="pipelined",
+                 chunks=4)]
     rows = study_tables.prediction_rows(recs, [profile])
     at = profile.at_link(slow)
     a = Action(8, L - 2, L)
     assert rows[0].predicted_ms == predicted_ms(at, a, "chunked", chunks=4)
     assert rows[0].predicted_ms != predicted_ms(at, a)  # not the overlapped schedule's
-    assert rows[1].predicted_ms == predicted_ms(at, a, "overlapped", "prompt", "pipelined", 4)
-    assert rows[1].predicted_ms != predicted_ms(at, a, "overlapped", "prompt", "pipelined", 1)
+    assert rows[1].predicted_ms == predicted_ms(at, a, "chunked", "prompt", "pipelined", 4)
+    assert rows[1].predicted_ms != predicted_ms(at, a, "chunked", "prompt", "pipelined", 2)
 
 
 def test_chunked_records_stand_beside_table1_not_in_it():

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from rekv_jax import Action, ModelConfig, sizes
+from rekv_jax.mode import Mode
 from rekv_jax.planning import costmodel as cm
 from rekv_jax.planning.costmodel import Profile
 from rekv_jax.planning.profile_fit import Measurement, fit_profile
@@ -15,7 +16,7 @@ from rekv_jax.study import calibrate as calibrate_module
 from rekv_jax.study import sweep as sweep_module
 from rekv_jax.study import tables
 from rekv_jax.study.calibrate import calibrate_link
-from rekv_jax.study.records import Summary, record_schedule
+from rekv_jax.study.records import Summary
 from rekv_jax.study.sweep import sweep
 from rekv_jax.study.sweep_plan import (
     PAPER_LINK_TO_SUFFIX,
@@ -72,7 +73,7 @@ def test_chunked_grid_adds_the_cut_the_chunked_schedule_prefers():
     prof = dataclasses.replace(_synthetic_profile(), boundary_bytes=60_000_000)  # 60 ms of h_c
     L, plain = prof.num_layers, balanced_grid(prof, (8,), spread=0)
     cut = chunked_cut(prof, 8, 4)
-    chunked = lambda c: cm.predicted_ms(prof, Action(8, c, L), "chunked", chunks=4)  # noqa: E731
+    chunked = lambda c: cm.predicted_ms(prof, Mode.of(Action(8, c, L), "chunked", chunks=4))  # noqa: E731
     assert chunked(cut) == min(chunked(c) for c in range(1, L))
     assert cut < best_cut(prof, 8)  # more suffix layers fit behind the earlier start
     assert chunked(cut) < chunked(best_cut(prof, 8))
@@ -220,11 +221,11 @@ def _fake_run(exp, cache_dir=None, timeout=None) -> list[Summary]:
         actions = [a for a in actions if a.cut in (0, 2, 6)]
     elif (exp.seq_len, exp.interval, exp.batch, len(exp.schedules)) == (32, "ready", 1, 2):
         actions = [a for a in actions if a.kind != "joint"]
-    done = dict.fromkeys((a, record_schedule(a, s)) for a in actions for s in exp.schedules)
+    done = dict.fromkeys(m for a in actions for m in exp.modes(a))
     out = []
-    for a, s in done:
-        t = cm.predicted_ms(prof, a, "sequential" if s == "sequential" else "overlapped",
-                            exp.interval, exp.prefill)
+    for mode in done:
+        a, s = mode.action, mode.schedule_text
+        t = cm.predicted_ms(prof, mode)
         phases = dataclasses.replace(cm.phase_ms(prof, a),
                                      prefill=1.0 if exp.interval == "prompt" else 0.0)
         out.append(Summary(model=exp.model, seq_len=exp.seq_len, batch=exp.batch, action=a,
@@ -309,7 +310,7 @@ def test_one_pair_runs_a_sequence_of_experiments(monkeypatch):
     bf16, q8 = Action.parse("bf16:full", 6), Action.parse("q8:r=2", 6)
     first = experiment.Experiment(seq_len=32, actions=(bf16,), transport="local", warmup=0,
                                   reps=2, link_gbps=0.0005)
-    then = [dataclasses.replace(first, seq_len=16, actions=(q8,), link_gbps=None),
+    then = [dataclasses.replace(first, seq_len=16, actions=(q8,), link_gbps=None, warmup=1),
             dataclasses.replace(first, batch=2, reps=1)]
     records = []
     experiment.run_local(first, records.append, more=iter(then))

@@ -3,6 +3,7 @@
 import pytest
 
 from rekv_jax import Action, ModelConfig
+from rekv_jax.mode import Mode
 from rekv_jax.planning import costmodel as cm
 from rekv_jax.planning.planner import PAPER_LINK_GBPS
 from rekv_jax.study.experiment import Experiment
@@ -50,9 +51,10 @@ def test_estimate_is_the_sum_of_its_parts():
     est = estimate([pair, pair], costs, 0.25, profile_of)  # two models on the sweep's one pair
     assert links == [0.25, 0.5] * 2  # an unpaced experiment is priced at the sweep's link
     p1, p2 = profile_of("tiny", 32, 1, 0.25), profile_of("tiny", 32, 1, 0.5)
-    first = 5 * (cm.predicted_ms(p1, bf16, "sequential") + cm.predicted_ms(p1, q8, "sequential")
-                 + cm.predicted_ms(p1, q8, "overlapped") + 3)
-    second = 2 * (cm.predicted_ms(p2, q8, "overlapped") + 1)
+    first = 5 * (cm.predicted_ms(p1, Mode.of(bf16, "sequential"))
+                 + cm.predicted_ms(p1, Mode.of(q8, "sequential"))
+                 + cm.predicted_ms(p1, Mode.of(q8, "overlapped")) + 3)
+    second = 2 * (cm.predicted_ms(p2, Mode.of(q8, "overlapped")) + 1)
     n_small = 2 * 2 * SMALL_PROGRAMS_PER_ACTION
     assert (est.pairs, est.experiments, est.handoffs, est.programs) == (1, 4, 34, (6, n_small))
     assert est.startup_s == 7.0 + 3.0  # the pair, then the second model's weights

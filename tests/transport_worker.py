@@ -14,16 +14,15 @@ import signal
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import ml_dtypes
 import numpy as np
 
-from rekv_jax.transport import connect
+from rekv_jax.transport import Paced, connect
 
 TIMEOUT = 30.0
-PREFETCHED = ("pre0", "pre1")  # sent back to back, received with compute between
+PREFETCHED = ("pre0", "pre1")  # sent back to back, taken with compute between
 PACED_S, COMPUTE_S = 0.5, 1.0
 
 
@@ -61,26 +60,24 @@ def main(kind: str, role: str, coordinator: str, scenario: str) -> None:
         t.send(tag, arrays, timeout=TIMEOUT)
         t.wait_ack(tag, timeout=TIMEOUT)
 
-    def recv_phase(tag: str, want: list[np.ndarray], background: bool = False) -> None:
-        if background:
-            with ThreadPoolExecutor(1) as pool:
-                got = pool.submit(t.recv, tag, specs(want), TIMEOUT).result()
-        else:
-            got = t.recv(tag, specs(want), TIMEOUT)
+    def recv_phase(tag: str, want: list[np.ndarray], link=t) -> None:
+        check(tag, want, link.recv(tag, specs(want), TIMEOUT).result())
+
+    def check(tag: str, want: list[np.ndarray], got: list) -> None:
         for g, w in zip(got, want, strict=True):
             if not np.array_equal(np.asarray(g), w):
                 raise AssertionError(f"{tag}: received buffer differs from what was sent")
 
     def prefetched(want: list[np.ndarray]) -> float:
-        """Seconds to receive PREFETCHED (both pulled at once) over a link that takes
-        PACED_S per message, computing COMPUTE_S between the two receives."""
-        t.set_link(sum(a.nbytes for a in want) / PACED_S / 1e9)
-        t.prefetch(PREFETCHED, [specs(want)] * len(PREFETCHED), TIMEOUT)
+        """Seconds to take PREFETCHED (both received at once) over a link that takes PACED_S
+        per message, computing COMPUTE_S between taking the first and the second."""
+        link = Paced(t, sum(a.nbytes for a in want) / PACED_S / 1e9)
+        arrivals = [link.recv(tag, specs(want), TIMEOUT) for tag in PREFETCHED]
         start = time.monotonic()
-        recv_phase(PREFETCHED[0], want)
+        check(PREFETCHED[0], want, arrivals[0].result())
         time.sleep(COMPUTE_S)
-        recv_phase(PREFETCHED[1], want)
-        t.set_link(None)
+        check(PREFETCHED[1], want, arrivals[1].result())
+        link.stop()
         return round(time.monotonic() - start, 3)
 
     if scenario == "protocol":
@@ -89,40 +86,41 @@ def main(kind: str, role: str, coordinator: str, scenario: str) -> None:
         if role == "prefill":
             step("phase", lambda: send_phase("phase", send))
             step("meta", lambda: t.recv_meta("result", TIMEOUT))
-            original = t._push
+            original = t._send
 
-            def corrupt_on_the_wire(tag: str, arrays: list, deadline: float) -> None:
-                flipped = np.asarray(arrays[1]).copy()
+            def corrupt_on_the_wire(tag: str, buffers: list, header: str, deadline: float
+                                    ) -> None:
+                flipped = np.asarray(buffers[1]).copy()
                 flipped.reshape(-1)[5] ^= 0x10
-                original(tag, [arrays[0], jax.device_put(flipped), arrays[2]], deadline)
+                original(tag, [buffers[0], jax.device_put(flipped), *buffers[2:]], header,
+                         deadline)
 
-            t._push = corrupt_on_the_wire
+            t._send = corrupt_on_the_wire
             step("corrupt", lambda: send_phase("corrupt", send))
-            t._push = original
+            t._send = original
             step("truncated", lambda: send_phase("truncated", [jax.device_put(a)
                                                              for a in payload(rows=7)]))
             step("after", lambda: send_phase("after", send))
             step("prefetched", lambda: [t.send(tag, send, TIMEOUT) for tag in PREFETCHED]
                  and [t.wait_ack(tag, TIMEOUT) for tag in PREFETCHED] and None)
         else:
-            step("phase", lambda: recv_phase("phase", expected, background=True))
+            step("phase", lambda: recv_phase("phase", expected))
             step("meta", lambda: t.send_meta("result", {"first_token": 5}))
             step("corrupt", lambda: recv_phase("corrupt", expected))
-            step("truncated", lambda: recv_phase("truncated", expected, background=True))
+            step("truncated", lambda: recv_phase("truncated", expected))
             step("after", lambda: recv_phase("after", expected))
             step("prefetched", lambda: prefetched(expected))
     elif scenario == "kill-prefill":  # the prefill side dies once the decode side is receiving
         if role == "prefill":
-            def die(tag: str, arrays: list, deadline: float) -> None:
-                # the buffers never leave; once `send` has posted the header, the decode side
-                # (already in `recv`) pulls or enters the collective program, then we die
+            def die(tag: str, buffers: list, header: str, deadline: float) -> None:
+                # nothing leaves: the decode side (already receiving) waits, then we die
                 threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
 
-            t._push = die
+            t._send = die
             t.send("doomed", send, timeout=TIMEOUT)
             time.sleep(TIMEOUT)
         else:
-            step("recv", lambda: recv_phase("doomed", expected, background=True))
+            step("recv", lambda: recv_phase("doomed", expected))
     elif scenario == "kill-decode":  # the decode side dies after reading the header
         if role == "prefill":
             step("send", lambda: send_phase("doomed", send))

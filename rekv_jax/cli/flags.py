@@ -12,7 +12,7 @@ UNPACED = "unpaced"  # --link-gbps: no pacing (loopback runs as fast as it can)
 
 def _schedules(text: str) -> str:
     """`--schedule` value: `both` or a comma list of handoff.SCHEDULES."""
-    from rekv_jax.phases import SCHEDULES
+    from rekv_jax.mode import SCHEDULES
 
     bad = [s for s in text.split(",") if s not in SCHEDULES]
     if bad and text != "both":
@@ -72,7 +72,7 @@ def flag_groups() -> dict[str, Callable[[argparse.ArgumentParser], None]]:
         p.add_argument("--reps", type=int, default=30, help="timed handoffs per action")
 
     def schedule(p: argparse.ArgumentParser) -> None:
-        from rekv_jax.phases import SCHEDULES
+        from rekv_jax.mode import SCHEDULES
 
         p.add_argument("--schedule", type=_schedules, default="both",
                        help=f"comma list of {', '.join(SCHEDULES)}; both: overlapped,sequential "
@@ -82,7 +82,7 @@ def flag_groups() -> dict[str, Callable[[argparse.ArgumentParser], None]]:
                             "(default 4)")
 
     def failure(p: argparse.ArgumentParser) -> None:
-        from rekv_jax.phases import FALLBACKS
+        from rekv_jax.mode import FALLBACKS
 
         p.add_argument("--fallback", choices=FALLBACKS, default=FALLBACKS[0],
                        help="a failed prefix transfer: fail, or rebuild the cache from tokens")
@@ -116,7 +116,7 @@ def flag_groups() -> dict[str, Callable[[argparse.ArgumentParser], None]]:
                             "for bf16, XLA otherwise)")
 
     def modes(p: argparse.ArgumentParser) -> None:
-        from rekv_jax.phases import INTERVALS, PREFILL_MODES
+        from rekv_jax.mode import INTERVALS, PREFILL_MODES
 
         p.add_argument("--interval", choices=INTERVALS, default=INTERVALS[0],
                        help="time from the prefill state being ready (paper Table 1) or from the "

@@ -121,7 +121,7 @@ def _select_flags(p: argparse.ArgumentParser) -> None:
          ("transport", "link", "failure", "attention", "json"))
 def _generate_flags(p: argparse.ArgumentParser) -> None:
     from rekv_jax.handoff.generate import DTYPES
-    from rekv_jax.phases import PREFILL_MODES, SCHEDULES, PrefillMode
+    from rekv_jax.mode import PREFILL_MODES, SCHEDULES, PrefillMode
 
     p.add_argument("--model", default=None,
                    help="trained-model folder (default: the shipped wt2-tiny) or hf:PATH")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from rekv_jax.phases import INTERVALS, PREFILL_MODES, SCHEDULES
+from rekv_jax.mode import INTERVALS, PREFILL_MODES, SCHEDULES
 
 
 def _choices(allowed: tuple[str, ...]):

@@ -16,9 +16,8 @@ from rekv_jax.cli.render import emit_json
 def _handoff_experiment(args: argparse.Namespace):
     """The experiment of `rekv handoff` and a line saying which link it runs on."""
     from rekv_jax.action import parse_actions
-    from rekv_jax.handoff.chunked import DEFAULT_CHUNKS
+    from rekv_jax.mode import run_chunks, run_schedules
     from rekv_jax.model.loader import load_config
-    from rekv_jax.phases import PAPER_SCHEDULES, PrefillMode, Schedule
     from rekv_jax.study.calibrate import calibrate_link_in_child
     from rekv_jax.study.experiment import DEFAULT_ACTIONS, Experiment, side_environments
 
@@ -31,9 +30,8 @@ def _handoff_experiment(args: argparse.Namespace):
         return Experiment.from_json(line), ""
     cfg = load_config(args.model)
     cfg.check_seq_len(args.seq_len)
-    schedules = (tuple(args.schedule.split(",")) if args.schedule != "both"
-                 else (Schedule.CHUNKED,) if args.prefill == PrefillMode.PIPELINED
-                 else PAPER_SCHEDULES)
+    schedules = run_schedules(None if args.schedule == "both" else args.schedule.split(","),
+                              args.prefill)
     link = args.link_gbps
     if link == PAPER_LINK and args.role is not None:
         link = None  # one side of a multi-host pair: the link is real, not emulated
@@ -41,7 +39,7 @@ def _handoff_experiment(args: argparse.Namespace):
         model=args.model, seq_len=args.seq_len, batch=args.batch,
         actions=tuple(parse_actions(args.actions or DEFAULT_ACTIONS, cfg.num_layers)),
         schedules=schedules,
-        chunks=args.chunks or (DEFAULT_CHUNKS if Schedule.CHUNKED in schedules else 1),
+        chunks=run_chunks(schedules, args.prefill, args.chunks),
         transport=args.transport, link_gbps=None if link == PAPER_LINK else link,
         warmup=args.warmup, reps=args.reps, fallback=args.fallback, backend=args.quant_backend,
         seed=args.seed, timeout=args.timeout, interval=args.interval, prefill=args.prefill,
@@ -123,9 +121,8 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from rekv_jax.handoff import generate
-    from rekv_jax.handoff.chunked import DEFAULT_CHUNKS
+    from rekv_jax.mode import run_chunks, run_schedules
     from rekv_jax.model.loader import tokenizer_of
-    from rekv_jax.phases import PrefillMode, Schedule
     from rekv_jax.study.calibrate import calibrate_link_in_child
 
     if args.request:  # the prefill process started by generate.generate
@@ -147,11 +144,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
     link = args.link_gbps
     if link == PAPER_LINK:
         link = calibrate_link_in_child(args.model, len(ids)).link_gbps
-    schedule = Schedule.CHUNKED if args.prefill == PrefillMode.PIPELINED else args.schedule
+    schedule, = run_schedules([args.schedule], args.prefill)
     req = generate.Request(
         token_ids=ids, model=args.model, action=args.action, max_new_tokens=args.max_new_tokens,
         dtype=args.dtype, prefill=args.prefill, schedule=schedule, transport=args.transport,
-        chunks=args.chunks or (DEFAULT_CHUNKS if schedule == Schedule.CHUNKED else 1),
+        chunks=run_chunks([schedule], args.prefill, args.chunks),
         link_gbps=link, fallback=args.fallback, compare=args.compare, timeout=args.timeout)
     shown: list[int] = []
 

@@ -11,12 +11,24 @@ from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
 from rekv_jax.handoff.outcome import Handoff
 from rekv_jax.kv import KVCache
+from rekv_jax.mode import Reference
 from rekv_jax.model.transformer import Params, prefill, run_prefix, run_suffix
 from rekv_jax.quantize import error_bound
 from rekv_jax.sharding import make_mesh, replicated, shard_params
 
 # what `check_cache` adds when the recomputed suffix's checksums equal the prefill process's
 SUFFIX_ACROSS = ", suffix checksum = the prefill process's"
+
+
+def reference(cfg: ModelConfig, params: Params, tokens: jax.Array, ref: Reference, cut: int
+              ) -> tuple[KVCache, jax.Array]:
+    """The single-process cache [L, B, S, K, H] and last logits [B, V] a handoff at `cut` must
+    equal (a Q8/Q4 prefix within its error bound), as `ref` (`Mode.reference`) computes it."""
+    if ref.split_at_cut:
+        h_c, prefix = run_prefix(cfg, params, tokens, cut)
+        suffix, logits = run_suffix(cfg, params, h_c, cut, chunks=ref.chunks)
+        return KVCache.concat(prefix, suffix), logits
+    return prefill(cfg, params, tokens, ref.chunks)
 
 
 def split_reference(cfg: ModelConfig, params: Params, tokens: jax.Array, cut: int,

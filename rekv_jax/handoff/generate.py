@@ -22,15 +22,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from rekv_jax.action import Action
-from rekv_jax.handoff.core import check_schedule, receive_handoff, send_prompt
-from rekv_jax.model.loader import SHIPPED_MODEL, load_model
+from rekv_jax.handoff.receiver import receive_handoff
+from rekv_jax.handoff.sender import send_prompt
+from rekv_jax.mode import Fallback, Interval, Mode, PrefillMode, Schedule
+from rekv_jax.model.loader import SHIPPED_MODEL, load_config, load_model
 from rekv_jax.model.transformer import (
     attention_backend,
     greedy_decode,
     greedy_tokens,
     prefill,
 )
-from rekv_jax.phases import Fallback, PrefillMode, Schedule
 from rekv_jax.sizes import action_bytes
 from rekv_jax.transport import Transport
 from rekv_jax.transport.base import Role
@@ -67,7 +68,16 @@ class Request:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        check_schedule(self.schedule, self.prefill, self.chunks, len(self.token_ids))
+        self.mode(load_config(self.model).num_layers)  # the mode's ValueError, if any
+
+    def mode(self, num_layers: int) -> Mode:
+        """How its handoff runs, timed from the prompt."""
+        mode = Mode.of(Action.parse(self.action, num_layers), self.schedule, self.prefill,
+                       self.chunks, Interval.PROMPT)
+        if mode.chunks > len(self.token_ids):
+            raise ValueError(f"{mode.chunks} chunks need at least as many prompt tokens, "
+                             f"got {len(self.token_ids)}")
+        return mode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +128,7 @@ def run_role(role: Role, req: Request, transport: Transport, on_token: OnToken =
     """One worker: the prefill side sends; the decode side receives, decodes and reports."""
     model = load_model(req.model, dtype=jnp.dtype(req.dtype), orbax=False)
     cfg, params, tok = model.cfg, model.params, model.tokenizer
-    action = Action.parse(req.action, cfg.num_layers)
+    mode = req.mode(cfg.num_layers)
     agree_runtime(transport, attention_backend(cfg, params["embed"].dtype), req.timeout)
     transport.agree("request", dataclasses.asdict(req), req.timeout)
     tokens = jnp.asarray([req.token_ids], jnp.int32)  # [1, S]
@@ -126,12 +136,10 @@ def run_role(role: Role, req: Request, transport: Transport, on_token: OnToken =
     result = None
     for tag in ("warmup", "timed"):
         if role == "prefill":
-            send_prompt(transport, cfg, params, tokens, action, tag, req.prefill,
-                        timeout=req.timeout, chunks=req.chunks)
+            send_prompt(transport, cfg, params, tokens, mode, tag, timeout=req.timeout)
             continue
-        result = receive_handoff(transport, cfg, params, action, 1, S, tag, req.schedule,
-                                 req.fallback, timeout=req.timeout, prefill_mode=req.prefill,
-                                 chunks=req.chunks)
+        result = receive_handoff(transport, cfg, params, mode, 1, S, tag, req.fallback,
+                                 timeout=req.timeout)
         t_first = time.perf_counter()
         if tag == "warmup":  # compile the decode step on the padded cache too
             timed(greedy_tokens(cfg, params, result.kv, result.first_token, 2,
@@ -150,7 +158,7 @@ def run_role(role: Role, req: Request, transport: Transport, on_token: OnToken =
         tokens=ids, text=tok.decode(ids) if tok else None, ttft_ms=result.total_ms,
         tpot_ms=1e3 * float(np.median(gaps)) if gaps.size else 0.0,
         tokens_per_s=len(ids) / (result.total_ms / 1e3 + decode_s),
-        payload_bytes=action_bytes(cfg, action, S).total_bytes, action=str(action),
+        payload_bytes=action_bytes(cfg, mode.action, S).total_bytes, action=str(mode.action),
         prefill=req.prefill, chunks=req.chunks, fallback=result.fallback,
         first_divergence=divergence)
 

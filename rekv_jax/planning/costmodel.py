@@ -22,13 +22,15 @@ of the handoff. Transfer-only
 runs the embedding and all `L` layers (the `suffix` phase). Byte counts come from
 `rekv_jax.sizes`; times are in ms, bandwidth in GB/s (1e9 bytes/s, as the transports' pacing).
 
+A handoff's `Mode` names its formula (`Mode.formula`, `predicted_ms`).
+
 Timed from the prompt's arrival at the prefill worker (`interval="prompt"`), the prefill's own
 compute joins the sum. It runs the same per-layer program as the decode side's suffix, on the
 same kind of device, so a prompt layer costs `γ` too and a call `r0`; `E` is the embedding.
 
 * Full prefill (paper Fig. 3): all L layers, then the handoff as above:
       T_full = E + r0 + L γ + T_ov (or T_seq).
-* Split, streamed prefill (`handoff.send_prompt(..., "split")`): only layers 0..c-1 run, one
+* Split, streamed prefill (`prefill="split"`): only layers 0..c-1 run, one
   call each (`g = r0 + γ`; the first also embeds), each followed by its quantize call
   (`a = q0 + α_b`, 0 for BF16) and sent as its own message (`β' = m + x0_b + β_b`). The token ids
   leave at once (`τ = h0 + B_tok / W`); `h_c` leaves when layer c-1 is computed (`H' = m + B_H / W`)
@@ -70,7 +72,7 @@ plus its layers; each extra message costs `m`.
       C_i = P_{i-1} + g_i,  P_i = C_i + a   (P_{-1} = 0)
       D^H_i = max(C_i, D^P_{i-1}) + m + B_H / (N W),  D^P_i = max(P_i, D^H_i) + m + x0_b + c β_b/N
       F_i = max(F_{i-1}, D^H_i) + R_i   (D^P_{-1} = τ, F_{-1} = 0)
-      T_pipelined = max(D^P_{N-1}, F_{N-1}) + J   (sequential: D^P_{N-1} + Σ R_i + J)
+      T_pipelined = max(D^P_{N-1}, F_{N-1}) + J
   a three-stage pipeline (prefill compute -> link -> decode compute). N = 1 with c = 1 is T_split.
   Full recomputation (c = 0) sends the ids only; the decode side's chunked prefill of all L
   layers costs τ + E + Σ_i (r0 + L γ_i) + J.
@@ -93,7 +95,8 @@ from typing import Any
 from rekv_jax import sizes
 from rekv_jax.action import ACTION_KINDS, Action, ActionKind
 from rekv_jax.config import ModelConfig
-from rekv_jax.phases import Interval, Phases, PrefillMode, Schedule, check_chunks, check_modes
+from rekv_jax.mode import Formula, Mode
+from rekv_jax.phases import Phases
 
 _BITS_FIELDS = ("kv_layer_bytes", "quantize_ms", "restore_ms")  # dicts keyed by bits
 
@@ -342,25 +345,23 @@ def predict(profile: Profile, action: Action) -> Prediction:
     return Prediction(action, ph, t_seq(*ph.ready), t_ov(*ph.ready), saved(ph.prefix, ph.suffix))
 
 
-def predicted_ms(profile: Profile, action: Action, schedule: str = Schedule.OVERLAPPED,
-                 interval: str = Interval.READY,
-                 prefill: str = PrefillMode.FULL, chunks: int = 1) -> float:
-    """The predicted total of `action` under a schedule (`SCHEDULES`), timed from the prefill
-    state (`ready`) or from the prompt (`prompt`, with a `full`, `split` or `pipelined`
-    prefill), in `chunks` token chunks (see the module docstring)."""
-    check_modes(interval, prefill)
-    check_chunks(schedule, prefill, chunks, profile.seq_len)
-    if prefill == PrefillMode.PIPELINED:
-        return pipelined_ms(profile, action, chunks, schedule)
-    if prefill == PrefillMode.SPLIT:
-        return streamed_ms(profile, action, schedule)
-    if schedule == Schedule.CHUNKED:
-        ready = chunked_ms(profile, action, chunks)
+def predicted_ms(profile: Profile, mode: Mode) -> float:
+    """The predicted total of a handoff run as `mode`, timed from its interval, by the formula
+    the mode names (`Mode.formula`; see the module docstring)."""
+    if mode.chunks > profile.seq_len:
+        raise ValueError(f"{mode.chunks} chunks need at least as many tokens, the profile has "
+                         f"{profile.seq_len}")
+    action, formula = mode.action, mode.formula
+    if formula == Formula.PIPELINED:
+        return pipelined_ms(profile, action, mode.chunks)
+    if formula == Formula.SPLIT:
+        return streamed_ms(profile, action, mode.suffix_waits_for_prefix)
+    if formula == Formula.CHUNKED:
+        ready = chunked_ms(profile, action, mode.chunks)
     else:
         pred = predict(profile, action)
-        ready = pred.t_seq_ms if schedule == Schedule.SEQUENTIAL else pred.t_ov_ms
-    prompt = interval == Interval.PROMPT
-    return ready + (prompt_compute_ms(profile, profile.num_layers) if prompt else 0)
+        ready = pred.t_seq_ms if formula == Formula.SEQUENTIAL else pred.t_ov_ms
+    return ready + (prompt_compute_ms(profile, profile.num_layers) if mode.from_prompt else 0)
 
 
 def chunk_share(seq_len: int, chunk: int, chunks: int, attention_share: float) -> float:
@@ -387,10 +388,9 @@ def chunked_ms(profile: Profile, action: Action, chunks: int) -> float:
     return max(arrive[-1] + ph.prefix, suffix_done) + ph.join
 
 
-def pipelined_ms(profile: Profile, action: Action, chunks: int, schedule: str = Schedule.OVERLAPPED
-                 ) -> float:
+def pipelined_ms(profile: Profile, action: Action, chunks: int) -> float:
     """T_pipelined of `action` (ms from the prompt's arrival): the recursion of the module
-    docstring (`chunked` and `overlapped` alike run each chunk as it arrives)."""
+    docstring (the decode side runs each chunk as it arrives)."""
     p = profile
     phase_ms(p, action)  # validates the action against the profile
     c, L, b, n = action.cut, p.num_layers, action.bits, chunks
@@ -402,18 +402,17 @@ def pipelined_ms(profile: Profile, action: Action, chunks: int, schedule: str = 
     payload = p.message_ms + p.restore_fixed_ms[b] + c * p.beta(b) / n
     piece = p.message_ms + (transfer_ms(p.boundary_bytes, p.link_gbps) / n if c < L else 0)
     link = p.boundary_fixed_ms + transfer_ms(p.token_bytes, p.link_gbps)  # τ: when it is free
-    ready = suffix_done = runs = 0  # P_{i-1}, F_{i-1}, Σ R_i
+    ready = suffix_done = 0  # P_{i-1}, F_{i-1}
     for i in range(n):
         computed = ready + p.embed_ms / n + p.suffix_fixed_ms + c * p.chunk_layer(i, n)  # C_i
         if c < L or i == n - 1:  # the piece of h_c (transfer-only: the first token, once)
             link = max(computed, link) + piece  # D^H_i
         if c < L:
             run = p.suffix_fixed_ms + (L - c) * p.chunk_layer(i, n)  # R_i
-            suffix_done, runs = max(suffix_done, link) + run, runs + run
+            suffix_done = max(suffix_done, link) + run
         ready = computed + quantize
         link = max(ready, link) + payload  # D^P_i
-    done = link + runs if schedule == Schedule.SEQUENTIAL else max(link, suffix_done)
-    return done + p.join_ms[action.kind]
+    return max(link, suffix_done) + p.join_ms[action.kind]
 
 
 def prompt_compute_ms(profile: Profile, layers: int) -> float:
@@ -421,8 +420,9 @@ def prompt_compute_ms(profile: Profile, layers: int) -> float:
     return profile.embed_ms + profile.suffix_fixed_ms + layers * profile.suffix_layer_ms
 
 
-def streamed_ms(profile: Profile, action: Action, schedule: str = Schedule.OVERLAPPED) -> float:
-    """T_split of `action` (ms from the prompt's arrival): the recursion of the module docstring."""
+def streamed_ms(profile: Profile, action: Action, sequential: bool = False) -> float:
+    """T_split of `action` (ms from the prompt's arrival): the recursion of the module
+    docstring; `sequential`: the suffix waits for the whole prefix."""
     p = profile
     phase_ms(p, action)  # validates the action against the profile
     c, L, W = action.cut, p.num_layers, p.link_gbps
@@ -440,6 +440,6 @@ def streamed_ms(profile: Profile, action: Action, schedule: str = Schedule.OVERL
     at_boundary = max(computed, done) + boundary  # D_H
     at_prefix = max(computed + a, at_boundary) + link  # D_{c-1}
     suffix = p.suffix_fixed_ms + (L - c) * p.suffix_layer_ms if c < L else 0  # R(c)
-    if schedule == Schedule.SEQUENTIAL:
+    if sequential:
         return at_prefix + suffix + p.join_ms[action.kind]
     return max(at_prefix, at_boundary + suffix) + p.join_ms[action.kind]

@@ -22,16 +22,8 @@ from rekv_jax import sizes
 from rekv_jax.action import Action, ActionKind, action_space
 from rekv_jax.config import ModelConfig
 from rekv_jax.gate_result import GateResult
-from rekv_jax.phases import (
-    PHASES,
-    PREFILL_MODES,
-    SCHEDULES,
-    Interval,
-    Phases,
-    PrefillMode,
-    Schedule,
-    check_modes,
-)
+from rekv_jax.mode import SCHEDULES, Interval, Mode, check_timing, prefills_for
+from rekv_jax.phases import PHASES, Phases
 from rekv_jax.planning.costmodel import Profile, phase_ms, predicted_ms
 
 # The paper's H100 TCP path moves the 8K Qwen2.5-7B BF16 cache (448 MiB) in 202.13 ms (§4.4).
@@ -103,12 +95,9 @@ QUALITY = ("eligible", "ineligible", "unchecked")  # a candidate's standing at t
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One way to hand off: action, schedule, prefill mode and token chunks, with its prediction."""
+    """One way to hand off (its `Mode`), with its prediction and standing at the gate."""
 
-    action: Action
-    schedule: str  # costmodel.SCHEDULES
-    prefill: str  # costmodel.PREFILL_MODES
-    chunks: int  # token chunks (1: unchunked)
+    mode: Mode
     predicted_ms: float  # the total for the plan's interval
     phases_ms: Phases  # the action's unchunked ready-interval phases (no prefill)
     payload_bytes: int
@@ -116,12 +105,25 @@ class Candidate:
     gated_chunks: int | None = None  # the chunks of the gate result used (None: unchecked)
 
     @property
+    def action(self) -> Action:
+        return self.mode.action
+
+    @property
+    def schedule(self) -> str:
+        return self.mode.schedule_text
+
+    @property
+    def prefill(self) -> str:
+        return self.mode.prefill
+
+    @property
+    def chunks(self) -> int:
+        return self.mode.chunks
+
+    @property
     def label(self) -> str:
         """e.g. `q8:r=13 chunked x4`, `q8:r=13 split overlapped`, `q8:r=13 pipelined x8`."""
-        how = {PrefillMode.FULL: self.schedule + (f" x{self.chunks}" if self.chunks > 1 else ""),
-               PrefillMode.SPLIT: f"split {self.schedule}"}.get(self.prefill,
-                                                                f"pipelined x{self.chunks}")
-        return f"{self.action} {how}"
+        return self.mode.label
 
     def to_json(self) -> dict[str, Any]:
         a = self.action
@@ -179,36 +181,6 @@ class Plan:
         return out | ({"note": self.note} if self.note else {})
 
 
-@dataclasses.dataclass(frozen=True)
-class Way:
-    """How a handoff of an action runs: schedule, prefill mode and token chunks."""
-
-    schedule: str  # phases.Schedule
-    prefill: str  # phases.PrefillMode
-    chunks: int = 1  # token chunks (1: unchunked)
-
-
-def ways(action: Action, schedules: Sequence[str], prefills: Sequence[str],
-         chunks: Sequence[int]) -> list[Way]:
-    """The distinct ways to try for `action`, as `rekv handoff` runs them: chunks (>= 2) only
-    under the chunked schedule, for a joint action's boundary or a pipelined prefill of some
-    layers; one schedule for an action without a suffix to overlap."""
-    out = []
-    for prefill in prefills:
-        if prefill == PrefillMode.PIPELINED:  # the decode side runs each chunk on arrival: chunked
-            if action.cut > 0 and Schedule.CHUNKED in schedules:
-                out += [Way(Schedule.CHUNKED, prefill, n) for n in chunks]
-        elif action.kind != ActionKind.JOINT:
-            out.append(Way(schedules[0], prefill))
-        else:
-            for schedule in schedules:
-                if schedule != Schedule.CHUNKED:
-                    out.append(Way(schedule, prefill))
-                elif prefill == PrefillMode.FULL:
-                    out += [Way(schedule, prefill, n) for n in chunks]
-    return out
-
-
 def plan(cfg: ModelConfig, seq_len: int, profile: Profile | None = None,
          link_gbps: float | None = None, actions: Sequence[Action] | None = None,
          batch: int = 1, schedules: Sequence[str] = SCHEDULES, interval: str = Interval.READY,
@@ -218,10 +190,9 @@ def plan(cfg: ModelConfig, seq_len: int, profile: Profile | None = None,
     (the quality gate's results), the fastest eligible one. `link_gbps` re-targets the profile's
     transfer terms; `interval` chooses the timed interval, whose prefill modes are `prefills`
     (default: all that suit it)."""
-    if prefills is None:
-        prefills = PREFILL_MODES if interval == Interval.PROMPT else (PrefillMode.FULL,)
+    prefills = prefills_for(interval) if prefills is None else prefills
     for prefill in prefills:
-        check_modes(interval, prefill)
+        check_timing(interval, prefill)
     if profile is None:
         profile = analytic_profile(cfg, seq_len, batch,
                                    PAPER_LINK_GBPS if link_gbps is None else link_gbps)
@@ -235,12 +206,10 @@ def plan(cfg: ModelConfig, seq_len: int, profile: Profile | None = None,
     for a in actions:
         phases = phase_ms(profile, a)
         payload = sizes.action_bytes(cfg, a, seq_len, batch).total_bytes
-        for w in ways(a, schedules, prefills, chunks):
-            quality, gated = _standing(verdicts, a, w.chunks)
-            candidates.append(Candidate(
-                a, w.schedule, w.prefill, w.chunks,
-                predicted_ms(profile, a, w.schedule, interval, w.prefill, w.chunks),
-                phases, payload, quality, gated))
+        for mode in Mode.candidates(a, schedules, prefills, chunks, interval):
+            quality, gated = _standing(verdicts, a, mode.chunks)
+            candidates.append(Candidate(mode, predicted_ms(profile, mode), phases, payload,
+                                        quality, gated))
     if not candidates:
         raise ValueError("no candidate: no action, or no schedule and prefill mode that suit "
                          f"the {interval} interval")
@@ -306,14 +275,15 @@ class Crossover:
 
 
 def preferred_by_link(profile: Profile, actions: Sequence[Action], links: Sequence[float],
-                      schedule: str = Schedule.OVERLAPPED) -> list[LinkChoice]:
-    """The predicted fastest of `actions` at each link bandwidth (GB/s), the profile re-targeted."""
+                      schedule: str = SCHEDULES[0]) -> list[LinkChoice]:
+    """The predicted fastest of `actions` (ready interval, `schedule`) at each link bandwidth
+    (GB/s), the profile re-targeted."""
     if not actions:
         raise ValueError("no candidate actions")
     out = []
     for w in links:
         p = profile.at_link(w)
-        ms = {str(a): predicted_ms(p, a, schedule) for a in actions}
+        ms = {str(a): predicted_ms(p, Mode.of(a, schedule)) for a in actions}
         best = min(ms, key=ms.get)
         out.append(LinkChoice(w, best, ms[best]))
     return out
@@ -367,7 +337,8 @@ def plan_text(result: Plan, top: int = 12) -> str:
     for c in ranked:  # fastest per (precision, kind), beyond the top rows
         best_of.setdefault((c.action.bits, c.action.kind), c)
     shown = sorted({id(c): c for c in (*ranked[:top], *best_of.values(), rows[
-        best.action, best.prefill, best.schedule])}.values(), key=lambda c: c.predicted_ms)
+        best.action, best.prefill, best.schedule])}.values(),
+        key=lambda c: c.predicted_ms)
     lines += ["", f"{'action':<16}{'schedule':<28}{'predicted ms':>13}{'MiB':>10}  quality"]
     lines += [f"{str(c.action):<16}{c.label.split(' ', 1)[1]:<28}{c.predicted_ms:>13.2f}"
               f"{c.payload_bytes / sizes.MIB:>10.2f}  {c.quality}" for c in shown]

@@ -17,7 +17,7 @@ from scipy.optimize import nnls  # scipy: a dependency of jax
 from rekv_jax import sizes
 from rekv_jax.action import ACTION_KINDS, Action
 from rekv_jax.config import ModelConfig
-from rekv_jax.phases import Phases, PrefillMode
+from rekv_jax.phases import Phases
 from rekv_jax.planning.costmodel import Profile, chunk_share
 
 
@@ -31,7 +31,7 @@ class Measurement:
     action: Action
     phases_ms: Phases  # the phase medians
     chunks: int = 1  # token chunks (1: unchunked)
-    prefill: str = PrefillMode.FULL
+    pipelined: bool = False  # a pipelined prefill's (`Mode.streams_chunks`)
 
 
 def fit_profile(cfg: ModelConfig, records: Sequence[Measurement], hardware: str, link: str
@@ -69,7 +69,7 @@ def fit_profile(cfg: ModelConfig, records: Sequence[Measurement], hardware: str,
     # phase holds the token IDs, plus h_c for a joint action (in N messages); the prefix phase
     # the prefix and its restore.
     rows, ys = [], []
-    for r in (r for r in records if r.prefill != PrefillMode.PIPELINED):
+    for r in (r for r in records if not r.pipelined):
         c, bits, ph, n = r.action.cut, r.action.bits, r.phases_ms, r.chunks
         joint = 0 < c < L
         rows.append([1.0, n - 1.0, b_tok + joint * b_h] + [0.0] * (len(low) + len(fixed)))

@@ -1,32 +1,32 @@
-"""Past the paper's tables: the token-chunked boundary beside the paper's overlapped schedule
-(issue 20), from the same summary records as `tables`."""
+"""Past the paper's tables: the token-chunked boundary beside the paper's overlapped schedule,
+from the same summary records as `tables`."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rekv_jax.action import ActionKind
-from rekv_jax.phases import Interval, Schedule
+from rekv_jax.mode import Formula
 from rekv_jax.study.records import ChunkedRow, Summary
 from rekv_jax.study.tables import _ms, _speedup, setup_label
 
 
 def chunked_rows(records: Sequence[Summary], seed: int = 0) -> list[ChunkedRow]:
     """Past the paper: per setup, model, length and N, the best joint action under the chunked
-    schedule against the best one under the overlapped schedule (issue 20's comparison)."""
-    joint = [r for r in records if r.action.kind == ActionKind.JOINT and r.first_token_match
-             and r.interval == Interval.READY]
+    schedule against the best one under the overlapped schedule."""
     best: dict[tuple, Summary] = {}
-    for r in joint:
-        if r.schedule in (Schedule.OVERLAPPED, Schedule.CHUNKED):
-            key = (r.setup, r.model, r.seq_len, r.schedule, r.chunks)
-            if key not in best or r.median_ms < best[key].median_ms:
-                best[key] = r
+    for r in records:
+        mode = r.mode
+        if not (mode.joint and r.first_token_match and not mode.from_prompt) or (
+                mode.formula not in (Formula.OVERLAPPED, Formula.CHUNKED)):
+            continue
+        key = (r.setup, r.model, r.seq_len, mode.formula, mode.chunks)
+        if key not in best or r.median_ms < best[key].median_ms:
+            best[key] = r
     rows = []
-    for (setup, model, seq_len, schedule, chunks), ch in sorted(
+    for (setup, model, seq_len, formula, chunks), ch in sorted(
             best.items(), key=lambda i: (i[0][0].sort_key(), i[0][1:3], i[0][4])):
-        ov = best.get((setup, model, seq_len, Schedule.OVERLAPPED, 1))
-        if schedule == Schedule.CHUNKED and ov is not None:
+        ov = best.get((setup, model, seq_len, Formula.OVERLAPPED, 1))
+        if formula == Formula.CHUNKED and ov is not None:
             rows.append(ChunkedRow(setup, model, seq_len, chunks, ov, ch,
                                    _speedup(ov, ch, seed)))
     return rows

@@ -27,9 +27,9 @@ from rekv_jax import sizes
 from rekv_jax.action import Action
 from rekv_jax.config import Llama3RopeScaling, ModelConfig
 from rekv_jax.handoff.check import SUFFIX_ACROSS
+from rekv_jax.mode import Schedule
 from rekv_jax.model.loader import synthetic_model
 from rekv_jax.model.transformer import attention_backend, prefill, run_prefix, run_suffix
-from rekv_jax.phases import Schedule
 from rekv_jax.study import bench
 from rekv_jax.study.experiment import Experiment
 from rekv_jax.study.records import Summary

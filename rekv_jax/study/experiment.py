@@ -28,37 +28,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rekv_jax.action import Action, ActionKind
+from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
-from rekv_jax.handoff import chunked
-from rekv_jax.handoff.check import HostReference, check_cache, split_reference
-from rekv_jax.handoff.core import (
-    check_schedule,
-    prepare,
-    receive_handoff,
-    send_handoff,
-    send_prompt,
-)
+from rekv_jax.handoff.check import HostReference, check_cache, reference, split_reference
 from rekv_jax.handoff.outcome import Handoff
-from rekv_jax.model.loader import load_model
-from rekv_jax.model.transformer import Params, attention_backend, prefill, run_prefix, run_suffix
-from rekv_jax.phases import (
+from rekv_jax.handoff.receiver import receive_handoff
+from rekv_jax.handoff.sender import prepare, send_handoff, send_prompt
+from rekv_jax.mode import (
     FALLBACKS,
     PAPER_SCHEDULES,
-    PROMPT_PHASES,
     SCHEDULES,
     Fallback,
     Interval,
-    Phases,
+    Mode,
     PrefillMode,
-    Schedule,
-    check_modes,
+    Reference,
 )
+from rekv_jax.model.loader import load_model
+from rekv_jax.model.transformer import Params, attention_backend, prefill, run_prefix, run_suffix
+from rekv_jax.phases import PROMPT_PHASES, Phases
 from rekv_jax.sharding import shard_params
 from rekv_jax.sizes import action_bytes
 from rekv_jax.study.device import Device
-from rekv_jax.study.records import Fidelity, Rep, Summary, record_schedule, serializes
-from rekv_jax.transport import Transport, TransportError, checksums, cores
+from rekv_jax.study.records import Fidelity, Rep, Summary, serializes
+from rekv_jax.transport import Transport, TransportError, checksums, cores, paced
 from rekv_jax.transport.base import Role
 from rekv_jax.transport.cores import PINNING_ENV, usable_cpus
 from rekv_jax.transport.job import PairJob
@@ -111,10 +104,11 @@ class Experiment:
             raise ValueError(f"schedules must be a non-empty subset of {SCHEDULES}, got {bad}")
         if self.fallback not in FALLBACKS:
             raise ValueError(f"fallback must be one of {FALLBACKS}, got {self.fallback!r}")
-        check_modes(self.interval, self.prefill)
-        for s in self.schedules:  # the chunks are the chunked schedule's
-            chunks = self.chunks if s == Schedule.CHUNKED else 1
-            check_schedule(s, self.prefill, chunks, self.seq_len)
+        for action in self.actions:  # every mode is checked before any process starts
+            for mode in self.modes(action):
+                if mode.chunks > self.seq_len:
+                    raise ValueError(f"{mode.chunks} chunks need at least as many tokens, "
+                                     f"got seq_len {self.seq_len}")
         if self.chunks > 1 and self.prefill_devices * self.decode_devices > 1:
             raise ValueError("token chunks run on one device per side")
 
@@ -125,15 +119,12 @@ class Experiment:
     def from_json(cls, text: str) -> Experiment:
         return cls(**json.loads(text))
 
-    def schedules_of(self, action: Action) -> tuple[str, ...]:
-        """The schedules an action runs under: only a joint action has anything to overlap."""
-        return self.schedules if action.kind == ActionKind.JOINT else self.schedules[:1]
-
-    def chunks_of(self, action: Action, schedule: str) -> int:
-        """Token chunks of `action` under `schedule` (1: unchunked)."""
-        chunked = schedule == Schedule.CHUNKED and (action.kind == ActionKind.JOINT
-                                                   or self.prefill != PrefillMode.FULL)
-        return self.chunks if chunked else 1
+    def modes(self, action: Action) -> list[Mode]:
+        """How `action`'s handoffs run, once per distinct mode (a non-joint action has no
+        schedule: it runs once); the chunks are the chunked schedule's."""
+        modes = [Mode.of(action, s, self.prefill, self.chunks, self.interval)
+                 for s in self.schedules]
+        return list(dict.fromkeys(modes))
 
 
 def fingerprint(cfg: ModelConfig, params: Params) -> str:
@@ -234,7 +225,6 @@ def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
     wrong = [str(a) for a in exp.actions if a.num_layers != cfg.num_layers]
     if wrong:
         raise ValueError(f"actions {wrong} are not for {cfg.name} ({cfg.num_layers} layers)")
-    transport.set_link(exp.link_gbps)
     # different attention backends, versions, XLA flags or devices give different bits
     agree_runtime(transport, attention_backend(cfg, params["embed"].dtype), exp.timeout,
                   f"{name}runtime")
@@ -242,147 +232,171 @@ def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
                     exp.timeout)
     tokens = jax.random.randint(jax.random.key(exp.seed + 1), (exp.batch, exp.seq_len), 0,
                                 cfg.vocab_size, jnp.int32)
+    link = paced(transport, exp.link_gbps)  # this experiment's link
     if exp.prefill_devices * exp.decode_devices > 1:  # a mesh per side
-        transport = MeshTransport(transport, cfg, exp.prefill_devices, exp.decode_devices)
-        params = shard_params(cfg, params, transport.mesh)
-    references = References(cfg, params, tokens, exp) if role == "decode" else None
-    for action in exp.actions:
-        ready = role == "prefill" and exp.interval == Interval.READY
-        states = {}  # the prefill state per token chunks
-        schedules = exp.schedules_of(action)
-        results: dict[str, list[Rep]] = {s: [] for s in schedules}
-        for schedule, rep in handoff_order(exp, schedules):
-            tag = f"{name}{action}/{schedule}/{rep}"
-            chunks, runs_in = exp.chunks if schedule == Schedule.CHUNKED else 1, exp.chunks_of(
-                action, schedule)  # what the sides are given, what the action runs in
-            if ready and chunks not in states:
-                # its own suffix is checked on every rep (same mesh shapes: across, bits differ)
-                states[chunks] = prepare(cfg, params, tokens, action, exp.prefill_devices
-                                         == exp.decode_devices, runs_in)
-            if role == "prefill":
-                try:
-                    if ready:
-                        send_handoff(transport, states[chunks], action, tag, exp.backend,
-                                     exp.timeout, chunks)
-                    else:
-                        send_prompt(transport, cfg, params, tokens, action, tag, exp.prefill,
-                                    exp.backend, exp.timeout, chunks)
-                except TransportError:
-                    if exp.fallback != Fallback.RECOMPUTE:
-                        raise
-                    # the decode side rebuilds this cache from the token ids and goes on
+        link = MeshTransport(link, cfg, exp.prefill_devices, exp.decode_devices)
+        params = shard_params(cfg, params, link.mesh)
+    run = _Run(role, exp, link, cfg, params, tokens, name, emit, progress)
+    try:
+        for action in exp.actions:
+            run.action(action, model.weights)
+    finally:
+        if link is not transport and hasattr(link, "stop"):
+            link.stop()
+
+
+class _Run:
+    """One side's handoffs of one experiment: per action, every rep of each of its modes; the
+    decode side checks and records them."""
+
+    def __init__(self, role: Role, exp: Experiment, link: Transport, cfg: ModelConfig,
+                 params: Params, tokens: jax.Array, name: str, emit: Emit,
+                 progress: Callable[[int], None]) -> None:
+        self.role, self.exp, self.link, self.cfg, self.params = role, exp, link, cfg, params
+        self.tokens, self.name, self.emit, self.progress = tokens, name, emit, progress
+        self.references = References(cfg, params, tokens, exp) if role == "decode" else None
+
+    def action(self, action: Action, weights: str) -> None:
+        modes = self.exp.modes(action)
+        states: dict[int, object] = {}  # the prefill state per token chunks of its suffix
+        results: dict[Mode, list[Rep]] = {m: [] for m in modes}
+        for mode, rep in handoff_order(self.exp, modes):
+            tag = f"{self.name}{action}/{mode.schedule_text}/{rep}"
+            if self.role == "prefill":
+                self._send(mode, tag, states)
                 continue
-            before = cores.thread_times()
-            result = receive_handoff(transport, cfg, params, action, exp.batch, exp.seq_len,
-                                     tag, schedule, exp.fallback, exp.backend, exp.timeout,
-                                     exp.prefill, chunks)
-            use = cores.core_use(before, cores.thread_times())
-            progress(1)
-            if rep >= exp.warmup:  # every timed rep is checked, then its cache is dropped
-                record = references.rep(exp, action, schedule, rep - exp.warmup, result,
-                                        runs_in, use)
-                results[schedule].append(record)
-                emit(record)
-        if role == "decode":
-            for schedule in schedules:
-                emit(summarize(cfg, exp, action, schedule, results[schedule], model.weights))
+            record = self._receive(mode, tag, rep)
+            if record is not None:
+                results[mode].append(record)
+                self.emit(record)
+        if self.role == "decode":
+            for mode in modes:
+                self.emit(summarize(self.cfg, self.exp, mode, results[mode], weights))
+
+    def _send(self, mode: Mode, tag: str, states: dict[int, object]) -> None:
+        exp = self.exp
+        try:
+            if mode.from_prompt:
+                send_prompt(self.link, self.cfg, self.params, self.tokens, mode, tag,
+                            exp.backend, exp.timeout)
+                return
+            if mode.suffix_chunks not in states:
+                # its own suffix is checked on every rep (same mesh shapes: across, bits differ)
+                states[mode.suffix_chunks] = prepare(
+                    self.cfg, self.params, self.tokens, mode,
+                    exp.prefill_devices == exp.decode_devices)
+            send_handoff(self.link, states[mode.suffix_chunks], mode, tag, exp.backend,
+                         exp.timeout)
+        except TransportError:
+            if exp.fallback != Fallback.RECOMPUTE:
+                raise
+            # the decode side rebuilds this cache from the token ids and goes on
+
+    def _receive(self, mode: Mode, tag: str, rep: int) -> Rep | None:
+        """One handoff, timed; a timed rep's checked record (None for a warm-up)."""
+        exp = self.exp
+        before = cores.thread_times()
+        result = receive_handoff(self.link, self.cfg, self.params, mode, exp.batch,
+                                 exp.seq_len, tag, exp.fallback, exp.backend, exp.timeout)
+        use = cores.core_use(before, cores.thread_times())
+        self.progress(1)
+        if rep < exp.warmup:
+            return None
+        return self.references.rep(exp, mode, rep - exp.warmup, result, use)
 
 
 class References:
-    """The single-process caches and first tokens a handoff is checked against, one per cut,
-    each computed once, and kept on the host with their error bounds (`HostReference`): a
-    `prefill`, or, between sharded sides, the same split in this process (`split_reference`:
-    bits differ across meshes)."""
+    """The single-process caches and first tokens a handoff is checked against (`Mode.reference`
+    at its cut), each computed once and kept on the host with its error bounds (`HostReference`);
+    between sharded sides, the same split in this process (`split_reference`: bits differ across
+    meshes). Also what a rep's suffix costs alone (`fidelity`)."""
 
     def __init__(self, cfg: ModelConfig, params: Params, tokens: jax.Array, exp: Experiment
                  ) -> None:
         self._cfg, self._params, self._tokens = cfg, params, tokens
         self._devices = (exp.prefill_devices, exp.decode_devices)
         self._sharded = self._devices != (1, 1)
-        self._pipelined = exp.prefill == PrefillMode.PIPELINED
-        self._cache: dict[tuple[int, int], tuple[HostReference, np.ndarray, str]] = {}
+        self._cache: dict[tuple, tuple[HostReference, np.ndarray, str]] = {}
         self._boundaries: dict[int, jax.Array] = {}  # h_c [B, S, D] per cut (`fidelity`)
-        if not self._sharded:  # compile the model's programs now, beside the prefill side's
-            self._reference(0, exp.chunks if self._pipelined else 1)
+        if not self._sharded and exp.actions:  # compile the model's programs now, beside the
+            self._reference(exp.modes(exp.actions[0])[0].reference, 0)  # prefill side's
 
-    def _reference(self, cut: int, chunks: int) -> tuple[HostReference, np.ndarray, str]:
-        """(the reference cache of `cut` in `chunks`, its first token, its name), once."""
+    def _reference(self, ref: Reference, cut: int) -> tuple[HostReference, np.ndarray, str]:
+        """(the reference cache `ref` at `cut`, its first token, its name), once."""
         # one (chunked) prefill serves every cut of one-device sides
-        key = (cut if self._sharded or (chunks > 1 and not self._pipelined) else -1, chunks)
+        key = (cut if self._sharded or ref.split_at_cut else -1, ref)
         if key not in self._cache:
             args = self._cfg, self._params, self._tokens
-            reference, logits, name = (
-                chunked.reference(*args, cut, chunks, self._pipelined) if chunks > 1
-                else (*split_reference(*args, cut, *self._devices), "") if self._sharded
-                else (*prefill(*args), ""))
-            self._cache[key] = (HostReference(reference),
-                                np.asarray(jnp.argmax(logits, axis=-1)), name)
+            cache, logits = (split_reference(*args, cut, *self._devices) if self._sharded
+                             else reference(*args, ref, cut))
+            self._cache[key] = (HostReference(cache), np.asarray(jnp.argmax(logits, axis=-1)),
+                                ref.name)
         return self._cache[key]
 
-    def rep(self, exp: Experiment, action: Action, schedule: str, rep: int, result: Handoff,
-            chunks: int, use: cores.CoreUse | None) -> Rep:
+    def rep(self, exp: Experiment, mode: Mode, rep: int, result: Handoff,
+            use: cores.CoreUse | None) -> Rep:
         """The record of timed rep `rep`: its checks (`check`) and its `fidelity`."""
-        first_ok, cache_check = self.check(action, result, chunks)
-        stated = record_schedule(action, schedule)
-        return Rep(action, stated, rep, result.total_ms, result.phases_ms, result.fallback,
-                   result.timeline_ms, result.sent_bytes, first_ok, cache_check,
-                   serializes(exp.transport, stated, jax.default_backend()), chunks,
-                   self.fidelity(action, result, chunks, use))
+        first_ok, cache_check = self.check(mode, result)
+        return Rep(mode.action, mode.schedule_text, rep, result.total_ms, result.phases_ms,
+                   result.fallback, result.timeline_ms, result.sent_bytes, first_ok, cache_check,
+                   serializes(exp.transport, mode, jax.default_backend()), mode.chunks,
+                   self.fidelity(mode, result, use))
 
-    def fidelity(self, action: Action, result: Handoff, chunks: int,
-                 use: cores.CoreUse | None) -> Fidelity | None:
+    def fidelity(self, mode: Mode, result: Handoff, use: cores.CoreUse | None
+                 ) -> Fidelity | None:
         """The handoff's suffix phase beside the same layers run alone here, now (one-device
         sides; None where nothing was recomputed)."""
-        suffix_ms = result.phases_ms.suffix
+        suffix_ms, cut = result.phases_ms.suffix, mode.action.cut
         if self._sharded or suffix_ms <= 0:
             return None
-        recompute = result.fallback or action.kind == ActionKind.RECOMPUTE
         args = self._cfg, self._params
-        if recompute:
-            tokens = self._tokens
-            run = functools.partial(prefill, *args, tokens, 1 if result.fallback else chunks)
+        if result.fallback or not cut:  # the whole prompt from its ids
+            run = functools.partial(prefill, *args, self._tokens,
+                                    1 if result.fallback else mode.suffix_chunks)
         else:
-            if action.cut not in self._boundaries:
-                self._boundaries[action.cut] = run_prefix(*args, self._tokens, action.cut)[0]
-            run = functools.partial(run_suffix, *args, self._boundaries[action.cut], action.cut,
-                                    chunks=chunks)
+            if cut not in self._boundaries:
+                self._boundaries[cut] = run_prefix(*args, self._tokens, cut)[0]
+            run = functools.partial(run_suffix, *args, self._boundaries[cut], cut,
+                                    chunks=mode.suffix_chunks)
         start = time.perf_counter()
         jax.block_until_ready(run())
         alone_ms = 1e3 * (time.perf_counter() - start)
         return Fidelity(alone_ms, suffix_ms / alone_ms, use and use.device_wait_ms,
                         use and use.host_ms)
 
-    def check(self, action: Action, result: Handoff, chunks: int = 1) -> tuple[bool, str]:
+    def check(self, mode: Mode, result: Handoff) -> tuple[bool, str]:
         """(first token matches, what held of the cache: `check_cache`, plus for sharded sides
-        what the cache was compared with); `chunks` > 1: against the chunked reference."""
-        cut = 0 if result.fallback else action.cut  # a fallback rebuilt the cache from the ids
-        reference, first, name = self._reference(cut, 1 if result.fallback else chunks)
-        text = check_cache(reference, action, result, name)
+        what the cache was compared with)."""
+        # a fallback rebuilt the cache from the ids: a plain prefill
+        ref, cut = (Reference(), 0) if result.fallback else (mode.reference, mode.action.cut)
+        reference_cache, first, name = self._reference(ref, cut)
+        text = check_cache(reference_cache, mode.action, result, name)
         if self._sharded:
             text += _reference_text(self._cfg, cut, *self._devices)
         return bool(np.array_equal(result.first_token, first)), text
 
 
-def handoff_order(exp: Experiment, schedules: tuple[str, ...]) -> list[tuple[str, int]]:
-    """(schedule, rep) of one action's handoffs in run order (warmups first): every rep of one
-    schedule, then the next; or, `paired`, the schedules alternating within each rep."""
+def handoff_order(exp: Experiment, modes: list[Mode]) -> list[tuple[Mode, int]]:
+    """(mode, rep) of one action's handoffs in run order (warmups first): every rep of one
+    mode, then the next; or, `paired`, the modes alternating within each rep."""
     reps = range(exp.warmup + exp.reps)
     if exp.paired:
-        return [(s, rep) for rep in reps for s in schedules]
-    return [(s, rep) for s in schedules for rep in reps]
+        return [(m, rep) for rep in reps for m in modes]
+    return [(m, rep) for m in modes for rep in reps]
 
 
-def summarize(cfg: ModelConfig, exp: Experiment, action: Action, schedule: str,
-              reps: list[Rep], weights: str = "") -> Summary:
+def summarize(cfg: ModelConfig, exp: Experiment, mode: Mode, reps: list[Rep], weights: str = ""
+              ) -> Summary:
     """One summary of checked reps: median and bootstrap CI, phase medians, payload, bytes sent,
     and the checks of every rep."""
     checks = [r.cache_check for r in reps]
     distinct = dict.fromkeys(checks)
     cache_check = checks[0] if len(distinct) == 1 else "; ".join(
         f"{c} ({checks.count(c)} of {len(checks)} reps)" for c in distinct)
+    action = mode.action
     return Summary(
         model=cfg.name, seq_len=exp.seq_len, batch=exp.batch, action=action,
-        transport=exp.transport, schedule=record_schedule(action, schedule),
+        transport=exp.transport, schedule=mode.schedule_text,
         link_gbps=exp.link_gbps, hardware=Device.here().hardware,
         reps_ms=tuple(r.total_ms for r in reps),
         phases_ms=Phases(**{p: float(np.median([getattr(r.phases_ms, p) for r in reps]))
@@ -390,10 +404,10 @@ def summarize(cfg: ModelConfig, exp: Experiment, action: Action, schedule: str,
         payload_bytes=action_bytes(cfg, action, exp.seq_len, exp.batch).total_bytes,
         first_token_match=all(r.first_token_match for r in reps), cache_check=cache_check,
         fallbacks=sum(r.fallback for r in reps), weights=weights,
-        interval=exp.interval, prefill=exp.prefill, prefill_devices=exp.prefill_devices,
-        decode_devices=exp.decode_devices, paired=exp.paired and len(exp.schedules_of(action)) > 1,
+        interval=mode.interval, prefill=mode.prefill, prefill_devices=exp.prefill_devices,
+        decode_devices=exp.decode_devices, paired=exp.paired and len(exp.modes(action)) > 1,
         sent_bytes=max(r.sent_bytes for r in reps), serialized=any(r.serialized for r in reps),
-        pinning=os.environ.get(PINNING_ENV, ""), chunks=exp.chunks_of(action, schedule),
+        pinning=os.environ.get(PINNING_ENV, ""), chunks=mode.chunks,
         fidelity=Fidelity.median(r.fidelity for r in reps))
 
 
@@ -412,7 +426,7 @@ def pair_job(exp: Experiment, emit: Emit, progress: Callable[[int], None] = lamb
     """`exp`, then `more` (`run_session`), as the job of both sides; as a process of its own,
     the prefill side runs in a supervised worker (`PairJob.side`)."""
     return PairJob(lambda role, t: run_session(role, exp, t, emit, progress, more),
-                   exp.transport, exp.link_gbps, exp.timeout,
+                   exp.transport, None, exp.timeout,  # each experiment paces its own link
                    ("handoff", "--experiment", exp.to_json()), supervised=True)
 
 
@@ -451,4 +465,4 @@ def side_environments(exp: Experiment, pin: bool = True) -> dict[Role, dict[str,
 
 def total_handoffs(exp: Experiment) -> int:
     """Handoffs the decode side will run (for the progress bar)."""
-    return sum((exp.warmup + exp.reps) * len(exp.schedules_of(a)) for a in exp.actions)
+    return sum((exp.warmup + exp.reps) * len(exp.modes(a)) for a in exp.actions)

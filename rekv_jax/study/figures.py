@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from rekv_jax.planning.costmodel import Profile
+from rekv_jax.planning.costmodel import Profile, predicted_ms
 from rekv_jax.planning.planner import crossovers
 from rekv_jax.study.records import Summary
 from rekv_jax.study.tables import (
@@ -18,7 +18,6 @@ from rekv_jax.study.tables import (
     _best,
     _cells,
     _crossover_groups,
-    _predict,
     _predicted_preference,
     setup_label,
 )
@@ -87,7 +86,7 @@ def crossover_figure(records: Sequence[Summary], path: str | Path,
         ax.plot(*zip(*pts, strict=True), "o", color=color, label=f)
         if profile is not None:
             fam = {a: r for acts in by_link.values() for a, r in acts.items() if r.family == f}
-            ys = [min(_predict(profile.at_link(w), r) for r in fam.values()) for w in grid]
+            ys = [min(predicted_ms(profile.at_link(w), r.mode) for r in fam.values()) for w in grid]
             ax.plot(grid, ys, "-", color=color, alpha=0.6)
     if profile is not None:
         for c in crossovers(_predicted_preference(profile, by_link)):

@@ -15,27 +15,21 @@ from typing import Any
 
 from rekv_jax.action import Action, ActionKind
 from rekv_jax.jsonl import read_jsonl
-from rekv_jax.phases import SCHEDULES, Interval, Phases, PrefillMode, Schedule, Timeline
+from rekv_jax.mode import NO_SCHEDULE, SCHEDULES, Interval, Mode, PrefillMode
+from rekv_jax.phases import Phases, Timeline
 from rekv_jax.study import stats
 
 FIDELITY_LIMIT = 1.10  # a suffix phase past this many times its standalone time is warned of
 
-# The schedule of a record: overlapped, sequential or chunked for a joint action; "n/a" for
-# transfer-only and full recomputation, which have nothing to overlap.
-RECORD_SCHEDULES = (*SCHEDULES, "n/a")
+RECORD_SCHEDULES = (*SCHEDULES, NO_SCHEDULE)  # what a record's schedule may state
 
 
-def record_schedule(action: Action, schedule: str) -> str:
-    """The schedule a record of `action` run under `schedule` states (RECORD_SCHEDULES)."""
-    return schedule if action.kind == ActionKind.JOINT else "n/a"
-
-
-def serializes(transport: str, schedule: str, platform: str) -> bool:
-    """Whether a record's overlapped schedule ran serialized on the device: on a GPU the
-    collective transport's cross-process ppermute is its own program on the compute stream, so
-    it runs before or after the suffix program, not beside it (see rekv_jax/transport). Such a
-    record states `serialized: true`; its times are not an overlapped schedule's."""
-    return transport == "collective" and schedule == Schedule.OVERLAPPED and platform == "gpu"
+def serializes(transport: str, mode: Mode, platform: str) -> bool:
+    """Whether a handoff that overlaps its suffix with a transfer ran serialized on the device:
+    on a GPU the collective transport's cross-process ppermute is its own program on the compute
+    stream, so it runs before or after the suffix program, not beside it (see rekv_jax/transport).
+    Such a record states `serialized: true`; its times are not an overlapping schedule's."""
+    return transport == "collective" and mode.overlaps_transfer and platform == "gpu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,8 +140,7 @@ class Summary:
         it waits for no input (the chunked schedule and a pipelined prefill wait for their
         chunks, so there the figure is recorded, not judged)."""
         f = self.fidelity
-        waits = self.schedule == Schedule.CHUNKED or self.prefill == PrefillMode.PIPELINED
-        if f is None or waits or f.ratio <= FIDELITY_LIMIT:
+        if f is None or self.mode.suffix_waits_for_input or f.ratio <= FIDELITY_LIMIT:
             return None
         lost = "" if f.device_wait_ms is None else (
             f"; its device threads waited {f.device_wait_ms:.1f} ms for their core and this "
@@ -155,6 +148,12 @@ class Summary:
         return (f"warning: the suffix of {self.action} ({self.schedule}) took {f.ratio:.2f}× the "
                 f"{f.suffix_alone_ms:.1f} ms of the same layers alone on the same core{lost}: "
                 "the emulation charged it for other work, so its speedups understate ReKV's")
+
+    @property
+    def mode(self) -> Mode:
+        """How its handoffs ran."""
+        return Mode.of_record(self.action, self.schedule, self.prefill, self.chunks,
+                              self.interval)
 
     @property
     def family(self) -> str:
@@ -209,7 +208,7 @@ class Rep:
     """One timed handoff of an action (the handoff's `kind: "rep"` line), checked on its own."""
 
     action: Action
-    schedule: str  # one of RECORD_SCHEDULES (record_schedule)
+    schedule: str  # one of RECORD_SCHEDULES (`Mode.schedule_text`)
     rep: int  # index among the timed reps (warmups excluded)
     total_ms: float
     phases_ms: Phases

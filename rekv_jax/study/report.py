@@ -16,7 +16,8 @@ from typing import Any
 
 from rekv_jax import sizes
 from rekv_jax.action import ActionKind
-from rekv_jax.phases import PHASES, PROMPT_PHASES, Interval
+from rekv_jax.mode import timed_from_prompt
+from rekv_jax.phases import PHASES, PROMPT_PHASES
 from rekv_jax.planning.costmodel import Profile
 from rekv_jax.study.chunked_table import chunked_markdown
 from rekv_jax.study.figures import crossover_figure, fig2
@@ -81,7 +82,7 @@ def write_report(records: Sequence[Summary], out_dir: str | Path,
 def handoff_table(records: Sequence[Summary], header: bool = True) -> str:
     """One line per summary, for a person: median, CI, phase medians, payload and checks (the
     prefill side's own compute too when timed from the prompt)."""
-    prompt = any(r.interval == Interval.PROMPT for r in records)
+    prompt = any(timed_from_prompt(r.interval) for r in records)
     phases = PROMPT_PHASES if prompt else PHASES
     lines = [f"{'action':<16}{'schedule':<12}{'median ms':>10}{'95% CI':>18}"
              + "".join(f"{p[:8]:>10}" for p in phases) + f"{'MiB':>9}  first  cache"] * header

@@ -108,11 +108,11 @@ def calibrate_pair_link(model: str, seq_len: int, transport: str, pin: bool = Tr
 
 def fit(cfg: ModelConfig, records: list[Summary]) -> costmodel.Profile:
     """A profile from the uncontended (sequential / single-mechanism) summaries of one setup."""
-    uncontended = [r for r in records if r.schedule != phases.Schedule.OVERLAPPED]
+    uncontended = [r for r in records if not r.mode.overlapped]
     first = uncontended[0]
     link = f"{first.transport} {tables.link_label(first.link_gbps)}"
     measured = [profile_fit.Measurement(r.model, r.seq_len, r.batch, r.action, r.phases_ms,
-                                        r.chunks, r.prefill) for r in uncontended]
+                                        r.chunks, r.mode.streams_chunks) for r in uncontended]
     return profile_fit.fit_profile(cfg, measured, first.hardware, link)
 
 

@@ -15,8 +15,8 @@ from collections.abc import Callable, Mapping
 
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
+from rekv_jax.mode import PAPER_SCHEDULES, Interval, Mode, PrefillMode, Schedule, run_chunks
 from rekv_jax.model.loader import load_config
-from rekv_jax.phases import PAPER_SCHEDULES, Interval, PrefillMode, Schedule
 from rekv_jax.planning import costmodel
 from rekv_jax.planning.planner import PAPER_LINK_GBPS, analytic_profile
 from rekv_jax.study.experiment import Experiment, total_handoffs
@@ -153,14 +153,14 @@ def best_cut(prof: costmodel.Profile, bits: int) -> int:
     """The interior cut of `bits` the profile predicts fastest overlapped (Prop. 2's candidates)."""
     L = prof.num_layers
     return min(prof.balanced_cut(bits)[1],
-               key=lambda c: costmodel.predicted_ms(prof, Action(bits, c, L)))
+               key=lambda c: costmodel.predicted_ms(prof, Mode.of(Action(bits, c, L))))
 
 
 def chunked_cut(prof: costmodel.Profile, bits: int, chunks: int) -> int:
     """The interior cut of `bits` the profile predicts fastest under the chunked schedule."""
     L = prof.num_layers
     return min(range(1, L), key=lambda c: costmodel.predicted_ms(
-        prof, Action(bits, c, L), Schedule.CHUNKED, chunks=chunks))
+        prof, Mode.of(Action(bits, c, L), Schedule.CHUNKED, chunks=chunks)))
 
 
 def far_cuts(num_layers: int) -> list[int]:
@@ -202,7 +202,7 @@ def grid_experiments(preset: SweepPreset, model: str, link: float,
                      ) -> list[Experiment]:
     """`model`'s grid runs: per link block (paced, then unpaced) and length, the balanced grid
     of its start profile (`start`: length -> profile), else the fixed grid; both schedules."""
-    chunks = preset.chunks if Schedule.CHUNKED in preset.schedules else 1
+    chunks = run_chunks(preset.schedules, PrefillMode.FULL, preset.chunks or 1)
 
     def actions(s: int) -> list[Action]:
         if s in start:
@@ -397,8 +397,8 @@ def estimate(plans: list[ModelPlan], costs: PairCosts, link: float, profile_of: 
         for e in plan.experiments:
             prof = profile_of(e.model, e.seq_len, e.batch, e.link_gbps or link)
             handoff_ms += (e.warmup + e.reps) * sum(
-                costmodel.predicted_ms(prof, a, s, e.interval, e.prefill)
-                + costs.handoff_overhead_ms for a in e.actions for s in e.schedules_of(a))
+                costmodel.predicted_ms(prof, mode) + costs.handoff_overhead_ms
+                for a in e.actions for mode in e.modes(a))
     model = sum(p.programs[0] for p in plans)
     small = sum(p.programs[1] for p in plans)
     pairs = int(bool(plans))

@@ -9,8 +9,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from rekv_jax import sizes
-from rekv_jax.action import ActionKind
-from rekv_jax.phases import SCHEDULES, Interval, PrefillMode, Schedule
+from rekv_jax.mode import Formula, paper_timing, timed_from_prompt
 from rekv_jax.planning.costmodel import Profile, predicted_ms, t_ov
 from rekv_jax.planning.planner import LinkChoice, crossovers, find_profile, preferred_by_link
 from rekv_jax.study import stats
@@ -41,7 +40,7 @@ def link_label(link_gbps: float | None) -> str:
 
 def setup_label(setup: Setup) -> str:
     s = setup
-    timed = "" if s.interval == Interval.READY else f" · timed from the prompt, {s.prefill} prefill"
+    timed = f" · timed from the prompt, {s.prefill} prefill" * timed_from_prompt(s.interval)
     devices = ("" if (s.prefill_devices, s.decode_devices) == (1, 1)
                else f" · devices {s.prefill_devices}->{s.decode_devices}")
     return (f"hardware: {s.hardware} · transport: {s.transport} · link: "
@@ -55,11 +54,11 @@ def _cells(records: Sequence[Summary]) -> dict[Setup, dict[tuple, dict[str, Summ
     chunked records are left out."""
     chosen: dict[tuple, Summary] = {}
     for r in records:
-        if r.schedule == Schedule.CHUNKED:  # past the paper: `chunked_rows`
+        formula = r.mode.formula
+        if formula == Formula.CHUNKED:  # past the paper: `chunked_rows`
             continue
         key = (r.setup, (r.model, r.seq_len), str(r.action))
-        trivial = r.action.kind != ActionKind.JOINT
-        if r.schedule != Schedule.SEQUENTIAL or (trivial and key not in chosen):
+        if formula != Formula.SEQUENTIAL or (not r.mode.joint and key not in chosen):
             chosen[key] = r
     out: dict[Setup, dict[tuple, dict[str, Summary]]] = {}
     for (setup, cell, action), r in sorted(chosen.items(), key=lambda i: i[0][0].sort_key()):
@@ -149,21 +148,12 @@ def _profile_for(profiles: Sequence[Profile], r: Summary) -> Profile | None:
                         r.action.bits if r.action.cut else None)
 
 
-def _predict(profile: Profile, r: Summary, schedule: str = Schedule.OVERLAPPED) -> float:
-    """`r`'s action under `schedule`, in its interval and prefill mode (and its token chunks,
-    where the schedule or the prefill has them)."""
-    chunked = schedule == Schedule.CHUNKED or r.prefill == PrefillMode.PIPELINED
-    return predicted_ms(profile, r.action, schedule, r.interval, r.prefill,
-                        r.chunks if chunked else 1)
-
-
 def record_prediction(r: Summary, profiles: Sequence[Profile] = ()) -> float | None:
-    """`r`'s own `predicted_ms`, else the matching profile's prediction for its action, schedule
-    (a transfer-only or full-recompute record's `n/a`: overlapped), interval, prefill mode and
-    chunks (re-targeted to its paced link); None when no profile matches."""
+    """`r`'s own `predicted_ms`, else the matching profile's prediction for its mode
+    (re-targeted to its paced link); None when no profile matches."""
     if r.predicted_ms is not None or (p := _profile_for(profiles, r)) is None:
         return r.predicted_ms
-    return _predict(p, r, r.schedule if r.schedule in SCHEDULES else Schedule.OVERLAPPED)
+    return predicted_ms(p, r.mode)
 
 
 def prediction_rows(records: Sequence[Summary], profiles: Sequence[Profile] = ()
@@ -213,9 +203,7 @@ def table3_rows(records: Sequence[Summary], joint_bits: int = 8, seed: int = 0
                 ) -> list[Table3Row]:
     """Per setup, model and length: payload MiB per configuration, and sequential vs overlapped
     at one cut (BF16 at the best joint cut, as the paper's Table 3, else any cut run both ways)."""
-    both: dict[tuple, dict[str, Summary]] = {}
-    for r in records:
-        both.setdefault((r.setup, r.model, r.seq_len, str(r.action)), {})[r.schedule] = r
+    both = _by_schedule(records)
     rows = []
     for setup, cells in _cells(records).items():
         for (model, seq_len), acts in cells.items():
@@ -226,13 +214,13 @@ def table3_rows(records: Sequence[Summary], joint_bits: int = 8, seed: int = 0
                        for f, r in fam.items() if "recompute" not in f}
             paired = {a: s for (st, m, n, a), s in both.items()
                       if (st, m, n) == (setup, model, seq_len)
-                      and {"sequential", "overlapped"} <= s.keys()}
+                      and len(s) == 2}
             prefer = [f"bf16:r={suffix_label(joint)}"] if joint else []
-            prefer += sorted(paired, key=lambda a: paired[a]["overlapped"].median_ms)
+            prefer += sorted(paired, key=lambda a: paired[a][False].median_ms)
             pick = next((a for a in prefer if a in paired), None)
             gain = None
             if pick is not None:
-                seq, ov = paired[pick]["sequential"], paired[pick]["overlapped"]
+                seq, ov = paired[pick][True], paired[pick][False]
                 x, ci = stats.ratio_ci(seq.reps_ms, ov.reps_ms, seed=seed)
                 # Eq. 9's ideal from the uncontended phases of the sequential run (the
                 # overlapped run's own phases are segments of its timeline: ~1 by construction)
@@ -241,6 +229,17 @@ def table3_rows(records: Sequence[Summary], joint_bits: int = 8, seed: int = 0
                                     efficiency_sequential_phases=ov.median_ms / ideal)
             rows.append(Table3Row(setup, model, seq_len, payload, gain))
     return rows
+
+
+def _by_schedule(records: Iterable[Summary]) -> dict[tuple, dict[bool, Summary]]:
+    """(setup, model, length, action) -> whether the suffix waited for the prefix (sequential)
+    -> the record, for the joint actions run under the paper's two schedules, unchunked."""
+    both: dict[tuple, dict[bool, Summary]] = {}
+    for r in records:
+        if r.mode.joint and r.mode.chunks == 1:
+            both.setdefault((r.setup, r.model, r.seq_len, str(r.action)),
+                            {})[r.mode.suffix_waits_for_prefix] = r
+    return both
 
 
 def table3_markdown(records: Sequence[Summary], joint_bits: int = 8, seed: int = 0) -> str:
@@ -268,16 +267,13 @@ def fig3_rows(records: Sequence[Summary], seed: int = 0) -> list[Fig3Row]:
     """Prompt to first token (Fig. 3): per setup, model, length and joint action timed from the
     prompt under both schedules, the medians and the overlap's speedup; its CI resamples rep
     indices jointly when the reps were paired (the paper's method), else independently."""
-    both: dict[tuple, dict[str, Summary]] = {}
-    for r in records:
-        if r.interval == Interval.PROMPT and r.action.kind == ActionKind.JOINT:
-            both.setdefault((r.setup, r.model, r.seq_len, str(r.action)), {})[r.schedule] = r
+    both = _by_schedule(r for r in records if r.mode.from_prompt)
     rows = []
     for (setup, model, seq_len, action), by in sorted(
             both.items(), key=lambda i: (i[0][0].sort_key(), i[0][1:])):
         if len(by) < 2:
             continue
-        seq, ov = by["sequential"], by["overlapped"]
+        seq, ov = by[True], by[False]
         paired = seq.paired and ov.paired and len(seq.reps_ms) == len(ov.reps_ms)
         x, ci = stats.ratio_ci(seq.reps_ms, ov.reps_ms, paired=paired, seed=seed)
         rows.append(Fig3Row(setup, model, seq_len, action, len(ov.reps_ms), seq.median_ms,
@@ -348,8 +344,8 @@ def _crossover_groups(records: Sequence[Summary]
     side: the crossover compares links, nothing else)."""
     groups: dict[tuple, dict[float, dict[str, Summary]]] = {}
     for s, cells in _cells(records).items():
-        if s.link_gbps is None or (s.interval, s.prefill, s.prefill_devices,
-                                   s.decode_devices) != (Interval.READY, PrefillMode.FULL, 1, 1):
+        one_device = (s.prefill_devices, s.decode_devices) == (1, 1)
+        if s.link_gbps is None or not (paper_timing(s.interval, s.prefill) and one_device):
             continue
         for (model, seq_len), acts in cells.items():
             groups.setdefault((s.hardware, s.transport, s.batch, model, seq_len),

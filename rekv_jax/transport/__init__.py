@@ -1,53 +1,29 @@
-"""Transports for the prefill -> decode handoff: one small interface, three implementations.
+"""Transports for the prefill -> decode handoff: one narrow interface (`Transport`: send,
+receive as futures, acks, metadata, close), three implementations, and two wrappers.
 
-A handoff phase (the BF16 boundary h_c [B, S, D] or the token ids [B, S], then the prefix payload,
-e.g. quantized values [2, c, B, S, K, H] and fp16 scales) moves as one `send` of a few contiguous
-device buffers, never one per layer. Every phase carries the buffers' specs (a header, before the
-data) and their on-device checksums (one more buffer beside the data); the decode side verifies
-both and acknowledges, so mismatched shapes raise ValueError and corrupted or lost payloads raise
-TransportError on *both* sides. Every wait has a timeout and blocks (no sleep-polling), checking
-every 0.5 s that the peer is alive. `link_gbps` paces receives to emulate a link of that bandwidth
-(FIFO: a transfer of n bytes completes no earlier than n / W after it, and the previous one,
-started).
-
-Fixed cost per phase (base.py has the sequence): the header, which the transfer server's decode
-side reads only when its pull brought other buffers than it expects (the checksums buffer ends
-with a word of the specs), plus the go-ahead for the collective only, whose program both sides
-must enter; the decode side posts its ack without waiting and the sender collects the acks at
-the end. Threads
-that waits use (a transfer-server pull, a collective program, posted acks, the decode side's
-background receive) are made with the transport, not per message (scripts/bench_messages.py).
+A message (the boundary h_c [B, S, D] with the token ids, a prefix payload, a chunk of either)
+moves as one `send` of a few device buffers with their checksums; the decode side's `recv`
+returns an `Arrival` at once, which completes with the verified buffers (ValueError for
+mismatched shapes, TransportError for a corrupted or lost payload or a dead peer, on both
+sides). Every wait has a deadline and checks every 0.5 s that the peer is alive.
 
   prefill side                               decode side
   t.agree("run", {...})                      t.agree("run", {...})   # both raise if they differ
-  t.send("r0/boundary", [h_c])               h_c, = t.recv("r0/boundary", [spec])
-  t.send("r0/prefix", [q, scales])           fut = t.background.submit(t.recv, "r0/prefix", specs)
-  t.wait_ack("r0/prefix")                    ... suffix layers run here ...; q, s = fut.result()
+  t.send("r0/boundary", [h_c])               h = t.recv("r0/boundary", [spec])   # futures, at
+  t.send("r0/prefix", [q, scales])           p = t.recv("r0/prefix", specs)      # once
+  t.wait_ack("r0/prefix")                    ... the suffix runs from h.result() ...; p.result()
   t.close()                                  t.close()
 
-Implementations:
+Implementations (`base.Endpoint`):
   CollectiveTransport      jax.distributed + a cross-process ppermute (gloo on CPU, NCCL on GPU).
   TransferServerTransport  jax.experimental.transfer: the decode side pulls over TCP.
   LocalTransport           both ends in one process, for tests.
+Wrappers: `paced.Paced` (a FIFO link of a given bandwidth), `mesh.MeshTransport` (sharded sides).
 
-Overlap (measured on this 2-core CPU machine: scripts/transport_overlap.py). A `recv` on a
-background thread runs beside jitted compute on the main thread for both real transports: while the
-bytes are in flight (a slow link, emulated by pacing, or a late sender) the wall time is about
-max(compute, transfer), not the sum. Where the loopback copy itself is the bottleneck it competes
-with the compute for the same 2 cores, so less is saved. A collective program's dispatch returns at
-once here (jax 0.10, CPU: 0.1-0.5 ms with the peer 200 ms late), but its results come only once the
-peer joined, and waiting for them has no timeout: it runs and is waited for on a worker thread;
-a transfer-server pull returns at once and its buffers fill in from the server's own threads.
-
-Expected on GPU (not measured here). Transfer server: host-staged TCP; the pulled bytes reach the
-GPU through host-to-device copies on a transfer stream, so they overlap suffix kernels on the
-compute stream (costing host copies and CPU threads, no SMs). Collective: PJRT enqueues every
-program on the device's compute stream, so a ppermute program from a background thread would run
-before or after the suffix program, not beside it; NCCL overlaps compute only inside one program,
-where XLA's latency-hiding scheduler puts the collective-permute on its own stream. Overlap on a
-GPU with this transport therefore needs the prefix exchange compiled into the same program as
-the suffix, which both processes then run (the prefill side on placeholder inputs). The checksum
-is a fused elementwise reduction: microseconds per MB on a GPU (about 1.5 GB/s on this CPU).
+On a GPU (expected, not measured here): the transfer server's pulled bytes reach the GPU through
+host-to-device copies on a transfer stream, beside the suffix kernels on the compute stream. The
+collective's ppermute is a program on the compute stream, so it runs before or after the suffix
+program, not beside it (records say `serialized`).
 """
 
 from __future__ import annotations
@@ -58,10 +34,11 @@ import jax
 
 from rekv_jax.errors import TransportError, TransportTimeout
 from rekv_jax.transport import cores, distributed
-from rekv_jax.transport.base import ROLES, Role, Transport, peer_of
+from rekv_jax.transport.base import ROLES, Arrival, Role, Transport, peer_of
 from rekv_jax.transport.checksums import checksums
 from rekv_jax.transport.collective import CollectiveTransport
 from rekv_jax.transport.local import LocalTransport
+from rekv_jax.transport.paced import Paced, paced
 from rekv_jax.transport.transfer_server import TransferServerTransport
 
 # what `kind` may name; the first is the default
@@ -93,15 +70,17 @@ def connect(kind: str, role: Role, coordinator: str | None = None,
     distributed.check_two_processes()
     channel = distributed.PeerChannel(heartbeat_s, timeout)
     if kind == "collective":
-        return CollectiveTransport(role, channel, link_gbps)
-    return TransferServerTransport(role, channel, link_gbps, timeout)
+        return paced(CollectiveTransport(role, channel), link_gbps)
+    return paced(TransferServerTransport(role, channel, timeout), link_gbps)
 
 
 __all__ = [
     "ROLES",
+    "Arrival",
     "TRANSPORTS",
     "CollectiveTransport",
     "LocalTransport",
+    "Paced",
     "Role",
     "TransferServerTransport",
     "Transport",
@@ -109,4 +88,5 @@ __all__ = [
     "TransportTimeout",
     "checksums",
     "connect",
+    "paced",
 ]

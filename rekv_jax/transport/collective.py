@@ -21,8 +21,10 @@ from jax.sharding import PartitionSpec as P
 
 from rekv_jax.errors import TransportError
 from rekv_jax.transport import distributed
-from rekv_jax.transport.base import Role, Transport, mismatch_text, spec_of
+from rekv_jax.transport.base import Arrival, Endpoint, Role, mismatch_text, spec_of
 from rekv_jax.transport.workers import Worker, wait_for
+
+_SRC_TIMEOUT_S = 60.0  # the sender puts the pieces' devices before it enters the program
 
 
 def _devices_by_id() -> dict[int, jax.Device]:
@@ -58,19 +60,18 @@ def _unpacked(flat: jax.Array, like: tuple[jax.Array, ...]) -> list[jax.Array]:
     return out
 
 
-class CollectiveTransport(Transport):
+class CollectiveTransport(Endpoint):
     """Each buffer [n, ...] becomes the local block of a global [2n, ...] array sharded over the
     process axis; the program moves the prefill blocks, packed into one byte buffer, to the
-    decode device (the decode side contributes cached zero blocks). The decode side confirms the
-    header (`go_ahead`) before either side enters the program, so mismatched shapes never reach
-    the collective."""
+    decode device (the decode side contributes cached zero blocks). Both sides must enter the
+    program, so mismatched shapes must never reach it: the decode side puts the specs it expects
+    (`TAG/ready`, its go-ahead) before it reads the header, the sender compares them with its
+    own before it pushes, and each side enters only on a match (one round trip)."""
 
     kind = "collective"
-    go_ahead = True
 
-    def __init__(self, role: Role, channel: distributed.PeerChannel,
-                 link_gbps: float | None = None) -> None:
-        super().__init__(role, channel, link_gbps)
+    def __init__(self, role: Role, channel: distributed.PeerChannel) -> None:
+        super().__init__(role, channel)
         me = jax.process_index()
         devices = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
                    for p in range(2)]
@@ -83,38 +84,78 @@ class CollectiveTransport(Transport):
             lambda *xs: _unpacked(jax.lax.ppermute(_packed(xs), "p", perm), xs),
             mesh=mesh, in_specs=P("p"), out_specs=P("p")))
         # The program's results come once the peer joined, and waiting for them has no timeout:
-        # run it on a worker thread so that every wait stays bounded. One worker keeps the
-        # programs in call order.
+        # run it on a worker thread, which keeps the programs in call order, so that every wait
+        # stays bounded (the sender's by its own wait, a receive's by `_guard`)
         self._runner = Worker("rekv-collective")
+        self._guard_worker = Worker("rekv-receive-guard") if role == "decode" else None
         self._blanks: dict[tuple, jax.Array] = {}
         self._placed: dict[tuple, tuple] = {}  # (devices, pairs) -> (sharding, program)
         self._broken: str | None = None
 
-    def _push(self, tag: str, arrays: list[jax.Array], deadline: float) -> None:
-        sent = json.loads(json.dumps([spec_of(a) for a in arrays]))  # the header's JSON form
-        arrays = self._with_checksums(tag, arrays)
+    def _send(self, tag: str, buffers: list[jax.Array], header: str, deadline: float) -> None:
+        """Put the header, wait for the go-ahead (the specs the decode side expects), then run
+        the program; returns once the exchange is done."""
+        self._channel.put(f"{tag}/header", header)
+        sent = json.loads(header)
         ready = json.loads(
             self._channel.get(f"{tag}/ready", max(0.0, deadline - time.monotonic())))
         if ready["expect"] != sent:  # the decode side finds the same in the header: neither
             raise ValueError(mismatch_text(tag, sent, ready["expect"]))  # enters the program
         if ready["placed"] is None:
-            self._exchange(tag, [jax.device_put(a, self._device) for a in arrays], deadline)
+            run = self._exchange(tag, [jax.device_put(a, self._device) for a in buffers])
+        else:
+            src = [next(iter(a.devices())) for a in buffers]
+            self._channel.put(f"{tag}/src", json.dumps([d.id for d in src]))
+            dst = [_devices_by_id()[i] for i in ready["placed"]]
+            run = self._exchange_placed(tag, buffers, src, dst)
+        self._bounded(tag, run, deadline)
+
+    def _receive(self, arrival: Arrival, specs: list[jax.ShapeDtypeStruct],
+                 wire: list[jax.ShapeDtypeStruct]) -> None:
+        expected = [spec_of(s) for s in specs]
+        self._channel.put(f"{arrival.tag}/ready", self._ready(wire, expected))
+        if self._broken:
+            self._settle(arrival, error=TransportError(
+                f"{arrival.tag}: collective link unusable after {self._broken}"))
             return
-        src = [next(iter(a.devices())) for a in arrays]
-        self._channel.put(f"{tag}/src", json.dumps([d.id for d in src]))
-        dst = [_devices_by_id()[i] for i in ready["placed"]]
-        self._exchange_placed(tag, arrays, src, dst, deadline)
+        self._runner.submit(self._take, arrival, specs, wire, expected)
+        self._guard_worker.submit(self._guard_program, arrival)
 
-    def _pull(self, tag: str, specs: list[jax.ShapeDtypeStruct], deadline: float
-              ) -> list[jax.Array]:
+    def _guard_program(self, arrival: Arrival) -> None:
+        """`_guard`, and a receive that did not complete leaves the link unusable (the next
+        program would queue behind the stuck one)."""
+        if self._guard(arrival, self._runner):
+            self._broken = self._broken or f"{arrival.tag} did not complete"
+
+    def _take(self, arrival: Arrival, specs: list[jax.ShapeDtypeStruct],
+              wire: list[jax.ShapeDtypeStruct], expected: list) -> None:
+        try:
+            if not self._check_header(arrival, expected):
+                return
+            *arrays, sums = self._pull(arrival.tag, wire)
+            arrival.landed = time.monotonic()
+            if not self._verify(arrival, arrays, sums, specs):  # the header matched
+                self._settle(arrival, error=TransportError(
+                    f"{arrival.tag}: the checksums' spec word is corrupted"))
+        except TransportError as e:
+            self._settle(arrival, error=e)
+        except Exception as e:  # gloo/NCCL report a peer that died inside the program
+            self._broken = f"{arrival.tag} failed"
+            self._settle(arrival, error=TransportError(
+                f"{arrival.tag}: collective failed (peer died?): {e}"))
+
+    def _pull(self, tag: str, specs: list[jax.ShapeDtypeStruct]) -> list[jax.Array]:
+        """The decode side's program, run here (on the runner: `_receive`)."""
         if _placement(specs) is None:
-            return self._exchange(tag, [self._blank(s) for s in specs], deadline)
-        src = json.loads(self._channel.get(f"{tag}/src", max(0.0, deadline - time.monotonic())))
+            return self._exchange(tag, [self._blank(s) for s in specs])()
+        src = json.loads(self._channel.get(f"{tag}/src", _SRC_TIMEOUT_S))
         return self._exchange_placed(tag, specs, [_devices_by_id()[i] for i in src],
-                                     [_device_of(s) for s in specs], deadline)
+                                     [_device_of(s) for s in specs])()
 
-    def _ready(self, specs: list[jax.ShapeDtypeStruct], expected: list) -> str:
-        """Specs that name their devices (sharded sides) tell the sender where each buffer goes."""
+    @staticmethod
+    def _ready(specs: list[jax.ShapeDtypeStruct], expected: list) -> str:
+        """The go-ahead: the specs the decode side expects; specs that name their devices
+        (sharded sides) tell the sender where each buffer goes."""
         return json.dumps({"expect": expected, "placed": _placement(specs)})
 
     def _blank(self, spec: jax.ShapeDtypeStruct, device: jax.Device | None = None) -> jax.Array:
@@ -125,11 +166,11 @@ class CollectiveTransport(Transport):
         return self._blanks[key]
 
     def _exchange_placed(self, tag: str, local: list, src: list[jax.Device],
-                         dst: list[jax.Device], deadline: float) -> list[jax.Array]:
+                         dst: list[jax.Device]) -> Callable[[], list[jax.Array]]:
         """Buffer j from device src[j] (prefill) to dst[j] (decode), all in one program over the
         devices involved: one ppermute per buffer, so the links between device pairs run in
         parallel and neither side gathers. `local` holds the buffers (prefill side) or their
-        specs (decode side); the result is what landed on this process's devices."""
+        specs (decode side); the program, run, gives what landed on this process's devices."""
         devices = sorted(set(src) | set(dst), key=lambda d: d.id)
         perms = tuple((devices.index(s), devices.index(t)) for s, t in zip(src, dst, strict=True))
         key = (tuple(d.id for d in devices), perms)
@@ -153,7 +194,7 @@ class CollectiveTransport(Transport):
             out = self._program_outputs(program(*inputs), dst)
             return jax.block_until_ready(out)
 
-        return self._bounded(tag, run, deadline)
+        return run
 
     @staticmethod
     def _program_outputs(outputs: list[jax.Array], dst: list[jax.Device]) -> list[jax.Array]:
@@ -161,8 +202,8 @@ class CollectiveTransport(Transport):
         return [s.data[0] for o, d in zip(outputs, dst, strict=True)
                 for s in o.addressable_shards if s.device == d]
 
-    def _exchange(self, tag: str, local: list[jax.Array], deadline: float) -> list[jax.Array]:
-        """Run the program on this side's blocks; the result is this side's received blocks."""
+    def _exchange(self, tag: str, local: list[jax.Array]) -> Callable[[], list[jax.Array]]:
+        """The program on this side's blocks, which, run, gives this side's received blocks."""
 
         def run() -> list[jax.Array]:
             inputs = [jax.make_array_from_single_device_arrays(
@@ -170,7 +211,7 @@ class CollectiveTransport(Transport):
             out = [o.addressable_shards[0].data for o in self._program(*inputs)]
             return jax.block_until_ready(out)
 
-        return self._bounded(tag, run, deadline)
+        return run
 
     def _bounded(self, tag: str, run: Callable[[], list[jax.Array]], deadline: float
                  ) -> list[jax.Array]:
@@ -189,4 +230,6 @@ class CollectiveTransport(Transport):
 
     def _close(self, timeout: float) -> None:
         self._runner.close()
+        if self._guard_worker is not None:
+            self._guard_worker.close()
         distributed.shutdown(self._channel, timeout)

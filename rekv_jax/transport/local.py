@@ -9,23 +9,31 @@ from typing import Any, TypeVar
 
 import jax
 
-from rekv_jax.transport.base import Transport
+from rekv_jax.errors import TransportError
+from rekv_jax.transport.base import Arrival, Endpoint, Role, Transport, spec_of
 from rekv_jax.transport.control import Board
+from rekv_jax.transport.paced import paced
+from rekv_jax.transport.workers import Worker
 
 T = TypeVar("T")
 
 
-class LocalTransport(Transport):
-    """Buffers are handed over by reference; the protocol (headers, checksums, acks, pacing) is the
-    same as for the two-process transports."""
+class LocalTransport(Endpoint):
+    """Buffers are handed over by reference; the protocol (headers, checksums, acks) is the same
+    as for the two-process transports."""
 
     kind = "local"
 
+    def __init__(self, role: Role, board: Board) -> None:
+        super().__init__(role, board)
+        self._worker = Worker(f"rekv-{role}-receive") if role == "decode" else None
+
     @classmethod
-    def pair(cls, link_gbps: float | None = None) -> tuple[LocalTransport, LocalTransport]:
-        """The (prefill, decode) ends of one in-process link."""
+    def pair(cls, link_gbps: float | None = None) -> tuple[Transport, Transport]:
+        """The (prefill, decode) ends of one in-process link, the decode end paced to
+        `link_gbps` (None: unpaced)."""
         board = Board()
-        return cls("prefill", board, link_gbps), cls("decode", board, link_gbps)
+        return cls("prefill", board), paced(cls("decode", board), link_gbps)
 
     @classmethod
     def run_pair(cls, prefill: Callable[[Transport], Any], decode: Callable[[Transport], T],
@@ -53,9 +61,26 @@ class LocalTransport(Transport):
             raise errors[0]
         return out
 
-    def _push(self, tag: str, arrays: list[jax.Array], deadline: float) -> None:
-        self._channel.put(f"{tag}/payload", self._with_checksums(tag, arrays))
+    def _send(self, tag: str, buffers: list[jax.Array], header: str, deadline: float) -> None:
+        self._channel.put(f"{tag}/payload", buffers)
+        self._channel.post(f"{tag}/header", header)
 
-    def _pull(self, tag: str, specs: list[jax.ShapeDtypeStruct], deadline: float
-              ) -> list[jax.Array]:
-        return self._channel.get(f"{tag}/payload", max(0.0, deadline - time.monotonic()))
+    def _receive(self, arrival: Arrival, specs: list[jax.ShapeDtypeStruct],
+                 wire: list[jax.ShapeDtypeStruct]) -> None:
+        self._worker.submit(self._take, arrival, specs)
+
+    def _take(self, arrival: Arrival, specs: list[jax.ShapeDtypeStruct]) -> None:
+        try:
+            if not self._check_header(arrival, [spec_of(s) for s in specs]):
+                return
+            *arrays, sums = self._get(arrival, f"{arrival.tag}/payload")
+            arrival.landed = time.monotonic()
+            if not self._verify(arrival, arrays, sums, specs):  # the header matched
+                self._settle(arrival, error=TransportError(
+                    f"{arrival.tag}: the checksums' spec word is corrupted"))
+        except TransportError as e:
+            self._settle(arrival, error=e)
+
+    def _close(self, timeout: float) -> None:
+        if self._worker is not None:
+            self._worker.close()

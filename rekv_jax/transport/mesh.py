@@ -4,9 +4,10 @@ the split/assemble of each buffer."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
-import threading
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,8 @@ from jax.sharding import NamedSharding
 
 from rekv_jax import sizes
 from rekv_jax.config import ModelConfig
-from rekv_jax.sharding import KV_AXIS, kv_sharding, make_mesh, replicated
+from rekv_jax.sharding import KV_LAYER_AXIS, kv_layer_sharding, make_mesh, replicated
+from rekv_jax.transport.base import Arrival, Transport
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,56 +121,87 @@ def assemble(pieces: list[jax.Array], spec: jax.ShapeDtypeStruct, transit: Trans
     return jax.make_array_from_single_device_arrays(spec.shape, target, blocks)
 
 
+class Layout(enum.Enum):
+    """How a handoff buffer lies on a side's mesh, by what it is (`layout_of`)."""
+
+    KV_LAYER = "kv"  # one layer's K or V `[B, T, K, *]` (values, codes or scales): split over K
+    HIDDEN = "hidden"  # h_c `[B, T, D]`: replicated, crossing as lcm(N, M) pieces along D
+    WHOLE = "whole"  # token ids [B, S], the first token [B]: replicated, crossing whole
+
+
+def layout_of(shape: tuple[int, ...]) -> Layout:
+    """The layout of a handoff buffer: the payload's formats fix one rank per kind (a KV layer
+    4, h_c 3, ids and first token fewer)."""
+    return {4: Layout.KV_LAYER, 3: Layout.HIDDEN}.get(len(shape), Layout.WHOLE)
+
+
 class MeshTransport:
-    """A transport whose two sides are meshes of `prefill_devices` and `decode_devices` (each from
-    `make_mesh`, data parallelism 1): `send`/`recv` move every buffer as pieces (`split`, then
-    `assemble` in the decode mesh's sharding); everything else is the wrapped transport's.
+    """A `Transport` whose two sides are meshes of `prefill_devices` and `decode_devices` (each
+    from `make_mesh`, data parallelism 1), over `transport` (one process per side): `send` and
+    `recv` move every buffer as pieces (`split`, then `assemble` in the decode mesh's layout), so
+    no side gathers; everything else is the wrapped transport's."""
 
-    By shape: a `[c, B, S, K, *]` buffer is cut along K at both sides' KV-shard boundaries and
-    arrives sharded over K; `h_c` `[B, S, D]` is cut along D into lcm(N, M) pieces and arrives
-    replicated; token ids and the first token cross whole and arrive replicated."""
-
-    def __init__(self, transport, cfg: ModelConfig, prefill_devices: int, decode_devices: int
-                 ) -> None:
+    def __init__(self, transport: Transport, cfg: ModelConfig, prefill_devices: int,
+                 decode_devices: int) -> None:
         self._transport = transport
+        self.role, self.peer, self.kind = transport.role, transport.peer, transport.kind
         self._devices = (prefill_devices, decode_devices)
         self._kv_pieces = math.lcm(*(sizes.kv_shards(cfg, n) for n in self._devices))
         self.mesh = make_mesh(cfg, self._devices[transport.role == "decode"])
 
     def _transit(self, shape: tuple[int, ...]) -> Transit:
-        if len(shape) == 5:
-            return Transit(KV_AXIS, self._kv_pieces)
-        if len(shape) == 3:
-            return Transit(2, math.lcm(*self._devices))
-        return Transit(None)
+        return {Layout.KV_LAYER: Transit(KV_LAYER_AXIS, self._kv_pieces),
+                Layout.HIDDEN: Transit(2, math.lcm(*self._devices)),
+                Layout.WHOLE: Transit(None)}[layout_of(shape)]
 
     def _target(self, shape: tuple[int, ...]) -> NamedSharding:
-        return kv_sharding(self.mesh, shape) if len(shape) == 5 else replicated(self.mesh)
+        if layout_of(shape) == Layout.KV_LAYER:
+            return kv_layer_sharding(self.mesh, shape)
+        return replicated(self.mesh)
+
+    @property
+    def sent_bytes(self) -> int:
+        return self._transport.sent_bytes
 
     def send(self, tag: str, arrays: Sequence[jax.Array], timeout: float = 60.0) -> None:
         """Prefill side: send the pieces of every buffer (see `Transport.send`)."""
         pieces = [p for a in arrays for p in split(a, self._transit(a.shape))]
         self._transport.send(tag, pieces, timeout)
 
-    def _plan(self, specs: Sequence[jax.ShapeDtypeStruct]) -> tuple[list, list]:
-        """(per buffer: its spec, transit and target sharding; per buffer: its pieces' specs)."""
-        plan = [(s, self._transit(s.shape), self._target(s.shape)) for s in specs]
-        return plan, [piece_specs(s, t, target) for s, t, target in plan]
-
-    def prefetch(self, tags: Sequence[str], specs: Sequence[Sequence[jax.ShapeDtypeStruct]],
-                 timeout: float = 60.0) -> None:
-        """Decode side: start pulling the pieces of `tags` (see `Transport.prefetch`)."""
-        pieces = [[p for ps in self._plan(s)[1] for p in ps] for s in specs]
-        self._transport.prefetch(tags, pieces, timeout)
-
-    def recv(self, tag: str, specs: Sequence[jax.ShapeDtypeStruct], timeout: float = 60.0,
-             paced_after: threading.Event | None = None) -> list[jax.Array]:
+    def recv(self, tag: str, specs: Sequence[jax.ShapeDtypeStruct], timeout: float = 60.0
+             ) -> Arrival:
         """Decode side: the buffers of `tag` on the decode mesh (see `Transport.recv`)."""
-        plan, wanted = self._plan(specs)
-        got = iter(self._transport.recv(tag, [p for ps in wanted for p in ps], timeout,
-                                        paced_after))
-        return [assemble([next(got) for _ in ps], s, t, target)
-                for (s, t, target), ps in zip(plan, wanted, strict=True)]
+        plan = [(s, self._transit(s.shape), self._target(s.shape)) for s in specs]
+        wanted = [piece_specs(s, t, target) for s, t, target in plan]
+        inner = self._transport.recv(tag, [p for ps in wanted for p in ps], timeout)
+        arrival = Arrival(tag, inner.nbytes, inner.deadline)
 
-    def __getattr__(self, name: str):
-        return getattr(self._transport, name)
+        def assembled(done: Arrival) -> None:  # on the thread that settled the pieces
+            arrival.landed = done.landed
+            if done.exception() is not None:
+                arrival.set_exception(done.exception())
+                return
+            got = iter(done.result())
+            arrival.set_result([assemble([next(got) for _ in ps], s, t, target)
+                                for (s, t, target), ps in zip(plan, wanted, strict=True)])
+
+        inner.add_done_callback(assembled)
+        return arrival
+
+    def wait_ack(self, tag: str, timeout: float = 60.0) -> None:
+        self._transport.wait_ack(tag, timeout)
+
+    def send_meta(self, tag: str, meta: dict[str, Any]) -> None:
+        self._transport.send_meta(tag, meta)
+
+    def recv_meta(self, tag: str, timeout: float = 60.0) -> dict[str, Any]:
+        return self._transport.recv_meta(tag, timeout)
+
+    def agree(self, tag: str, meta: dict[str, Any], timeout: float = 60.0) -> None:
+        self._transport.agree(tag, meta, timeout)
+
+    def peer_alive(self) -> bool:
+        return self._transport.peer_alive()
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._transport.close(timeout)

@@ -8,7 +8,7 @@ docs/reliability.md)."""
 
 from __future__ import annotations
 
-import concurrent.futures
+import contextlib
 import hashlib
 import secrets
 import time
@@ -19,9 +19,8 @@ from jax.sharding import SingleDeviceSharding
 
 from rekv_jax.errors import TransportError
 from rekv_jax.transport import distributed
-from rekv_jax.transport.base import Role, Transport
-from rekv_jax.transport.checksums import verdict_collect, verdict_dispatch
-from rekv_jax.transport.workers import Worker, wait_for
+from rekv_jax.transport.base import Arrival, Endpoint, Role, spec_of
+from rekv_jax.transport.workers import Worker
 
 SECRET_BYTES = 16
 
@@ -33,16 +32,15 @@ def _uuid(tag: str, secret: bytes) -> int:
     return int.from_bytes(digest, "big") >> 1
 
 
-class TransferServerTransport(Transport):
+class TransferServerTransport(Endpoint):
     """Both sides start a transfer server on the interface that routes to the coordinator and
     swap addresses through the control channel; the decode side connects to the prefill side."""
 
     kind = "transfer-server"
-    pull_first = True
 
-    def __init__(self, role: Role, channel: distributed.PeerChannel,
-                 link_gbps: float | None = None, timeout: float = 60.0) -> None:
-        super().__init__(role, channel, link_gbps)
+    def __init__(self, role: Role, channel: distributed.PeerChannel, timeout: float = 60.0
+                 ) -> None:
+        super().__init__(role, channel)
         self._device = jax.local_devices()[0]
         ip = distributed.local_ip()
         address = f"[{ip}]:0" if ":" in ip else f"{ip}:0"
@@ -59,73 +57,66 @@ class TransferServerTransport(Transport):
             self._connection = self._server.connect(channel.get("transfer-server/prefill", timeout))
             self._secret = bytes.fromhex(channel.get("transfer-server/secret", timeout))
         self._pending: dict[str, list[jax.Array]] = {}  # sent, not yet acknowledged
-        # a pull returns at once and its buffers fill in from the server's threads: the decode
-        # side blocks on them here, bounded, instead of polling `is_ready`; one waiter per
-        # receiving thread (the caller's, `background`), so that a receive on one does not queue
-        # behind the other's wait for its bytes
-        self._waiters = {False: Worker("rekv-pull"), True: Worker("rekv-pull-background")}
-        self._lander = Worker("rekv-landing")  # notes when prefetched pulls land, in send order
+        # a pull returns at once and its buffers fill in from the server's threads: `_lander`
+        # waits for them, checksums them and settles the receive, first in, first out; `_guard`
+        # bounds each receive by its deadline and its peer's liveness (its lander, stuck on
+        # bytes that never come, is then abandoned)
+        self._lander = Worker("rekv-landing")
+        self._guard_worker = Worker("rekv-receive-guard")
 
-    def _push(self, tag: str, arrays: list[jax.Array], deadline: float) -> None:
-        self._pending[tag] = arrays = self._with_checksums(tag, arrays)
-        self._server.await_pull(_uuid(tag, self._secret), arrays)
+    def _send(self, tag: str, buffers: list[jax.Array], header: str, deadline: float) -> None:
+        self._pending[tag] = buffers
+        self._server.await_pull(_uuid(tag, self._secret), buffers)
+        self._channel.post(f"{tag}/header", header)
 
-    def _pull(self, tag: str, specs: list[jax.ShapeDtypeStruct], deadline: float
-              ) -> list[jax.Array]:
+    def _receive(self, arrival: Arrival, specs: list[jax.ShapeDtypeStruct],
+                 wire: list[jax.ShapeDtypeStruct]) -> None:
+        """Pull at once, without waiting for the header (a pull that comes before the sender's
+        registration waits for it; one of other shapes fails or brings a checksums buffer whose
+        spec word differs, and the header is read then)."""
         default = SingleDeviceSharding(self._device)  # unless a spec names its device
         avals = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=s.sharding or default)
-                 for s in specs]
+                 for s in wire]
         try:
-            # returns at once, fills in later
-            return self._connection.pull(_uuid(tag, self._secret), avals)
+            pulled = self._connection.pull(_uuid(arrival.tag, self._secret), avals)
         except jax.errors.JaxRuntimeError as e:
-            raise TransportError(f"{tag}: pull failed: {e}") from e
+            pulled = TransportError(f"{arrival.tag}: pull failed: {e}")
+        self._lander.submit(self._land, arrival, specs, pulled)
+        self._guard_worker.submit(self._guard, arrival, self._lander)
 
-    def _watch(self, pulled: list[jax.Array]) -> concurrent.futures.Future[float]:
-        return self._lander.submit(_landed_at, pulled)
-
-    def _unwatch(self) -> None:
-        self._lander.abandon()
-
-    def _landed_verdict(self, tag: str, arrays: list[jax.Array], sums: jax.Array,
-                        deadline: float, landing: concurrent.futures.Future[float] | None
-                        ) -> tuple[list[int], list[int], float | None]:
-        """On the waiter thread (bounded): wait for the pulled bytes, note when they landed, then
-        checksum them. The landing time is the paced link's: the checksum program queues behind
-        whatever the device computes meanwhile (the overlapped suffix), the bytes do not."""
-        waiter = self._waiters[self.background.on_thread()]
+    def _land(self, arrival: Arrival, specs: list[jax.ShapeDtypeStruct],
+              pulled: list[jax.Array] | TransportError) -> None:
+        """Wait for the pulled bytes, note when they landed, checksum them, settle."""
+        expected = [spec_of(s) for s in specs]
         try:
-            return wait_for(waiter.submit(_landed_then_verdict, arrays, sums, landing),
-                            deadline, self._channel.peer_alive, tag)
-        except TransportError:  # timed out or the peer died: the waiter is stuck on the pull
-            waiter.abandon()
-            raise
-        except jax.errors.JaxRuntimeError as e:  # a failed pull materializes as an error buffer
-            raise TransportError(f"{tag}: transfer failed: {e}") from e
+            if isinstance(pulled, TransportError):
+                raise pulled
+            try:
+                jax.block_until_ready(pulled)
+            except jax.errors.JaxRuntimeError as e:  # a failed pull lands as an error buffer
+                raise TransportError(f"{arrival.tag}: transfer failed: {e}") from e
+            arrival.landed = time.monotonic()
+            *arrays, sums = pulled
+            if self._verify(arrival, arrays, sums, specs):
+                return
+            error = TransportError(f"{arrival.tag}: the checksums' spec word is corrupted")
+        except TransportError as e:
+            error = e
+        self._explain(arrival, expected, error)
+
+    def _explain(self, arrival: Arrival, expected: list, error: TransportError) -> None:
+        """A pull that failed or brought other buffers: the header says whether the sender's
+        specs differ (a ValueError on both sides); one that cannot be read leaves `error`."""
+        with contextlib.suppress(TransportError):
+            if not self._check_header(arrival, expected):
+                return
+        self._settle(arrival, error=error)
 
     def _acked(self, tag: str) -> None:
         self._pending.pop(tag, None)
 
     def _close(self, timeout: float) -> None:
         self._pending.clear()
-        for waiter in self._waiters.values():
-            waiter.close()
         self._lander.close()
+        self._guard_worker.close()
         distributed.shutdown(self._channel, timeout)
-
-
-def _landed_at(arrays: list[jax.Array]) -> float:
-    jax.block_until_ready(arrays)
-    return time.monotonic()
-
-
-def _landed_then_verdict(arrays: list[jax.Array], sums: jax.Array,
-                         landing: concurrent.futures.Future[float] | None
-                         ) -> tuple[list[int], list[int], float]:
-    """Wait for the pulled bytes; then checksum them. When they landed: `landing`'s time if it
-    noted it by now (a prefetched pull, watched from its issue), else now."""
-    landed = _landed_at([*arrays, sums])
-    if landing is not None:  # done with the same bytes, but bounded: it may be an old thread's
-        concurrent.futures.wait([landing], timeout=0.05)
-        landed = landing.result() if landing.done() and not landing.exception() else landed
-    return *verdict_collect(verdict_dispatch(arrays, sums)), landed

@@ -90,10 +90,12 @@ def _end_workers(timeout: float = 1.0) -> None:
 
 
 def wait_for(future: concurrent.futures.Future[T], deadline: float,
-             peer_alive: Callable[[], bool], what: str) -> T:
+             peer_alive: Callable[[], bool], what: str,
+             abandoned: threading.Event | None = None) -> T:
     """The future's result (or its exception, raised), blocking until it is done; TransportTimeout
     after `deadline` (time.monotonic), TransportError once the peer is known to be gone (checked
-    every `LIVENESS_S`: a blocking wait inside the runtime would not return if the peer died)."""
+    every `LIVENESS_S`: a blocking wait inside the runtime would not return if the peer died) or
+    once nobody waits for it (`abandoned`)."""
     while True:
         remaining = deadline - time.monotonic()
         try:  # waits on the future's own condition: no waiter object per call
@@ -104,3 +106,5 @@ def wait_for(future: concurrent.futures.Future[T], deadline: float,
             raise TransportTimeout(f"{what}: payload did not arrive before the timeout")
         if not peer_alive():
             raise TransportError(f"{what}: the peer process is gone (mid-transfer)")
+        if abandoned is not None and abandoned.is_set():
+            raise TransportError(f"{what}: abandoned (its handoff failed)")

@@ -1,0 +1,286 @@
+"""The decode side of a handoff, for every mode: one executor, `Reception`, that a loop advances
+without blocking (paper §2.3 and its chunked and streamed variants).
+
+A reception receives every message of its `Mode` at once, in the order sent (`Transport.recv`
+returns futures), and handles them in that order as they arrive: the token ids and the first
+token are kept; an `h_c` (or a token chunk of it) dispatches the suffix on it, or waits for the
+prefix (the sequential schedule); a prefix part dispatches its restore. Device work is dispatched
+asynchronously and watched from host threads (`watch`), which note the moment it completes on
+the reception's `Clock`; the phases and the timeline derive from those events. Once the inputs
+are all handled and the suffix and the prefix are done, the join (the complete cache and the
+first token) is dispatched, and its end ends the handoff.
+
+`advance()` does what can be done now and says whether the handoff is done; `waitables()` are
+the futures whose completion lets it go on, so one thread can advance many receptions (and
+decode steps) and sleep until one of them can move. `receive_handoff` is "advance until done".
+A prefix that fails to arrive (corrupted, lost, its peer gone) fails the handoff, or, under the
+recompute fallback, makes it rebuild the cache from the token ids.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import jax
+import jax.numpy as jnp
+
+from rekv_jax.config import ModelConfig
+from rekv_jax.errors import TransportError
+from rekv_jax.handoff.outcome import Clock, Event, Handoff, PrefillTimes, phases_of
+from rekv_jax.handoff.payload import prefix_specs, unpack_prefix
+from rekv_jax.kv import KVCache
+from rekv_jax.mode import Fallback, Message, Mode, Part
+from rekv_jax.model.transformer import Params, new_cache, prefill, run_chunk, run_suffix
+from rekv_jax.transport import Arrival, Transport, checksums
+from rekv_jax.transport.workers import LIVENESS_S, Worker
+
+_lanes: dict[str, Worker] = {}  # one watcher thread per kind of device work, for the process
+
+
+def watch(lane: str, arrays: object) -> concurrent.futures.Future[float]:
+    """A future of when `arrays` were computed (time.perf_counter, taken at once on a host thread
+    of `lane`; the work of one lane completes in dispatch order)."""
+    if lane not in _lanes:
+        _lanes[lane] = Worker(f"rekv-watch-{lane}")
+
+    def done() -> float:
+        jax.block_until_ready(arrays)
+        return time.perf_counter()
+
+    return _lanes[lane].submit(done)
+
+
+@jax.jit
+def _first(logits: jax.Array) -> jax.Array:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
+
+
+class Reception:
+    """The decode side of one handoff of `mode` (`tag`'s messages over `link`): `start`, then
+    `advance` until it returns True, then `outcome`."""
+
+    def __init__(self, link: Transport, cfg: ModelConfig, params: Params, mode: Mode,
+                 batch: int, seq_len: int, tag: str, fallback: str = Fallback.ERROR,
+                 backend: str | None = None, timeout: float = 60.0) -> None:
+        if fallback not in tuple(Fallback):
+            raise ValueError(f"fallback must be one of {tuple(f.value for f in Fallback)}, "
+                             f"got {fallback!r}")
+        self._link, self._cfg, self._params, self.mode = link, cfg, params, mode
+        self._batch, self._seq_len, self.tag = batch, seq_len, tag
+        self._fallback, self._backend, self._timeout = Fallback(fallback), backend, timeout
+        self._dtype = params["embed"].dtype
+        self._messages = mode.messages(seq_len, cfg.num_layers)
+        self.clock: Clock | None = None
+        self._arrivals: list[Arrival] = []
+        self._next = 0  # the next message to handle
+        self._tokens = self._sent_first = self._held = self._x = None
+        self._suffix_kv: KVCache | None = None
+        self._logits: jax.Array | None = None
+        self._restored: list[KVCache] = []  # the prefix parts, in order
+        self._prefix: KVCache | None = None
+        self._watches: dict[str, tuple[concurrent.futures.Future[float], str]] = {}
+        self._kv: KVCache | None = None
+        self._first_token: jax.Array | None = None
+        self.fell_back = False
+
+    # -- the loop's interface ----------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the clock and every message's receive, in the order sent."""
+        self.clock = Clock()
+        self._arrivals = [self._link.recv(f"{self.tag}/{m.name}", self._specs(m), self._timeout)
+                          for m in self._messages]
+
+    def advance(self) -> bool:
+        """Do what can be done now without blocking; whether the handoff is done. Raises its
+        error (ValueError: the sides disagree on a message; TransportError: a message failed
+        and no fallback recovered it)."""
+        self._note_watched()
+        if "end" in self._watches:
+            return self._done("end")
+        try:
+            while self._next < len(self._arrivals) and self._arrivals[self._next].done():
+                self._take(self._messages[self._next], self._arrivals[self._next].result())
+                self._next += 1
+        except TransportError as e:
+            self._fall_back(self._lost(e))
+        except BaseException:
+            self.abandon()
+            raise
+        if self._held is not None and self._done("prefix"):  # the sequential schedule
+            self._run_suffix(self._held)
+            self._held = None
+        if self._next == len(self._arrivals) and self._held is None and all(
+                self._done(name) for name in self._watches):
+            self._join()
+        return False
+
+    def _note_watched(self) -> None:
+        """Note on the clock when each finished piece of device work finished."""
+        for future, event in self._watches.values():
+            if future.done():
+                self.clock.note(event, future.result())
+
+    def waitables(self) -> list[concurrent.futures.Future]:
+        """The futures whose completion lets `advance` go on (none once it is done)."""
+        pending = [f for f, _ in self._watches.values() if not f.done()]
+        if self._next < len(self._arrivals):
+            pending.append(self._arrivals[self._next])
+        return pending
+
+    def abandon(self) -> None:
+        """Tell the transport nobody waits for this handoff's messages any more."""
+        for arrival in self._arrivals[self._next:]:
+            arrival.abandon()
+
+    def outcome(self) -> Handoff:
+        """The complete cache, the first token and the phase times (after `advance` returned
+        True): waits for the prefill side's times, compares its suffix checksums."""
+        sent = PrefillTimes.from_json(self._link.recv_meta(f"{self.tag}/prefill", self._timeout))
+        match = None  # compared after the interval: a device-to-host sync
+        if sent.suffix_sums and self._suffix_kv is not None and not self.fell_back:
+            match = tuple(checksums([self._suffix_kv.k, self._suffix_kv.v])) == sent.suffix_sums
+        phases, timeline, total = phases_of(self.clock, sent)
+        return Handoff(self._kv, self._first_token, total, phases, timeline, sent.sent_bytes,
+                       self.fell_back, match)
+
+    # -- messages --------------------------------------------------------------------------
+
+    def _specs(self, message: Message) -> list[jax.ShapeDtypeStruct]:
+        B, (start, stop) = self._batch, message.tokens
+        specs = {Part.TOKENS: [jax.ShapeDtypeStruct((B, self._seq_len), jnp.int32)],
+                 Part.FIRST: [jax.ShapeDtypeStruct((B,), jnp.int32)],
+                 Part.BOUNDARY: [jax.ShapeDtypeStruct((B, stop - start, self._cfg.hidden_size),
+                                                      self._dtype)]}
+        out = []
+        for part in message.parts:
+            out += specs[part] if part != Part.PREFIX else prefix_specs(
+                self._cfg, self.mode.action.bits, B, stop - start,
+                message.layers[1] - message.layers[0], self._dtype)
+        return out
+
+    def _take(self, message: Message, buffers: list[jax.Array]) -> None:
+        """Handle one arrived message, its parts in order."""
+        rest = list(buffers)
+        for part in message.parts:
+            if part == Part.TOKENS:
+                self._tokens = rest.pop(0)
+            elif part == Part.FIRST:
+                self._sent_first = rest.pop(0)
+            elif part == Part.BOUNDARY:
+                self._on_boundary(message, rest.pop(0))
+            else:
+                self._on_prefix(rest)
+        arrived = self._arrivals[self._next].settled_at
+        if {Part.BOUNDARY, Part.FIRST} & set(message.parts):
+            self.clock.note(Event.BOUNDARY, arrived)
+        if Part.TOKENS in message.parts and not self.mode.action.cut:  # full recomputation
+            self.clock.note(Event.BOUNDARY, arrived)
+            self._recompute(self.mode.suffix_chunks)
+
+    def _on_boundary(self, message: Message, h: jax.Array) -> None:
+        """h_c, or its token chunk `message.chunk`: run the suffix on it now, or (sequential)
+        once the prefix is there."""
+        if self.mode.suffix_chunks > 1:
+            self._run_chunk(message, h)
+        elif self.mode.suffix_waits_for_prefix:
+            self._held = h
+        else:
+            self._run_suffix(h)
+
+    def _on_prefix(self, buffers: list[jax.Array]) -> None:
+        """Restore one prefix part; once the last is in, watch the whole prefix."""
+        bits = self.mode.action.bits
+        self._restored.append(unpack_prefix(buffers, bits, self._dtype, self._backend))
+        if len(self._restored) == sum(Part.PREFIX in m.parts for m in self._messages):
+            parts = self._restored
+            spans = len({m.tokens for m in self._messages if Part.PREFIX in m.parts}) > 1
+            self._prefix = KVCache.join_spans(*parts) if spans else KVCache.concat(*parts)
+            self._watches["prefix"] = watch("prefix", self._prefix), Event.PREFIX
+
+    # -- device work -------------------------------------------------------------------------
+
+    def _run_suffix(self, h_c: jax.Array) -> None:
+        self.clock.note(Event.SUFFIX_START)
+        self._suffix_kv, self._logits = run_suffix(self._cfg, self._params, h_c,
+                                                   self.mode.action.cut)
+        self._watch_suffix()
+
+    def _run_chunk(self, message: Message, h: jax.Array) -> None:
+        """Layers c..L-1 on one token chunk of h_c (dispatched, not awaited); after the last,
+        the head on its last position."""
+        cfg, c = self._cfg, self.mode.action.cut
+        if self._suffix_kv is None:
+            self.clock.note(Event.SUFFIX_START)
+            self._suffix_kv = new_cache(cfg, cfg.num_layers - c, self._batch, self._seq_len,
+                                        self._dtype)
+        self._x, self._suffix_kv = run_chunk(cfg, self._params, h, self._suffix_kv, c,
+                                             message.tokens[0])
+        if message.tokens[1] == self._seq_len:
+            self._logits = run_suffix(cfg, self._params, self._x, cfg.num_layers)[1]
+            self._watch_suffix()
+
+    def _recompute(self, chunks: int) -> None:
+        self.clock.note(Event.SUFFIX_START)
+        self._suffix_kv, self._logits = prefill(self._cfg, self._params, self._tokens, chunks)
+        self._watch_suffix()
+
+    def _watch_suffix(self) -> None:
+        self._watches["suffix"] = (watch("suffix", (self._suffix_kv, self._logits)),
+                                   Event.SUFFIX_END)
+
+    def _done(self, name: str) -> bool:
+        """Whether the device work `name` was dispatched and finished (raising its error)."""
+        if name not in self._watches or not self._watches[name][0].done():
+            return False
+        self._watches[name][0].result()
+        return True
+
+    def _lost(self, error: TransportError) -> TransportError:
+        """The error of the message that failed, saying how much of the prefix had arrived."""
+        parts = [m.name for m in self._messages if Part.PREFIX in m.parts]
+        name = self._messages[self._next].name
+        if name not in parts:
+            return error
+        done = parts.index(name)
+        return TransportError(f"prefix part {name} lost after {done} of {len(parts)} arrived: "
+                              f"{error}")
+
+    def _fall_back(self, error: TransportError) -> None:
+        """A message failed: rebuild the cache from the token ids (`Fallback.RECOMPUTE`, once
+        they are here), or fail the handoff."""
+        self.abandon()
+        if self._fallback != Fallback.RECOMPUTE or self._tokens is None or not self.mode.action.cut:
+            raise error
+        self.fell_back, self._next, self._held = True, len(self._arrivals), None
+        self._prefix = None
+        self._watches.clear()  # what was dispatched still runs; its times are not the cache's
+        boundary = self.clock.note(Event.BOUNDARY)
+        self.clock.set(Event.PREFIX, boundary)
+        self.clock.forget(Event.SUFFIX_START)
+        self.clock.forget(Event.SUFFIX_END)
+        self._recompute(1)
+
+    def _join(self) -> None:
+        """The complete cache and the first token, dispatched and watched."""
+        prefix, suffix = self._prefix, self._suffix_kv
+        self._kv = suffix if prefix is None else prefix if suffix is None else KVCache.concat(
+            prefix, suffix)
+        self._first_token = self._sent_first if self._logits is None else _first(self._logits)
+        self._watches["end"] = watch("join", (self._kv, self._first_token)), Event.END
+
+
+def receive_handoff(link: Transport, cfg: ModelConfig, params: Params, mode: Mode, batch: int,
+                    seq_len: int, tag: str, fallback: str = Fallback.ERROR,
+                    backend: str | None = None, timeout: float = 60.0) -> Handoff:
+    """The decode side of one handoff, from the clocks' common start (`TAG/go`, agreed with the
+    prefill side) to its outcome: a `Reception` advanced until done."""
+    reception = Reception(link, cfg, params, mode, batch, seq_len, tag, fallback, backend,
+                          timeout)
+    link.agree(f"{tag}/go", {}, timeout)
+    reception.start()
+    while not reception.advance():
+        concurrent.futures.wait(reception.waitables(), LIVENESS_S,
+                                concurrent.futures.FIRST_COMPLETED)
+    return reception.outcome()
