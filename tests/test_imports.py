@@ -15,11 +15,13 @@ ALLOWED = {
     TOP: {KERNELS},
     "model": {TOP, KERNELS},
     "transport": {TOP, KERNELS},
-    "handoff": {"model", "transport", TOP, KERNELS},
+    "launch": {"transport", TOP, KERNELS},
+    "handoff": {"model", "launch", "transport", TOP, KERNELS},
     "planning": {"model", "transport", TOP, KERNELS},
-    "quality": {"handoff", "model", "transport", TOP, KERNELS},
-    "study": {"quality", "handoff", "planning", "model", "transport", TOP, KERNELS},
-    "cli": {"study", "quality", "handoff", "planning", "model", "transport", TOP, KERNELS},
+    "quality": {"handoff", "model", "launch", "transport", TOP, KERNELS},
+    "study": {"quality", "handoff", "planning", "model", "launch", "transport", TOP, KERNELS},
+    "cli": {"study", "quality", "handoff", "planning", "model", "launch", "transport", TOP,
+            KERNELS},
 }
 
 

@@ -108,7 +108,7 @@ def start_device(env: Mapping[str, str]) -> None:
     global _device_cpus
     import jax
 
-    from rekv_jax.transport.distributed import backends_started
+    from rekv_jax.jax_private import backends_started
 
     device, host = _cpus(env), _cpus(env, HOST_CPUS_ENV)
     if device is None or host is None or backends_started() or not usable_cpus():
