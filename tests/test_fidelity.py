@@ -10,9 +10,12 @@ import textwrap
 import pytest
 
 from rekv_jax import Action
+from rekv_jax.launch.environments import pair_environments
+from rekv_jax.launch.pair import run_pair
 from rekv_jax.phases import Phases
 from rekv_jax.study.experiment import Experiment, run_local
 from rekv_jax.study.records import FIDELITY_LIMIT, Fidelity, Rep, Summary
+from rekv_jax.transport import cores
 from rekv_jax.transport.cores import CoreUse, core_use, usable_cpus
 
 L = 6
@@ -103,16 +106,15 @@ def test_core_use_splits_device_and_host_threads():
     assert core_use(None, after) is None
 
 
-SPLIT_PARENT = """import json, os, sys
-from rekv_jax.transport import cores
-from rekv_jax.transport.cores import usable_cpus
-from rekv_jax.transport.launch import pair_environments, with_prefill_child
-
-def decode(coordinator):
+def split_side(side) -> dict | None:
+    """A launched side that starts its device as `connect` does, then times its programs."""
+    if side.role == "prefill":
+        return None
     cores.start_device(os.environ)
-    import jax, jax.numpy as jnp
+    import jax
+
     f = jax.jit(lambda a: a @ a)
-    a = jnp.ones((512, 512))
+    a = jax.numpy.ones((512, 512))
     f(a).block_until_ready()
     before = cores.thread_times()
     for _ in range(20):
@@ -123,16 +125,11 @@ def decode(coordinator):
     return {"main": sorted(os.sched_getaffinity(0)), "busiest_on_device": after[busiest][2],
             "busiest": sorted(os.sched_getaffinity(busiest))}
 
-envs = pair_environments([], os.environ, cpus=usable_cpus())
-print(json.dumps(with_prefill_child([sys.executable, "-c", "pass"], decode, 60, envs)))"""
-
 
 @pytest.mark.skipif(len(usable_cpus()) < 2, reason="pinning needs two cores")
 def test_a_pinned_side_runs_programs_on_its_core_and_everything_else_on_any():
-    out = subprocess.run([sys.executable, "-c", SPLIT_PARENT], capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    got = json.loads(out.stdout)
+    envs = pair_environments([], {**os.environ, "JAX_PLATFORMS": "cpu"}, cpus=usable_cpus())
+    got = run_pair(split_side, envs=envs, key=None, timeout=120)
     cpus = usable_cpus()
     assert got["main"] == cpus  # the host's thread may take any core of the pair
     assert got["busiest_on_device"] and got["busiest"] == cpus[len(cpus) // 2:]
