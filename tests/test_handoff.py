@@ -26,6 +26,8 @@ from rekv_jax.handoff.check import SUFFIX_ACROSS, HostReference, check_cache
 from rekv_jax.handoff.core import prepare, receive_handoff, send_handoff, send_prompt
 from rekv_jax.handoff.outcome import TIMELINE, Handoff, PrefillTimes
 from rekv_jax.handoff.payload import pack_prefix, unpack_prefix
+from rekv_jax.launch.environments import pair_environments, visible_gpus
+from rekv_jax.launch.pair import loopback
 from rekv_jax.phases import PAPER_SCHEDULES, Phases
 from rekv_jax.planning.planner import analytic_profile
 from rekv_jax.sizes import action_bytes
@@ -35,7 +37,6 @@ from rekv_jax.study.sweep_plan import prompt_experiment
 from rekv_jax.study.tables import fig3_rows
 from rekv_jax.transport import LocalTransport, TransportError
 from rekv_jax.transport.cores import PINNING_ENV, usable_cpus
-from rekv_jax.transport.launch import pair_environments, run_pair, visible_gpus
 
 ACTIONS = "bf16:full,q8:full,bf16:r=2,q8:r=2,q4:r=3,bf16:recompute"
 ID_BYTES = 4  # int32 token ids and first token
@@ -172,17 +173,24 @@ def test_two_processes(pair):
     check_overlap(records, "bf16:r=4")
 
 
-def test_sides_that_disagree_both_fail():
-    def argv(role, coordinator):
-        seq = "64" if role == "prefill" else "32"
-        return [sys.executable, "-m", "rekv_jax.cli", "handoff", "--seq-len", seq, "--actions",
-                "bf16:r=2", "--reps", "1", "--warmup", "0", "--json", "--timeout", "30",
-                "--role", role, "--coordinator", coordinator]
-
-    done = run_pair(argv, timeout=120)
-    for role, proc in done.items():
-        assert proc.returncode != 0, role
-        assert "disagree on" in proc.stderr and "seq_len" in proc.stderr, proc.stderr[-2000:]
+def test_sides_started_apart_that_disagree_both_fail(tmp_path):
+    """Two processes started as a scheduler starts them (`--role`, one key file for both): each
+    runs its side, and both fail in one line naming what differs."""
+    key = tmp_path / "job.key"
+    key.write_bytes(os.urandom(32))
+    key.chmod(0o600)
+    coordinator = loopback()
+    sides = {role: subprocess.Popen(
+        [sys.executable, "-m", "rekv_jax.cli", "handoff", "--seq-len",
+         "64" if role == "prefill" else "32", "--actions", "bf16:r=2", "--reps", "1", "--warmup",
+         "0", "--json", "--timeout", "30", "--role", role, "--coordinator", coordinator,
+         "--secret-file", str(key)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for role in ("decode", "prefill")}
+    for role, proc in sides.items():
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 1, (role, err[-2000:])
+        (line,) = err.strip().splitlines()
+        assert "disagree on" in line and "seq_len" in line, line
 
 
 class FailingPrefix(LocalTransport):

@@ -146,13 +146,13 @@ def test_mini_sweep_writes_every_output(monkeypatch, tmp_path):
                          link_gbps=0.001, crossover_factors=(1.0, 4.0),
                          cut_spread=0, prompt_length=32, batch_model="tiny", batches=(2,))
     sessions = []
+    opened = sweep_module.open_session
 
-    class Counted(sweep_module.CliSession):
-        def __init__(self, *args, **kw):
-            sessions.append(args)
-            super().__init__(*args, **kw)
+    def counted(*args):
+        sessions.append(args)
+        return opened(*args)
 
-    monkeypatch.setattr(sweep_module, "CliSession", Counted)
+    monkeypatch.setattr(sweep_module, "open_session", counted)
     records, profiles = sweep(preset, tmp_path, reps=3, warmup=1)
     assert len(sessions) == 1  # one pair ran all five experiments
     names = {p.name for p in tmp_path.iterdir()}
