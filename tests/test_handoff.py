@@ -188,7 +188,7 @@ def test_sides_started_apart_that_disagree_both_fail(tmp_path):
         for role in ("decode", "prefill")}
     for role, proc in sides.items():
         _, err = proc.communicate(timeout=180)
-        assert proc.returncode == 1, (role, err[-2000:])
+        assert proc.returncode == 2, (role, err[-2000:])  # a disagreement: ValueError
         (line,) = err.strip().splitlines()
         assert "disagree on" in line and "seq_len" in line, line
 
