@@ -78,7 +78,7 @@ def initialize(coordinator: str | None, process_id: int | None, *, init_timeout_
         wait_for_port(coordinator, init_timeout_s)
     init_timeout_s = max(1, round(init_timeout_s - (time.monotonic() - start)))
     # JAX's coordination service binds every interface by default; a loopback coordinator (one
-    # machine, `launch.with_prefill_child`) keeps it to loopback
+    # machine, `launch.pair.loopback`) keeps it to loopback
     host = coordinator.rsplit(":", 1)[0].strip("[]") if coordinator else None
     bind = coordinator if host in ("127.0.0.1", "localhost", "::1") else None
     try:
