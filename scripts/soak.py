@@ -95,8 +95,7 @@ def run_side(side: Side, args: argparse.Namespace) -> dict | None:
     from rekv_jax.phases import PAPER_SCHEDULES
     from rekv_jax.transport import TransportError, TransportTimeout
 
-    role = side.role
-    transport = side.connect("transfer-server", timeout=HANDOFF_TIMEOUT)
+    role, transport = side.role, side.connect("transfer-server", timeout=HANDOFF_TIMEOUT)
     model = load_model("tiny")
     cfg, params = model.cfg, model.params
     tokens = jax.random.randint(jax.random.key(1), (1, args.seq_len), 0, cfg.vocab_size)

@@ -99,12 +99,10 @@ def flag_groups() -> dict[str, Callable[[argparse.ArgumentParser], None]]:
         p.add_argument("--coordinator", default=None,
                        help="host:port of the decode process (default: detected, e.g. SLURM)")
         p.add_argument("--secret-file", default=None, metavar="PATH",
-                       help="with --role: the job's key, the same file on both nodes, readable "
-                            "by its owner only (default: $REKV_SECRET_FILE); on one machine the "
-                            "launcher makes a key itself")
+                       help="with --role: the job's key, one owner-only file for both nodes "
+                            "(default: $REKV_SECRET_FILE)")
         p.add_argument("--insecure", action="store_true",
-                       help="with --role and no key: run anyway; anyone who reaches the control "
-                            "port can then join the run")
+                       help="with --role and no key: run without one (anyone may join)")
         p.add_argument("--prefill-devices", type=int, default=1,
                        help="tensor-parallel devices of the prefill side (CPU: host devices)")
         p.add_argument("--decode-devices", type=int, default=1,

@@ -1,8 +1,8 @@
 """Each side of a CPU pair on one machine on its own cores, so that both compute at once, as two
 GPUs do. `launch.environments.pair_environments` splits the cores; environment variables carry
 the split; the launcher starts each side's process on its side's cores (`children_on`: Linux CPU
-affinity, which a child inherits). Where affinity cannot be set, or there is one core, the sides share the
-cores and say so.
+affinity, which a child inherits). Where affinity cannot be set, or there is one core, the sides
+share the cores and say so.
 
 A side's cores are its *device*: only the threads of JAX's CPU backend, which run its programs,
 stay on them (`start_device`). Every other thread (Python's, the transport's, the coordination
