@@ -35,7 +35,7 @@ from rekv_jax.model.transformer import (
 )
 from rekv_jax.phases import Fallback, PrefillMode, Schedule
 from rekv_jax.sizes import action_bytes
-from rekv_jax.transport import JobKey, LocalTransport, Transport
+from rekv_jax.transport import JobKey, Transport
 from rekv_jax.transport.base import Role
 
 OnToken = Callable[[int], None]
@@ -159,12 +159,8 @@ def run_role(role: Role, req: Request, transport: Transport, on_token: OnToken =
 def run_side(side: Side, req: Request) -> Generation | None:
     """One worker's process (`generate`); over the `local` transport, both workers in one.
     Tokens reach the launching process as they come (`Side.emit`)."""
-    if req.transport == "local":
-        return LocalTransport.run_pair(lambda t: run_role("prefill", req, t),
-                                       lambda t: run_role("decode", req, t, side.emit),
-                                       req.link_gbps, req.timeout)
-    with side.connect(req.transport, link_gbps=req.link_gbps, timeout=req.timeout) as transport:
-        return run_role(side.role, req, transport, side.emit)
+    return side.on_link(req.transport, req.link_gbps, req.timeout,
+                        lambda role, transport: run_role(role, req, transport, side.emit))
 
 
 def generate(req: Request, on_token: OnToken = lambda t: None) -> Generation:

@@ -13,14 +13,15 @@ import os
 import pickle
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from rekv_jax.transport import Transport
     from rekv_jax.transport.secret import JobKey
 
+T = TypeVar("T")
 # What a child sends its parent: (kind, object)
 ITEM = "item"  # an object the job emitted (`Side.emit`)
 NEXT = "next"  # the job asks for its next request (`Side.requests`)
@@ -59,6 +60,19 @@ class Side:
 
         return connect(kind, self.role, self.coordinator, key=self.key, link_gbps=link_gbps,
                        timeout=timeout, heartbeat_s=heartbeat_s)
+
+    def on_link(self, kind: str, link_gbps: float | None, timeout: float,
+                body: Callable[[str, Transport], T]) -> T:
+        """`body(role, transport)` over the pair's link of `kind`, closed after: this side's
+        end (`connect`), or, for the `local` transport, both ends in this one process (the
+        prefill side's on a thread); the decode side's result either way."""
+        if kind == "local":
+            from rekv_jax.transport import LocalTransport
+
+            return LocalTransport.run_pair(lambda t: body("prefill", t),
+                                           lambda t: body("decode", t), link_gbps, timeout)
+        with self.connect(kind, link_gbps=link_gbps, timeout=timeout) as transport:
+            return body(self.role, transport)
 
 
 def enter(parent: Connection, log: str, payload: bytes, side: tuple | None) -> None:

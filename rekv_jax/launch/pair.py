@@ -61,7 +61,8 @@ class Pair(Generic[T]):
         self._waiting = False  # the answering side asked for its next request
         self._ended: list[Role] = []  # in the order they ended
         self._first_end: float | None = None
-        self._late: TimeoutError | None = None  # sides killed past the grace
+        self._late: TimeoutError | None = None  # told when sides were killed past the grace
+        self._outlived: set[Role] = set()  # those sides (their end is not their failure)
         self._children: dict[Role, Child] = {}
         try:
             for role, env in envs.items():
@@ -85,12 +86,11 @@ class Pair(Generic[T]):
 
     def ask(self, request: object, timeout: float | None) -> list[Any]:
         """Hand `request` to the answering side once it asks for one; what it emitted until it
-        asks for the next."""
-        if not self._waiting:
-            self.wait_ready(timeout)
+        asks for the next (and before, if it had not asked yet)."""
+        before = [] if self._waiting else self.wait_ready(timeout)
         self._waiting = False
         self._children[self._answering].conn.send(request)
-        return self.wait_ready(timeout)
+        return before + self.wait_ready(timeout)
 
     def wait(self, timeout: float | None = None) -> dict[Role, Ended]:
         """Every side's end, whatever it was (a request asked for meanwhile is answered with
@@ -159,6 +159,7 @@ class Pair(Generic[T]):
         """Kill the sides still running: past the overall deadline (TimeoutError), or past the
         grace after another side ended (told after that side's failure, if it had one)."""
         names = " and ".join(c.name for c in live)
+        self._outlived = {role for role, c in self._children.items() if c in live}
         self.kill()
         if deadline is not None and time.monotonic() >= deadline:
             raise TimeoutError(f"{names} still running after {timeout:g} s (killed)")
@@ -170,14 +171,10 @@ class Pair(Generic[T]):
         killed past the grace; else nothing)."""
         for role in self._ended:
             ended = self._children[role].ended
-            if ended is not None and not ended.ok and not self._killed(role):
+            if ended is not None and not ended.ok and role not in self._outlived:
                 raise ended.failure()
         if self._late is not None:
             raise self._late
-
-    def _killed(self, role: Role) -> bool:
-        """Whether `role` was killed here past the grace (its end is not its failure)."""
-        return self._late is not None and self._children[role].name in str(self._late)
 
 
 def run_pair(job: Callable[..., T], *args: Any, envs: Mapping[Role, Mapping[str, str]],

@@ -414,11 +414,8 @@ def run_side(side: Side, exp: Experiment, session: bool = False) -> None:
     def progress(n: int) -> None:
         side.emit(Progress(n))
 
-    if exp.transport == "local":
-        run_local(exp, side.emit, progress, more)
-        return
-    with side.connect(exp.transport, link_gbps=exp.link_gbps, timeout=exp.timeout) as transport:
-        run_session(side.role, exp, transport, side.emit, progress, more)
+    side.on_link(exp.transport, exp.link_gbps, exp.timeout, lambda role, transport: run_session(
+        role, exp, transport, side.emit, progress, more if role == "decode" else ()))
 
 
 def run_local(exp: Experiment, emit: Emit, progress: Callable[[int], None] = lambda n: None,
