@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import pickle
 import subprocess
 import sys
 import threading
@@ -86,7 +87,7 @@ def check_summaries(records: list[dict], actions: str, seq_len: int, reps: int =
 def test_local_transport_all_action_kinds():
     records: list[dict] = []
     exp = Experiment(seq_len=64, actions=tuple(parse_actions(ACTIONS, 6)), warmup=1, reps=2)
-    assert Experiment.from_json(exp.to_json()) == exp  # what the prefill child receives
+    assert pickle.loads(pickle.dumps(exp)) == exp  # what a launched side receives
     run_local(exp, lambda r: records.append(r.to_json()))
     check_summaries(records, ACTIONS, 64)
     joint = [s["schedule"] for s in records if s["kind"] == "summary"
@@ -163,6 +164,9 @@ def test_two_processes(pair):
     cpus = None if "--no-pin" in flags else usable_cpus()
     pinning = pair_environments(visible_gpus(), os.environ, cpus=cpus)["decode"].get(PINNING_ENV)
     assert {r["pinning"] for r in summaries} == {pinning or ""}
+    if pinning and pinning.startswith("pinned"):  # each launched side split its device's threads
+        suffixed = [r for r in summaries if r["fidelity"] is not None]  # from its host threads
+        assert suffixed and all(r["fidelity"]["device_wait_ms"] is not None for r in suffixed)
     if not paced:
         return
     # the pacer holds a transfer of n bytes to n / W: not faster, and not much slower

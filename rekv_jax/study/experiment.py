@@ -125,13 +125,6 @@ class Experiment:
         if self.chunks > 1 and self.prefill_devices * self.decode_devices > 1:
             raise ValueError("token chunks run on one device per side")
 
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> Experiment:
-        return cls(**json.loads(text))
-
     def schedules_of(self, action: Action) -> tuple[str, ...]:
         """The schedules an action runs under: only a joint action has anything to overlap."""
         return self.schedules if action.kind == ActionKind.JOINT else self.schedules[:1]
