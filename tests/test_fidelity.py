@@ -83,17 +83,20 @@ SLOWED = textwrap.dedent("""
             stop.set()
             thread.join()
     experiment.receive_handoff = slowed
-    from rekv_jax.cli.main import main
-    sys.exit(main(sys.argv[1:]))
 """)
 
 
-def test_rekv_handoff_warns_when_the_suffix_is_slowed_on_purpose():
+def test_rekv_handoff_warns_when_the_suffix_is_slowed_on_purpose(tmp_path):
+    """`SLOWED` runs at the start of every process of the command (`sitecustomize`), so in the
+    side the launcher spawns too."""
+    (tmp_path / "sitecustomize.py").write_text(SLOWED)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)}
     argv = ["handoff", "--model", "tiny", "--seq-len", "128", "--actions", "q8:r=4",
             "--schedule", "overlapped", "--transport", "local", "--link-gbps", "unpaced",
             "--warmup", "1", "--reps", "3"]
-    out = subprocess.run([sys.executable, "-c", SLOWED, *argv], capture_output=True, text=True,
-                         timeout=300, env=os.environ)
+    out = subprocess.run([sys.executable, "-m", "rekv_jax.cli", *argv], capture_output=True,
+                         text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     warnings = [line for line in out.stderr.splitlines() if line.startswith("warning: ")]
     assert len(warnings) == 1 and "q8:r=4 (overlapped)" in warnings[0], out.stderr[-2000:]

@@ -63,20 +63,29 @@ class Pair:
         self._timeout = timeout  # per experiment
         self._pin = pin
         self._pair: launched.Pair[None] | None = None
+        self._failed = False
 
     def run(self, exp: Experiment) -> list[Summary]:
-        if self._pair is None:
-            envs = {role: env | self._cache for role, env in side_environments(exp, self._pin)
-                    .items()}
-            self._pair = open_session(exp, envs)
-            items = self._pair.wait_ready(self._timeout)
-        else:
-            items = self._pair.ask(exp, self._timeout)
+        """`exp`'s summary records; a failure (in one line) ends the pair."""
+        try:
+            if self._pair is None:
+                envs = {role: env | self._cache
+                        for role, env in side_environments(exp, self._pin).items()}
+                self._pair = open_session(exp, envs)
+                items = self._pair.wait_ready(self._timeout)
+            else:
+                items = self._pair.ask(exp, self._timeout)
+        except BaseException:
+            self._failed = True
+            raise
         return [r for r in items if isinstance(r, Summary)]
 
     def close(self) -> None:
-        """End its experiments and wait for its processes to exit."""
-        if self._pair is not None:
+        """End its experiments and wait for its processes to exit (a pair that failed was told
+        so by `run`: it only ends)."""
+        if self._failed and self._pair is not None:
+            self._pair.kill()
+        elif self._pair is not None:
             try:
                 self._pair.close(self._timeout)
             finally:
