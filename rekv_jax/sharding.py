@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
 from collections.abc import Sequence
 
@@ -150,13 +149,3 @@ def kv_layer_sharding(mesh: Mesh, shape: tuple[int, ...], rules: ShardingRules =
 def replicated(mesh: Mesh) -> NamedSharding:
     """Every device holds the whole array (token ids, `h_c` on the decode side)."""
     return NamedSharding(mesh, P())
-
-
-def force_host_devices(n: int) -> None:
-    """Ask XLA for `n` CPU devices in this process (before JAX starts its backends; on GPU the
-    flag only affects the unused CPU platform). One process of a handoff pair calls it per side."""
-    if n <= 1:
-        return
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count=")]
-    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])

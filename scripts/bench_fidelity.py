@@ -22,10 +22,11 @@ from rekv_jax.action import Action
 from rekv_jax.mode import Schedule
 from rekv_jax.model.loader import load_config
 from rekv_jax.study.calibrate import LinkCalibration, calibrate_link_in_child
-from rekv_jax.study.experiment import Experiment, launch_pair, side_environments
+from rekv_jax.study.experiment import Experiment, open_session, side_environments
 from rekv_jax.study.records import Summary
 
 TARGET = 1.05  # the suffix phase over the same layers alone
+TIMEOUT_S = 3600.0  # per run
 
 
 def experiments(args: argparse.Namespace) -> tuple[list[Experiment], LinkCalibration]:
@@ -73,9 +74,12 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=10)
     args = p.parse_args()
     (first, *more), link = experiments(args)
-    summaries: list[Summary] = []
-    launch_pair(first, lambda r: summaries.append(r) if isinstance(r, Summary) else None,
-                more=more)
+    with open_session(first, side_environments(first)) as pair:  # one pair for every run
+        items = pair.wait_ready(TIMEOUT_S)
+        for exp in more:
+            items += pair.ask(exp, TIMEOUT_S)
+        pair.close(TIMEOUT_S)
+    summaries = [r for r in items if isinstance(r, Summary)]
     rows = [row(s) for s in summaries]
     print(json.dumps({"model": args.model, "seq_len": args.seq_len, "action": args.action,
                       "pinning": summaries[0].pinning, "suffix_layer_ms": link.suffix_layer_ms,

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
-import sys
 import threading
 import time
 from collections import Counter
@@ -25,8 +25,10 @@ from collections import Counter
 import jax
 import jax.numpy as jnp
 
-from rekv_jax.transport import LocalTransport, Transport, connect
-from rekv_jax.transport.launch import pair_record
+from rekv_jax.launch.child import Side
+from rekv_jax.launch.pair import loopback, run_pair
+from rekv_jax.transport import JobKey, LocalTransport, Transport
+from rekv_jax.transport.base import ROLES
 
 TIMEOUT = 60.0
 WARMUP = 10
@@ -95,19 +97,22 @@ def summary(kind: str, kb: int, sent_at: list[float], received_at: list[float],
             "messages": {k: v // (WARMUP + reps) for k, v in sorted(counts.items())}}
 
 
-def worker(kind: str, role: str, coordinator: str, kb: int, reps: int) -> None:
-    t = connect(kind, role, coordinator, timeout=TIMEOUT)
+def worker(side: Side, kind: str, kb: int, reps: int) -> dict | None:
+    """One side of the pair (`launch.run_pair`); the decode side returns the summary."""
+    t = side.connect(kind, timeout=TIMEOUT)
     counts: Counter = Counter()
     t._channel = Counted(t._channel, counts)
-    if role == "prefill":
+    out = None
+    if side.role == "prefill":
         sent_at = prefill_side(t, kb, reps)
         t.send_meta("result", {"sent_at": sent_at, "counts": counts})
     else:
         received_at = decode_side(t, kb, reps)
         theirs = t.recv_meta("result", TIMEOUT)
-        print(json.dumps(summary(kind, kb, theirs["sent_at"], received_at,
-                                 counts + Counter(theirs["counts"]), reps)), flush=True)
+        out = summary(kind, kb, theirs["sent_at"], received_at,
+                      counts + Counter(theirs["counts"]), reps)
     t.close()
+    return out
 
 
 def run_local(kb: int, reps: int) -> dict:
@@ -130,19 +135,15 @@ def main() -> None:
     p.add_argument("--kb", type=int, default=48, help="payload KiB (tiny's bf16 prefix at 16 "
                    "tokens: 48)")
     p.add_argument("--reps", type=int, default=200)
-    p.add_argument("--worker", nargs=3, metavar=("KIND", "ROLE", "COORDINATOR"),
-                   help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.worker:
-        worker(*args.worker, args.kb, args.reps)
-        return
     for kind in args.kinds.split(","):
         if kind == "local":
             print(json.dumps(run_local(args.kb, args.reps)), flush=True)
             continue
-        print(pair_record(lambda role, coord, kind=kind: [
-            sys.executable, __file__, "--worker", kind, role, coord, "--kb", str(args.kb),
-            "--reps", str(args.reps)], kind), flush=True)
+        print(json.dumps(run_pair(worker, kind, args.kb, args.reps,
+                                  envs={role: dict(os.environ) for role in ROLES},
+                                  key=JobKey.new(), coordinator=loopback(), timeout=600.0)),
+              flush=True)
 
 
 if __name__ == "__main__":

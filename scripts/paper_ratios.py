@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from rekv_jax.study import tables
 from rekv_jax.study.records import Summary, read_summaries
-from rekv_jax.transport.launch import run_cli
 
 # Transfer-only, full recomputation, and cuts around the paper's best BF16 recompute (r = 15 of
 # 28) and joint Q8 (r ~ 10) and the pre-check on this machine (r = 13-15 and 8-10)
@@ -32,7 +33,11 @@ def run(args: argparse.Namespace) -> list[Summary]:
     argv = ["handoff", "--json", "--model", args.model, "--seq-len", str(args.seq_len),
             "--actions", args.actions, "--schedule", "overlapped", "--link-gbps", args.link,
             "--reps", str(args.reps), "--warmup", str(args.warmup)] + ["--no-pin"] * args.no_pin
-    out = run_cli(argv, "rekv handoff", timeout=3600.0)
+    done = subprocess.run([sys.executable, "-m", "rekv_jax.cli", *argv], capture_output=True,
+                          text=True, timeout=3600.0)
+    if done.returncode:
+        raise SystemExit(f"rekv handoff failed: {done.stderr.strip().splitlines()[-1:]}")
+    out = done.stdout
     if args.save:
         args.save.write_text(out)
     lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]

@@ -25,13 +25,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import random
-import sys
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
+
+from rekv_jax.launch.child import Side
+from rekv_jax.launch.pair import loopback, run_pair
+from rekv_jax.transport.base import ROLES
+from rekv_jax.transport.secret import JobKey
 
 HANDOFF_TIMEOUT = 30.0
 WARMUP_TIMEOUT = 600.0  # the first handoff of each action compiles, slowly on shared cores
@@ -78,8 +83,8 @@ def vitals() -> dict[str, int]:
             "py_threads": threading.active_count()}
 
 
-def run_side(role: str, coordinator: str, args: argparse.Namespace) -> None:
-    """One process of the pair; the decode side prints the report as one JSON line."""
+def run_side(side: Side, args: argparse.Namespace) -> dict | None:
+    """One process of the pair (`launch.run_pair`); the decode side returns the report."""
     import jax
 
     from rekv_jax.action import Action
@@ -89,9 +94,9 @@ def run_side(role: str, coordinator: str, args: argparse.Namespace) -> None:
     from rekv_jax.mode import PAPER_SCHEDULES, Mode
     from rekv_jax.model.loader import load_model
     from rekv_jax.model.transformer import prefill
-    from rekv_jax.transport import TransportError, TransportTimeout, connect
+    from rekv_jax.transport import TransportError, TransportTimeout
 
-    transport = connect("transfer-server", role, coordinator, timeout=HANDOFF_TIMEOUT)
+    role, transport = side.role, side.connect("transfer-server", timeout=HANDOFF_TIMEOUT)
     model = load_model("tiny")
     cfg, params = model.cfg, model.params
     tokens = jax.random.randint(jax.random.key(1), (1, args.seq_len), 0, cfg.vocab_size)
@@ -183,7 +188,7 @@ def run_side(role: str, coordinator: str, args: argparse.Namespace) -> None:
         return {"p50": float(np.percentile(xs, 50)) if xs else None,
                 "p99": float(np.percentile(xs, 99)) if xs else None, "n": len(xs)}
 
-    print(json.dumps({
+    return {
         "handoffs": args.handoffs, "fault_rate": args.fault_rate, "seq_len": args.seq_len,
         "faults": {f: sum(s.fault == f for s in steps) for f in FAULTS},
         "injected": {f: prefill_injected[f] + injected[f] for f in FAULTS}, **counts, "hung": hung,
@@ -191,7 +196,7 @@ def run_side(role: str, coordinator: str, args: argparse.Namespace) -> None:
         "latency_ms": {key: {"first_tenth": pct([t for j, t in xs if j < tenth]),
                              "last_tenth": pct([t for j, t in xs if j >= args.handoffs - tenth])}
                        for key, xs in sorted(latency.items())},
-    }), flush=True)
+    }
 
 
 def verdict(report: dict, max_rss_growth: float) -> dict:
@@ -219,32 +224,21 @@ def main() -> None:
     parser.add_argument("--max-rss-growth", type=float, default=0.05)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for the whole soak")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--role", choices=("prefill", "decode"), help=argparse.SUPPRESS)
-    parser.add_argument("--coordinator", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.handoffs < 10 or not 0 <= args.fault_rate <= 1:
         parser.error("--handoffs must be >= 10 and --fault-rate in [0, 1]")
-    if args.role:
-        run_side(args.role, args.coordinator, args)
-        return
-
-    from rekv_jax.transport.launch import run_pair
-
     t0 = time.monotonic()
     try:
-        done = run_pair(lambda role, coordinator: [
-            sys.executable, __file__, *sys.argv[1:], "--role", role, "--coordinator", coordinator],
-            args.timeout)
+        report = run_pair(run_side, args, envs={role: dict(os.environ) for role in ROLES},
+                          key=JobKey.new(), coordinator=loopback(), grace=HANDOFF_TIMEOUT,
+                          timeout=args.timeout)
     except TimeoutError as e:
         print(json.dumps({"handoffs": args.handoffs, "hangs": 1, "passed": False,
                           "error": str(e)[-2000:]}))
         raise SystemExit(1) from None
-    lines = [line for line in done["decode"].stdout.splitlines() if line.startswith("{")]
-    if not lines or any(p.returncode for p in done.values()):
-        detail = {r: p.stderr[-2000:] for r, p in done.items()}
-        print(json.dumps({"handoffs": args.handoffs, "passed": False, "error": detail}))
-        raise SystemExit(1)
-    report = json.loads(lines[-1])
+    except Exception as e:  # a side that failed: one line naming it
+        print(json.dumps({"handoffs": args.handoffs, "passed": False, "error": str(e)[-2000:]}))
+        raise SystemExit(1) from None
     report.update(verdict(report, args.max_rss_growth), wall_s=round(time.monotonic() - t0, 1))
     if args.json:
         print(json.dumps(report))

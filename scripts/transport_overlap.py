@@ -1,10 +1,11 @@
 """Does a receive overlap jitted compute? Prints one JSON line per transport and link.
 
 On the decode side, per repetition: compute alone, the receive alone, then both (the receive
-started, then the compute on this thread, then the receive's result). Overlap is real when `both_ms` is near
-`max(compute_ms, recv_ms)` rather than `compute_ms + recv_ms`. The link is the loopback itself,
-a paced link (`--gbps`), or a sender that starts `--delay-ms` late (the receive then waits inside
-the collective program or the pending pull, which shows whether the runtime runs it beside compute).
+started, then the compute on this thread, then the receive's result). Overlap is real when
+`both_ms` is near `max(compute_ms, recv_ms)` rather than `compute_ms + recv_ms`. The link is the
+loopback itself, a paced link (`--gbps`), or a sender that starts `--delay-ms` late (the receive
+then waits inside the collective program or the pending pull, which shows whether the runtime runs
+it beside compute).
 
     python scripts/transport_overlap.py --kinds transfer-server,collective --mb 64 --gbps 0,0.25
 """
@@ -13,16 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
-import sys
 import threading
 import time
 
 import jax
 import jax.numpy as jnp
 
-from rekv_jax.transport import LocalTransport, Transport, checksums, connect
-from rekv_jax.transport.launch import pair_record
+from rekv_jax.launch.child import Side
+from rekv_jax.launch.pair import loopback, run_pair
+from rekv_jax.transport import JobKey, LocalTransport, Transport, checksums
+from rekv_jax.transport.base import ROLES
 
 TIMEOUT = 120.0
 
@@ -88,15 +91,18 @@ def decode_side(t: Transport, mb: int, reps: int) -> dict:
             "both_over_max": round(med["both_ms"] / bound, 2)}
 
 
-def worker(kind: str, role: str, coordinator: str, mb: int, gbps: float, reps: int,
-           delay_ms: float) -> None:
-    t = connect(kind, role, coordinator, link_gbps=gbps or None, timeout=TIMEOUT)
-    if role == "prefill":
+def worker(side: Side, kind: str, mb: int, gbps: float, reps: int, delay_ms: float
+           ) -> dict | None:
+    """One side of the pair (`launch.run_pair`); the decode side returns the record."""
+    t = side.connect(kind, link_gbps=gbps or None, timeout=TIMEOUT)
+    out = None
+    if side.role == "prefill":
         prefill_side(t, mb, reps, delay_ms)
     else:
-        print(json.dumps({"transport": kind, "link_gbps": gbps or None, "delay_ms": delay_ms,
-                          **decode_side(t, mb, reps)}), flush=True)
+        out = {"transport": kind, "link_gbps": gbps or None, "delay_ms": delay_ms,
+               **decode_side(t, mb, reps)}
     t.close()
+    return out
 
 
 def run_local(mb: int, gbps: float, reps: int, delay_ms: float) -> dict:
@@ -115,21 +121,16 @@ def main() -> None:
     p.add_argument("--gbps", default="0,0.25", help="emulated link GB/s per run; 0 = unpaced")
     p.add_argument("--delay-ms", type=float, default=0.0, help="sender starts this late")
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--worker", nargs=3, metavar=("KIND", "ROLE", "COORDINATOR"),
-                   help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.worker:
-        worker(*args.worker, args.mb, float(args.gbps), args.reps, args.delay_ms)
-        return
     for kind in args.kinds.split(","):
         for gbps in (float(g) for g in args.gbps.split(",")):
             if kind == "local":
                 print(json.dumps(run_local(args.mb, gbps, args.reps, args.delay_ms)), flush=True)
                 continue
-            print(pair_record(lambda role, coord, kind=kind, gbps=gbps: [
-                sys.executable, __file__, "--worker", kind, role, coord, "--mb", str(args.mb),
-                "--gbps", str(gbps), "--reps", str(args.reps), "--delay-ms", str(args.delay_ms)],
-                kind), flush=True)
+            print(json.dumps(run_pair(worker, kind, args.mb, gbps, args.reps, args.delay_ms,
+                                      envs={role: dict(os.environ) for role in ROLES},
+                                      key=JobKey.new(), coordinator=loopback(),
+                                      timeout=600.0)), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """Attention backends: how `auto` resolves, how `cudnn` refuses, the cuDNN path lowered for CUDA.
 
 Lowering the cuDNN path needs no GPU except for one probe: before lowering, JAX asks the
-installed CUDA plugin for the cuDNN version (`jax._src.cudnn.fused_attention_stablehlo.
-check_cudnn_version`), and a CPU-only install has no plugin ("cuDNN is not detected"). The
-lowering test stubs that single probe with a cuDNN 9.8 answer; everything else (shape, dtype,
-mask and head-dim checks, the choice of cuDNN mask type) is JAX's own code. Whether the cuDNN
-kernel then runs, and runs bitwise exact, is checked on a GPU by tests/test_model.py (which adds
-the cudnn backend there) and by `rekv doctor`.
+installed CUDA plugin for the cuDNN version (`check_cudnn_version` of JAX's private fused
+attention module, `jax_private.cudnn_attention`), and a CPU-only install has no plugin ("cuDNN
+is not detected"). The lowering test stubs that single probe with a cuDNN 9.8 answer; everything
+else (shape, dtype, mask and head-dim checks, the choice of cuDNN mask type) is JAX's own code.
+Whether the cuDNN kernel then runs, and runs bitwise exact, is checked on a GPU by
+tests/test_model.py (which adds the cudnn backend there) and by `rekv doctor`.
 """
 
 import dataclasses
@@ -15,11 +15,11 @@ import threading
 import jax
 import jax.numpy as jnp
 import pytest
-from jax._src.cudnn import fused_attention_stablehlo
 
 from rekv_jax import KVCache, ModelConfig
 from rekv_jax.action import Action
 from rekv_jax.errors import RuntimeMismatch
+from rekv_jax.jax_private import cudnn_attention
 from rekv_jax.model.transformer import (
     _cache_layer,
     _prompt_layer,
@@ -88,7 +88,7 @@ def _lowered(cfg: ModelConfig, weights: dict, cache: KVCache | None) -> str:
 def test_cudnn_path_lowers_for_cuda(monkeypatch):
     """Qwen3-8B-shaped heads (n_h 32, n_kv 8, H 128): the causal prompt path becomes cuDNN's
     fused causal softmax, the cache path its fused bias softmax (the mask)."""
-    monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 90800)
+    monkeypatch.setattr(cudnn_attention(), "check_cudnn_version", lambda: 90800)
     base = dataclasses.replace(ModelConfig.preset("qwen3-8b"), num_layers=2, hidden_size=512,
                                intermediate_size=256, vocab_size=256)
     params = jax.eval_shape(lambda: init_params(base, jax.random.key(0), repeat_layers=True))

@@ -6,6 +6,7 @@ import pytest
 
 from rekv_jax.cli import main as cli
 from rekv_jax.config import ModelConfig
+from rekv_jax.errors import describe
 
 
 def _folders(tmp_path):
@@ -72,6 +73,8 @@ def test_bad_input_is_one_line_exit_2(argv, words, tmp_path, capsys, monkeypatch
     tmp = _folders(tmp_path)
     started = []  # no process may start for bad input
     monkeypatch.setattr("subprocess.Popen", lambda *a, **k: started.append(a) or 1 / 0)
+    monkeypatch.setattr("multiprocessing.process.BaseProcess.start",
+                        lambda self: started.append(self) or 1 / 0)  # the launcher's
     with pytest.raises(SystemExit) as exit_info:
         cli.main([a.replace("{tmp}", str(tmp)) for a in argv])
     err = capsys.readouterr().err
@@ -89,16 +92,14 @@ def test_debug_shows_the_traceback():
         cli.main(["--debug", "info", "--model", "hf:/missing"])
 
 
-def test_a_child_commands_failure_is_one_line():
-    """What a sweep or a calibration runs in a child process fails in one line naming it: bad
-    input stays bad input, a run past its time is killed and said so."""
-    from rekv_jax.transport.launch import run_cli
+def test_a_fresh_processs_failure_is_one_line():
+    """What a sweep or a command runs in a fresh process (the link calibration) fails in one
+    line naming it, and bad input stays bad input (exit 2)."""
+    from rekv_jax.study.calibrate import calibrate_link_in_child
 
-    with pytest.raises(ValueError, match=r"^probe: .*q8:r=99") as bad:
-        run_cli(["plan", "--actions", "q8:r=99"], "probe", timeout=120)
-    assert "\n" not in str(bad.value)
-    with pytest.raises(TimeoutError, match=r"^probe: still running after 0.5 s \(killed\)$"):
-        run_cli(["plan"], "probe", timeout=0.5)
+    with pytest.raises(ValueError, match=r"^link calibration: .*/missing") as bad:
+        calibrate_link_in_child("hf:/missing", 32, timeout=120)
+    assert "\n" not in str(bad.value) and describe(bad.value).status == 2
 
 
 @pytest.mark.parametrize("command", ["calibrate", "profile", "quality"])

@@ -4,6 +4,8 @@ a closed connection fails waits at once, and packing moves every bit."""
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 import time
 
@@ -12,20 +14,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rekv_jax.transport import TransportError, TransportTimeout, control
+from rekv_jax.transport import JobKey, TransportError, TransportTimeout, control, secret
 from rekv_jax.transport.collective import _packed, _unpacked
 
 
-def connected_pair(secret: bytes = b"s" * 16) -> tuple[control.Board, control.PeerSocket,
-                                                        control.Board, control.PeerSocket]:
+def connected_pair(key: JobKey | None = None) -> tuple[control.Board, control.PeerSocket,
+                                                       control.Board, control.PeerSocket]:
     """Both ends of one control connection in this process: (board, socket) per end."""
+    key = key or JobKey.new()
     listener, address = control.listen("127.0.0.1")
     with listener:
         opened = []
-        opener = threading.Thread(target=lambda: opened.append(control.connect(address, secret,
-                                                                               10)))
+        opener = threading.Thread(target=lambda: opened.append(control.connect(address, key, 10)))
         opener.start()
-        accepted = control.accept(listener, secret, 10)
+        accepted = control.accept(listener, key, 10)
         opener.join(10)
     ends = []
     for sock in (accepted, opened[0]):
@@ -59,40 +61,70 @@ def test_a_closed_connection_fails_waits_at_once_and_keeps_what_came():
     end0.close()
 
 
-def test_only_the_secret_opens_a_connection():
-    secret = b"right-secret-16b"
+def test_only_holders_of_the_key_open_a_connection_and_no_key_bytes_cross():
+    key = JobKey.new()
+    derived = key.derive(control.PURPOSE)
     listener, address = control.listen("127.0.0.1")
+    seen: dict[str, object] = {}
     with listener:
-        tried = []
 
         def strangers_then_peer() -> None:
-            tried.append(control.connect(address, b"wrong-secret-16b", 10))
-            tried.append(control.connect(address, secret[:-1], 10))
-            tried.append(control.connect(address, secret, 10))
+            with pytest.raises(TransportError, match="does not hold the job's key"):
+                control.connect(address, JobKey.new(), 10)  # another job's key
+            with socket.create_connection(address.rsplit(":", 1)) as raw:  # no key: a guess
+                raw.settimeout(5)
+                raw.sendall(os.urandom(secret.NONCE_BYTES))
+                seen["listener said"] = raw.recv(4096)
+                raw.sendall(os.urandom(secret.PROOF_BYTES))
+                seen["then"] = raw.recv(1)
+            seen["peer"] = control.connect(address, key, 10)
 
         opener = threading.Thread(target=strangers_then_peer)
         opener.start()
-        accepted = control.accept(listener, secret, 10)
+        accepted = control.accept(listener, key, 10)
         opener.join(10)
-    wrong, short, right = tried
-    for refused in (wrong, short):  # closed by the listening side: reads end at once
-        refused.settimeout(5)
-        assert refused.recv(1) == b""
-    right.sendall(b"x")
+    said = seen["listener said"]
+    assert len(said) == secret.NONCE_BYTES + secret.PROOF_BYTES  # its nonce and its proof
+    assert key.secret not in said and derived not in said
+    assert seen["then"] == b""  # a wrong proof: closed at once
+    seen["peer"].sendall(b"x")
     accepted.settimeout(5)
     assert accepted.recv(1) == b"x"
-    for sock in (accepted, *tried):
+    for sock in (accepted, seen["peer"]):
         sock.close()
+
+
+def test_a_listener_without_the_key_gets_no_proof():
+    """A connector checks the listener's proof before it sends its own: a listener that does
+    not hold the key learns nothing it could replay."""
+    listener, address = control.listen("127.0.0.1")
+    got = {}
+
+    def fake_listener() -> None:
+        sock, _ = listener.accept()
+        with sock:
+            got["nonce"] = sock.recv(4096)
+            sock.sendall(os.urandom(secret.NONCE_BYTES + secret.PROOF_BYTES))
+            sock.settimeout(5)
+            got["after"] = sock.recv(4096)
+
+    with listener:
+        faker = threading.Thread(target=fake_listener)
+        faker.start()
+        with pytest.raises(TransportError, match="does not hold the job's key"):
+            control.connect(address, JobKey.new(), 10)
+        faker.join(10)
+    assert len(got["nonce"]) == secret.NONCE_BYTES and got["after"] == b""
 
 
 def test_accept_times_out_when_nobody_connects_and_stops_once_the_peer_is_gone():
     listener, _ = control.listen("127.0.0.1")
     with listener, pytest.raises(TransportTimeout, match="control connection"):
-        control.accept(listener, b"s" * 16, 0.3)
+        control.accept(listener, JobKey.new(), 0.3)
     listener, _ = control.listen("127.0.0.1")
     start = time.monotonic()
     with listener, pytest.raises(TransportError, match="gone"):
-        control.accept(listener, b"s" * 16, 30, peer_alive=lambda: False)
+        control.accept(listener, JobKey.new(), 30, peer_alive=lambda: False)
     assert time.monotonic() - start < 5  # within a liveness slice, not the timeout
 
 

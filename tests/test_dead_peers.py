@@ -12,7 +12,9 @@ import time
 import pytest
 
 from rekv_jax.errors import describe, exit_text
-from rekv_jax.transport.launch import free_port
+from rekv_jax.launch.environments import pair_environments
+from rekv_jax.launch.pair import free_port
+from rekv_jax.transport.cores import CPUS_ENV, usable_cpus
 
 HANDOFF = [sys.executable, "-m", "rekv_jax.cli", "handoff", "--seq-len", "16", "--warmup", "0",
            "--reps", "1"]
@@ -31,7 +33,8 @@ def test_unreachable_coordinator_is_one_line_within_the_timeout(role):
     timeout = 4
     start = time.monotonic()
     out = subprocess.run(HANDOFF + ["--actions", "bf16:full", "--role", role, "--coordinator",
-                                    f"127.0.0.1:{free_port()}", "--timeout", str(timeout)],
+                                    f"127.0.0.1:{free_port()}", "--timeout", str(timeout),
+                                    "--insecure"],
                          capture_output=True, text=True, timeout=180)
     elapsed = time.monotonic() - start
     assert out.returncode == 1, out.stderr[-3000:]
@@ -51,9 +54,23 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def _start_pair_and_kill(victim: str) -> tuple[subprocess.Popen, str, str, list]:
-    """Run a two-action handoff, kill `victim` (decode | prefill worker) once the first summary is
-    out; return the decode process, its whole stdout and stderr, and the prefill pids."""
+def _sides(pid: int) -> dict[str, int]:
+    """The launched sides among `pid`'s children, by role (told apart by their cores)."""
+    cpus = pair_environments([], {}, cpus=usable_cpus())
+    mine = {env[CPUS_ENV]: role for role, env in cpus.items()}
+    sides = {}
+    for child in _children(pid):
+        with open(f"/proc/{child}/environ", "rb") as f:
+            env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        if CPUS_ENV.encode() in env:
+            sides[mine[env[CPUS_ENV.encode()].decode()]] = child
+    return sides
+
+
+def _start_pair_and_kill(victim: str) -> tuple[subprocess.Popen, str, str, list[int]]:
+    """Run a two-action handoff, kill `victim` (the prefill or decode side, or the launching
+    process) once the first summary is out; return the launching process, its whole stdout and
+    stderr, and the sides' pids."""
     # 50 reps: the second action is still running when the kill lands (its programs compile
     # before the first rep, so one rep of it can finish before the first summary is read)
     cmd = HANDOFF + ["--actions", "bf16:full,bf16:recompute", "--timeout", "30", "--reps", "50"]
@@ -64,38 +81,34 @@ def _start_pair_and_kill(victim: str) -> tuple[subprocess.Popen, str, str, list]
         line = proc.stdout.readline()
         assert line, proc.communicate(timeout=60)[1][-3000:]
         lines.append(line)
-    supervisor = _children(proc.pid)
-    prefill = supervisor + [w for s in supervisor for w in _children(s)]
-    assert len(prefill) == 2, prefill  # the prefill supervisor and its worker
-    os.kill(prefill[1] if victim == "prefill worker" else proc.pid, signal.SIGKILL)
+    sides = _sides(proc.pid)
+    assert set(sides) == {"prefill", "decode"}, sides
+    os.kill(sides.get(victim, proc.pid), signal.SIGKILL)
     out, err = proc.communicate(timeout=120)
-    return proc, "".join(lines) + out, err, prefill
+    return proc, "".join(lines) + out, err, list(sides.values())
 
 
-def test_killed_prefill_is_named_and_finished_summaries_are_kept():
-    proc, out, err, _ = _start_pair_and_kill("prefill worker")
+@pytest.mark.skipif(len(usable_cpus()) < 2, reason="the sides are told apart by their cores")
+@pytest.mark.parametrize("victim", ["prefill", "decode"])
+def test_a_killed_side_is_named_and_finished_summaries_are_kept(victim):
+    proc, out, err, sides = _start_pair_and_kill(victim)
     assert proc.returncode == 1, err[-3000:]
     assert not any(s in err for s in NATIVE_CRASH), err[-3000:]
-    said = error_lines(err)
-    assert "the prefill worker was killed by SIGKILL" in said, err[-3000:]  # from its supervisor
-    assert "the prefill process exited with status 1" in said, err[-3000:]  # from the decode side
+    assert error_lines(err) == [f"the {victim} side was killed by SIGKILL"], err[-3000:]
     summaries = [json.loads(line) for line in out.splitlines() if '"summary"' in line]
     assert [s["action"] for s in summaries] == ["bf16:full"]
     assert summaries[0]["cache_check"] == "bitwise"
+    assert not any(_running(pid) for pid in sides)  # nothing stays behind
 
 
-def test_dead_decode_side_ends_prefill_in_one_line():
-    proc, _, err, prefill = _start_pair_and_kill("decode")
+@pytest.mark.skipif(len(usable_cpus()) < 2, reason="the sides are told apart by their cores")
+def test_sides_do_not_outlive_their_launcher():
+    proc, _, err, sides = _start_pair_and_kill("launcher")
     assert proc.returncode == -signal.SIGKILL
-    # the prefill supervisor still writes to the (dead) decode side's stderr: our pipe
-    said = error_lines(err)
-    assert said == ["the prefill worker stopped: the decode side went away (its coordination "
-                    "service stopped answering)"], err[-3000:]
-    assert not any(s in err for s in NATIVE_CRASH), err[-3000:]
     deadline = time.monotonic() + 60
-    while any(_running(pid) for pid in prefill) and time.monotonic() < deadline:
+    while any(_running(pid) for pid in sides) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not any(_running(pid) for pid in prefill)  # nothing stays behind
+    assert not any(_running(pid) for pid in sides)
 
 
 def _running(pid: int) -> bool:

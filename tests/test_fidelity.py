@@ -11,9 +11,12 @@ import textwrap
 import pytest
 
 from rekv_jax import Action
+from rekv_jax.launch.environments import pair_environments
+from rekv_jax.launch.pair import run_pair
 from rekv_jax.phases import Phases
 from rekv_jax.study.experiment import Experiment, run_local
 from rekv_jax.study.records import FIDELITY_LIMIT, Fidelity, Rep, Summary
+from rekv_jax.transport import cores
 from rekv_jax.transport.cores import CoreUse, core_use, usable_cpus
 
 L = 6
@@ -90,17 +93,20 @@ SLOWED = textwrap.dedent("""
             stop.set()
             thread.join()
     experiment.receive_handoff = slowed
-    from rekv_jax.cli.main import main
-    sys.exit(main(sys.argv[1:]))
 """)
 
 
-def test_rekv_handoff_warns_when_the_suffix_is_slowed_on_purpose():
+def test_rekv_handoff_warns_when_the_suffix_is_slowed_on_purpose(tmp_path):
+    """`SLOWED` runs at the start of every process of the command (`sitecustomize`), so in the
+    side the launcher spawns too."""
+    (tmp_path / "sitecustomize.py").write_text(SLOWED)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)}
     argv = ["handoff", "--model", "tiny", "--seq-len", "128", "--actions", "q8:r=4",
             "--schedule", "overlapped", "--transport", "local", "--link-gbps", "unpaced",
             "--warmup", "1", "--reps", "3"]
-    out = subprocess.run([sys.executable, "-c", SLOWED, *argv], capture_output=True, text=True,
-                         timeout=300, env=os.environ)
+    out = subprocess.run([sys.executable, "-m", "rekv_jax.cli", *argv], capture_output=True,
+                         text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     warnings = [line for line in out.stderr.splitlines() if line.startswith("warning: ")]
     assert len(warnings) == 1 and "q8:r=4 (overlapped)" in warnings[0], out.stderr[-2000:]
@@ -113,16 +119,15 @@ def test_core_use_splits_device_and_host_threads():
     assert core_use(None, after) is None
 
 
-SPLIT_PARENT = """import json, os, sys
-from rekv_jax.transport import cores
-from rekv_jax.transport.cores import usable_cpus
-from rekv_jax.transport.launch import pair_environments, with_prefill_child
-
-def decode(coordinator):
+def split_side(side) -> dict | None:
+    """A launched side that starts its device as `connect` does, then times its programs."""
+    if side.role == "prefill":
+        return None
     cores.start_device(os.environ)
-    import jax, jax.numpy as jnp
+    import jax
+
     f = jax.jit(lambda a: a @ a)
-    a = jnp.ones((512, 512))
+    a = jax.numpy.ones((512, 512))
     f(a).block_until_ready()
     before = cores.thread_times()
     for _ in range(20):
@@ -133,16 +138,11 @@ def decode(coordinator):
     return {"main": sorted(os.sched_getaffinity(0)), "busiest_on_device": after[busiest][2],
             "busiest": sorted(os.sched_getaffinity(busiest))}
 
-envs = pair_environments([], os.environ, cpus=usable_cpus())
-print(json.dumps(with_prefill_child([sys.executable, "-c", "pass"], decode, 60, envs)))"""
-
 
 @pytest.mark.skipif(len(usable_cpus()) < 2, reason="pinning needs two cores")
 def test_a_pinned_side_runs_programs_on_its_core_and_everything_else_on_any():
-    out = subprocess.run([sys.executable, "-c", SPLIT_PARENT], capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    got = json.loads(out.stdout)
+    envs = pair_environments([], {**os.environ, "JAX_PLATFORMS": "cpu"}, cpus=usable_cpus())
+    got = run_pair(split_side, envs=envs, key=None, timeout=120)
     cpus = usable_cpus()
     assert got["main"] == cpus  # the host's thread may take any core of the pair
     assert got["busiest_on_device"] and got["busiest"] == cpus[len(cpus) // 2:]

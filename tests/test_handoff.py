@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import pickle
 import subprocess
 import sys
 import threading
@@ -27,6 +28,8 @@ from rekv_jax.handoff.outcome import Handoff, PrefillTimes
 from rekv_jax.handoff.payload import round_trip
 from rekv_jax.handoff.receiver import receive_handoff
 from rekv_jax.handoff.sender import prepare, send_handoff, send_prompt
+from rekv_jax.launch.environments import pair_environments, visible_gpus
+from rekv_jax.launch.pair import loopback
 from rekv_jax.mode import PAPER_SCHEDULES, Mode
 from rekv_jax.phases import TIMELINE, Phases
 from rekv_jax.planning.planner import analytic_profile
@@ -37,7 +40,6 @@ from rekv_jax.study.sweep_plan import prompt_experiment
 from rekv_jax.study.tables import fig3_rows
 from rekv_jax.transport import LocalTransport, TransportError
 from rekv_jax.transport.cores import PINNING_ENV, usable_cpus
-from rekv_jax.transport.launch import pair_environments, run_pair, visible_gpus
 
 ACTIONS = "bf16:full,q8:full,bf16:r=2,q8:r=2,q4:r=3,bf16:recompute"
 ID_BYTES = 4  # int32 token ids and first token
@@ -87,7 +89,7 @@ def check_summaries(records: list[dict], actions: str, seq_len: int, reps: int =
 def test_local_transport_all_action_kinds():
     records: list[dict] = []
     exp = Experiment(seq_len=64, actions=tuple(parse_actions(ACTIONS, 6)), warmup=1, reps=2)
-    assert Experiment.from_json(exp.to_json()) == exp  # what the prefill child receives
+    assert pickle.loads(pickle.dumps(exp)) == exp  # what a launched side receives
     run_local(exp, lambda r: records.append(r.to_json()))
     check_summaries(records, ACTIONS, 64)
     joint = [s["schedule"] for s in records if s["kind"] == "summary"
@@ -164,6 +166,9 @@ def test_two_processes(pair):
     cpus = None if "--no-pin" in flags else usable_cpus()
     pinning = pair_environments(visible_gpus(), os.environ, cpus=cpus)["decode"].get(PINNING_ENV)
     assert {r["pinning"] for r in summaries} == {pinning or ""}
+    if pinning and pinning.startswith("pinned"):  # each launched side split its device's threads
+        suffixed = [r for r in summaries if r["fidelity"] is not None]  # from its host threads
+        assert suffixed and all(r["fidelity"]["device_wait_ms"] is not None for r in suffixed)
     if not paced:
         return
     # the pacer holds a transfer of n bytes to n / W: not faster, and not much slower
@@ -174,17 +179,24 @@ def test_two_processes(pair):
     check_overlap(records, "bf16:r=4")
 
 
-def test_sides_that_disagree_both_fail():
-    def argv(role, coordinator):
-        seq = "64" if role == "prefill" else "32"
-        return [sys.executable, "-m", "rekv_jax.cli", "handoff", "--seq-len", seq, "--actions",
-                "bf16:r=2", "--reps", "1", "--warmup", "0", "--json", "--timeout", "30",
-                "--role", role, "--coordinator", coordinator]
-
-    done = run_pair(argv, timeout=120)
-    for role, proc in done.items():
-        assert proc.returncode != 0, role
-        assert "disagree on" in proc.stderr and "seq_len" in proc.stderr, proc.stderr[-2000:]
+def test_sides_started_apart_that_disagree_both_fail(tmp_path):
+    """Two processes started as a scheduler starts them (`--role`, one key file for both): each
+    runs its side, and both fail in one line naming what differs."""
+    key = tmp_path / "job.key"
+    key.write_bytes(os.urandom(32))
+    key.chmod(0o600)
+    coordinator = loopback()
+    sides = {role: subprocess.Popen(
+        [sys.executable, "-m", "rekv_jax.cli", "handoff", "--seq-len",
+         "64" if role == "prefill" else "32", "--actions", "bf16:r=2", "--reps", "1", "--warmup",
+         "0", "--json", "--timeout", "30", "--role", role, "--coordinator", coordinator,
+         "--secret-file", str(key)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for role in ("decode", "prefill")}
+    for role, proc in sides.items():
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 2, (role, err[-2000:])  # a disagreement: ValueError
+        (line,) = err.strip().splitlines()
+        assert "disagree on" in line and "seq_len" in line, line
 
 
 class FailingPrefix(LocalTransport):

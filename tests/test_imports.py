@@ -1,6 +1,8 @@
-"""Imports run one way (issue 19 item 2), read from the source with `ast`, lazy imports included:
-a module imports only its own package and the packages below it, and no modules import each
-other in a cycle."""
+"""Imports run one way, read from the source with `ast`, lazy imports included: a module imports
+only its own package and the packages below it, and no modules import each other in a cycle.
+Two dependencies an import graph cannot see are checked too: no module outside `cli/` builds a
+command line for the CLI (a launcher that ran `python -m rekv_jax.cli` would depend on the layer
+at the top), and JAX's private modules are reached through one module only."""
 from __future__ import annotations
 
 import ast
@@ -15,11 +17,13 @@ ALLOWED = {
     TOP: {KERNELS},
     "model": {TOP, KERNELS},
     "transport": {TOP, KERNELS},
-    "handoff": {"model", "transport", TOP, KERNELS},
+    "launch": {"transport", TOP, KERNELS},
+    "handoff": {"model", "launch", "transport", TOP, KERNELS},
     "planning": {"model", "transport", TOP, KERNELS},
-    "quality": {"handoff", "model", "transport", TOP, KERNELS},
-    "study": {"quality", "handoff", "planning", "model", "transport", TOP, KERNELS},
-    "cli": {"study", "quality", "handoff", "planning", "model", "transport", TOP, KERNELS},
+    "quality": {"handoff", "model", "launch", "transport", TOP, KERNELS},
+    "study": {"quality", "handoff", "planning", "model", "launch", "transport", TOP, KERNELS},
+    "cli": {"study", "quality", "handoff", "planning", "model", "launch", "transport", TOP,
+            KERNELS},
 }
 
 
@@ -152,3 +156,81 @@ def test_the_check_finds_planted_violations(tmp_path):
     ]
     assert cycles(deps) == [["rekv_jax.model.transformer", "rekv_jax.sizes"],
                             ["rekv_jax.study.a", "rekv_jax.study.b"]]
+
+
+# ------------------------------------------------ what the import graph cannot see
+
+CLI_MODULE = "rekv_jax.cli"
+CONSOLE_SCRIPT = "rekv"
+PRIVATE_JAX = "jax." + "_src"  # spelled apart: this file is searched too
+PRIVATE_DOOR = "rekv_jax/jax_private.py"
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of the docstring constants of a module, its classes and functions."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                out.add(id(body[0].value))
+    return out
+
+
+def cli_command_lines(root: pathlib.Path) -> list[str]:
+    """Modules outside `cli/` that build a command line for the CLI: a string naming the CLI's
+    module (as `python -m` takes it) outside a docstring, or a list or tuple that starts with
+    its console script."""
+    bad = []
+    for name, file in modules(root).items():
+        if name.startswith(CLI_MODULE) or name.startswith(KERNELS):
+            continue
+        tree = ast.parse(file.read_text())
+        skip = _docstrings(tree)
+        for node in ast.walk(tree):
+            named = (isinstance(node, ast.Constant) and id(node) not in skip
+                     and isinstance(node.value, str)
+                     and node.value.split()[:1] and node.value.split()[0].startswith(CLI_MODULE))
+            script = (isinstance(node, ast.List | ast.Tuple) and node.elts
+                      and isinstance(node.elts[0], ast.Constant)
+                      and node.elts[0].value == CONSOLE_SCRIPT)
+            if named or script:
+                bad.append(f"{name}:{node.lineno}")
+    return bad
+
+
+def private_jax_users(root: pathlib.Path) -> list[str]:
+    """Every Python file of the tree (tests and scripts too) that names JAX's private modules."""
+    return sorted(str(f.relative_to(root)) for top in ("rekv_jax", KERNELS, "tests", "scripts")
+                  for f in (root / top).rglob("*.py") if PRIVATE_JAX in f.read_text())
+
+
+def test_only_the_cli_builds_command_lines_for_the_cli():
+    assert not cli_command_lines(ROOT), cli_command_lines(ROOT)
+
+
+def test_jax_private_modules_have_one_door():
+    assert private_jax_users(ROOT) == [PRIVATE_DOOR]
+
+
+def test_the_checks_find_planted_command_lines_and_private_imports(tmp_path):
+    files = {
+        "rekv_jax/__init__.py": "",
+        "rekv_jax/transport/__init__.py": "",
+        "rekv_jax/transport/job.py": (
+            '"""Runs `python -m rekv_jax.cli handoff` (a docstring may say so)."""\n'
+            "import sys\n"
+            'ARGV = [sys.executable, "-m", "rekv_jax.cli", "handoff"]\n'),
+        "rekv_jax/study/__init__.py": "",
+        "rekv_jax/study/sweep.py": 'CMD = ("rekv", "handoff", "--json")\nOK = ["rekv-x"]\n',
+        "rekv_jax/cli/__init__.py": "",
+        "rekv_jax/cli/main.py": 'ARGV = ["-m", "rekv_jax.cli"]\n',
+        "rekv_jax/jax_private.py": f"from {PRIVATE_JAX} import distributed\n",
+        "tests/test_x.py": f"from {PRIVATE_JAX} import xla_bridge\n",
+        "scripts/x.py": "",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cli_command_lines(tmp_path) == ["rekv_jax.study.sweep:1", "rekv_jax.transport.job:3"]
+    assert private_jax_users(tmp_path) == [PRIVATE_DOOR, "tests/test_x.py"]

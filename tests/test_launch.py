@@ -1,12 +1,14 @@
 """One command, two processes on one machine: the GPUs and environment each side gets, the
 runtime the sides must share, the suffix checked across processes on every rep, the labelling
-of records that cannot overlap on a GPU, and the transfer server's unguessable pull ids."""
+of records that cannot overlap on a GPU, and the transfer server's unguessable pull ids; how the
+launcher tells a side's end, and the job's key."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -18,20 +20,24 @@ import pytest
 from rekv_jax.action import Action
 from rekv_jax.cli import main as cli
 from rekv_jax.errors import RuntimeMismatch, describe
-from rekv_jax.mode import Mode
-from rekv_jax.study import experiment
-from rekv_jax.study.experiment import Experiment, run_local
-from rekv_jax.study.records import Rep, Summary, serializes
-from rekv_jax.transport import launch
-from rekv_jax.transport.cores import CPUS_ENV, PINNING_ENV, children_on, usable_cpus
-from rekv_jax.transport.launch import (
+from rekv_jax.launch import runtime as launched_runtime
+from rekv_jax.launch.environments import (
     GPU_XLA_FLAGS,
     PAIR_SHARE,
     pair_environments,
     visible_gpus,
     with_gpu_flags,
 )
-from rekv_jax.transport.transfer_server import SECRET_BYTES, _uuid
+from rekv_jax.launch.pair import Pair, run_child, run_pair
+from rekv_jax.launch.processes import Ended
+from rekv_jax.mode import Mode
+from rekv_jax.study import experiment
+from rekv_jax.study.experiment import Experiment, run_local
+from rekv_jax.study.records import Rep, Summary, serializes
+from rekv_jax.transport import ROLES, JobKey, TransportError
+from rekv_jax.transport.cores import CPUS_ENV, PINNING_ENV, children_on, usable_cpus
+from rekv_jax.transport.secret import key_of
+from rekv_jax.transport.transfer_server import _uuid, pull_key
 
 PARENT = {"PATH": "/usr/bin", "XLA_FLAGS": "--xla_dump_to=/tmp/d"}
 SHARE_VARS = ("CUDA_VISIBLE_DEVICES", "XLA_PYTHON_CLIENT_MEM_FRACTION")
@@ -126,82 +132,68 @@ def test_visible_gpus_are_counted_without_jax(env, want):
     assert visible_gpus(env) == want
 
 
-CHILD = """import json, os, sys
-json.dump({k: os.environ.get(k) for k in sys.argv[1:4]}, sys.stderr)"""
-PARENT_RUN = """import json, os, sys
-from rekv_jax.transport.launch import pair_environments, visible_gpus, with_prefill_child
-keys = ["CUDA_VISIBLE_DEVICES", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_FLAGS"]
+ENV_KEYS = ("CUDA_VISIBLE_DEVICES", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_FLAGS")
 
-def decode(coordinator):
+
+def environment_side(side) -> dict:
+    """What a launched side's JAX starts with (it starts after the side's environment is set)."""
     import jax
-    jax.devices()  # JAX starts after this side's environment was set
-    return {k: os.environ.get(k) for k in keys}
 
-envs = pair_environments(visible_gpus(), os.environ, None, sys.argv[2])
-mine = with_prefill_child([sys.executable, "-c", sys.argv[1], *keys], decode, 60, envs)
-print(json.dumps(mine))"""
+    jax.devices()
+    return {k: os.environ.get(k) for k in ENV_KEYS}
 
 
 @pytest.mark.parametrize("visible, decode, prefill, share", [
     ("3,5", "3", "5", None), ("3", "3", "3", f"{PAIR_SHARE:g}")])
 def test_each_process_of_a_pair_gets_its_environment(visible, decode, prefill, share):
-    """The launcher sets this process's side before JAX starts and starts the child with its
-    own (on CPU JAX ignores CUDA_VISIBLE_DEVICES, so the variables themselves are checked)."""
+    """Each side is spawned in its own environment (on CPU JAX ignores CUDA_VISIBLE_DEVICES,
+    so the variables themselves are checked)."""
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    out = subprocess.run([sys.executable, "-c", PARENT_RUN, CHILD, "transfer-server"],
-                         capture_output=True, text=True, timeout=120,
-                         env={**env, "CUDA_VISIBLE_DEVICES": visible, "XLA_FLAGS": ""})
-    assert out.returncode == 0, out.stderr[-2000:]
-    mine = json.loads(out.stdout)
-    child = json.loads(out.stderr[out.stderr.index("{"):])
+    env |= {"CUDA_VISIBLE_DEVICES": visible, "XLA_FLAGS": ""}
+    envs = pair_environments(visible_gpus(env), env, None, "transfer-server")
+    with Pair(environment_side, (), envs, key=None) as pair:
+        ended = pair.wait(timeout=120)
     flags = " ".join(GPU_XLA_FLAGS)
-    assert mine == {"CUDA_VISIBLE_DEVICES": decode, "XLA_PYTHON_CLIENT_MEM_FRACTION": share,
-                    "XLA_FLAGS": flags}
-    assert child == {"CUDA_VISIBLE_DEVICES": prefill, "XLA_PYTHON_CLIENT_MEM_FRACTION": share,
-                     "XLA_FLAGS": flags}
+    assert ended["decode"].value == {"CUDA_VISIBLE_DEVICES": decode,
+                                     "XLA_PYTHON_CLIENT_MEM_FRACTION": share, "XLA_FLAGS": flags}
+    assert ended["prefill"].value == {"CUDA_VISIBLE_DEVICES": prefill,
+                                      "XLA_PYTHON_CLIENT_MEM_FRACTION": share, "XLA_FLAGS": flags}
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") != visible  # the launcher's own is unchanged
 
 
-AFFINITY_CHILD = """import json, os, sys
-json.dump({"cpus": sorted(os.sched_getaffinity(0)), "words": os.environ.get("REKV_PINNING")},
-          sys.stderr)"""
-AFFINITY_PARENT = """import json, os, sys
-from rekv_jax.transport.cores import usable_cpus
-from rekv_jax.transport.launch import pair_environments, with_prefill_child
-
-def decode(coordinator):
+def affinity_side(side) -> dict:
+    """The cores of a launched side's threads once JAX's have started."""
     import jax
-    jax.numpy.ones(4).block_until_ready()  # JAX's threads start on this side's cores
+
+    jax.numpy.ones(4).block_until_ready()
     threads = {int(t): sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
     return {"cpus": sorted(os.sched_getaffinity(0)), "threads": threads,
-            "words": os.environ.get("REKV_PINNING")}
-
-cpus = usable_cpus() if sys.argv[2] == "pin" else None
-envs = pair_environments([], os.environ, cpus=cpus)
-print(json.dumps(with_prefill_child([sys.executable, "-c", sys.argv[1]], decode, 60, envs)))"""
+            "words": os.environ.get(PINNING_ENV)}
 
 
-@pytest.mark.parametrize("pin", ["pin", "no-pin"])
+@pytest.mark.parametrize("pin", [True, False])
 def test_each_cpu_process_of_a_pair_runs_on_its_cores(pin):
-    """Pinned (the default), the prefill child runs on the first half of this machine's cores
-    and the decode process, every thread of it, on the rest; with --no-pin (or one core) both
-    run on all of them. Both sides' environments say which."""
+    """Pinned (the default), the prefill side runs on the first half of this machine's cores and
+    the decode side, every thread of it, on the rest; with --no-pin (or one core) both run on
+    all of them. Both sides' environments say which."""
     env = {k: v for k, v in os.environ.items() if k not in (CPUS_ENV, PINNING_ENV)}
-    out = subprocess.run([sys.executable, "-c", AFFINITY_PARENT, AFFINITY_CHILD, pin],
-                         capture_output=True, text=True, timeout=120,
-                         env={**env, "JAX_PLATFORMS": "cpu"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    mine = json.loads(out.stdout)
-    child = json.loads(out.stderr[out.stderr.index("{"):])
+    envs = pair_environments([], {**env, "JAX_PLATFORMS": "cpu"},
+                             cpus=usable_cpus() if pin else None)
+    mine = os.sched_getaffinity(0)
+    with Pair(affinity_side, (), envs, key=None) as pair:
+        got = {role: e.value for role, e in pair.wait(timeout=120).items()}
     cpus = usable_cpus()
-    assert mine["words"] == child["words"]
-    if pin == "pin" and len(cpus) >= 2:
+    assert got["decode"]["words"] == got["prefill"]["words"]
+    assert os.sched_getaffinity(0) == mine  # the launcher's cores are as they were
+    if pin and len(cpus) >= 2:
         half = len(cpus) // 2
-        assert (child["cpus"], mine["cpus"]) == (cpus[:half], cpus[half:])
-        assert all(t == cpus[half:] for t in mine["threads"].values()), mine["threads"]
-        assert mine["words"].startswith("pinned: prefill cpu")
+        assert (got["prefill"]["cpus"], got["decode"]["cpus"]) == (cpus[:half], cpus[half:])
+        for role, own in (("prefill", cpus[:half]), ("decode", cpus[half:])):
+            assert all(t == own for t in got[role]["threads"].values()), got[role]["threads"]
+        assert got["decode"]["words"].startswith("pinned: prefill cpu")
     else:
-        assert child["cpus"] == mine["cpus"] == cpus
-        assert mine["words"].startswith("cores shared")
+        assert got["prefill"]["cpus"] == got["decode"]["cpus"] == cpus
+        assert got["decode"]["words"].startswith("cores shared")
 
 
 def test_a_child_started_on_a_sides_cores_leaves_ours_as_they_were():
@@ -239,14 +231,14 @@ EXP = Experiment(seq_len=32, actions=(Action.parse("bf16:r=2", 6),), schedules=(
                                           ("xla_flags", "--xla_gpu_autotune_level=4"),
                                           ("attention", "cudnn")])
 def test_sides_on_different_runtimes_fail_in_one_line_exit_1(monkeypatch, field, value):
-    real = launch.runtime
+    real = launched_runtime.runtime
 
     def prefill_differs(attention):  # LocalTransport runs the prefill side on its own thread
         facts = real(attention)
         return facts | {field: value} if threading.current_thread().name == "rekv-prefill" \
             else facts
 
-    monkeypatch.setattr(launch, "runtime", prefill_differs)
+    monkeypatch.setattr(launched_runtime, "runtime", prefill_differs)
     records = []
     with pytest.raises(RuntimeMismatch) as e:
         run_local(EXP, records.append)
@@ -258,7 +250,7 @@ def test_sides_on_different_runtimes_fail_in_one_line_exit_1(monkeypatch, field,
 
 
 def test_runtime_names_what_decides_the_bits():
-    facts = launch.runtime("xla")
+    facts = launched_runtime.runtime("xla")
     assert facts["jax"] == jax.__version__ and facts["attention"] == "xla"
     assert facts["device_kind"] == jax.local_devices()[0].device_kind
     assert set(facts) == {"jax", "jaxlib", "platform", "device_kind", "xla_flags", "attention"}
@@ -336,11 +328,97 @@ def test_records_of_collective_overlapped_say_serialized_on_a_gpu(monkeypatch, p
 # ----------------------------------------------------------------- transfer-server pull ids
 
 
-def test_pull_ids_agree_within_a_run_and_differ_across_runs():
+def test_pull_ids_agree_within_a_job_and_differ_across_jobs():
     tags = [f"q8:r=2/overlapped/{i}/{p}" for i in range(50) for p in ("boundary", "prefix")]
-    run, other = (bytes(range(SECRET_BYTES)), bytes(range(1, SECRET_BYTES + 1)))
-    ids = [_uuid(t, run) for t in tags]
-    assert ids == [_uuid(t, bytes(run)) for t in tags]  # both ends, same secret: same ids
+    job, other = JobKey.new(), JobKey.new()
+    ids = [_uuid(t, pull_key(job)) for t in tags]
+    assert ids == [_uuid(t, pull_key(JobKey(job.secret))) for t in tags]  # both sides: same ids
     assert len(set(ids)) == len(tags) and all(0 <= i < 2**63 for i in ids)
-    assert not set(ids) & {_uuid(t, other) for t in tags}  # another run's secret: other ids
-    assert not set(ids) & {_uuid(t, b"") for t in tags}  # the unkeyed ids of before
+    for key in (pull_key(other), b"", job.secret):  # another job's; unkeyed; the job key itself
+        assert not set(ids) & {_uuid(t, key) for t in tags}
+    assert job.secret.hex() not in repr(job) and job.secret.hex() not in str(job)
+
+
+# --------------------------------------------------------------------- the launcher's one lines
+
+
+def failing_side(side, how: str) -> str:
+    """A side that ends as `how` says (the decode side only; the prefill side returns)."""
+    if side.role == "prefill":
+        return "prefill done"
+    if how == "value":
+        side.emit("item 1")
+        return "decode done"
+    if how == "raise":
+        raise ValueError("the experiment does not fit")
+    if how == "bug":
+        raise KeyError("a bug")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("how, kind, line", [
+    ("raise", ValueError, "the experiment does not fit"),
+    ("bug", RuntimeError, "the decode side failed:\nTraceback"),
+    ("kill", TransportError, "the decode side was killed by SIGKILL"),
+])
+def test_a_failed_side_is_one_line_naming_it(how, kind, line):
+    with pytest.raises(kind) as e:
+        run_pair(failing_side, how, envs={role: dict(os.environ) for role in ROLES}, key=None,
+                 timeout=120)
+    assert str(e.value).startswith(line)
+    if how != "bug":
+        assert "\n" not in str(e.value)
+    items = []
+    assert run_pair(failing_side, "value", envs={role: dict(os.environ) for role in ROLES},
+                    key=None, on_item=items.append, timeout=120) == "decode done"
+    assert items == ["item 1"]
+
+
+def test_a_side_that_died_when_its_coordinator_went_away_says_so():
+    gone = Ended("the prefill side", -6, log="F1202 client.h:80] Terminating process because the "
+                 "JAX distributed service detected fatal errors")
+    assert str(gone.failure()) == ("the prefill side stopped: the decode side went away (its "
+                                   "coordination service stopped answering)")
+    said = Ended("link calibration", 1, error=ValueError("no such model"))
+    assert isinstance(said.failure(), ValueError)
+    assert str(said.failure()) == "link calibration: no such model"
+
+
+def test_a_fresh_process_returns_objects_and_its_errors_in_one_line():
+    assert run_child(sorted, [3, 1, 2], env=os.environ, what="sorting", timeout=120) == [1, 2, 3]
+    with pytest.raises(ValueError, match=r"^sorting: invalid literal"):
+        run_child(int, "x", env=os.environ, what="sorting", timeout=120)
+
+
+# ------------------------------------------------------------------------------- the job's key
+
+
+def test_a_multi_host_side_needs_a_key_or_insecure(tmp_path, monkeypatch):
+    monkeypatch.delenv("REKV_SECRET_FILE", raising=False)
+    with pytest.raises(ValueError, match="--secret-file PATH or \\$REKV_SECRET_FILE"):
+        key_of(None, False, "a multi-host run (--role)")
+    assert key_of(None, True, "x") is None
+    path = tmp_path / "key"
+    path.write_bytes(os.urandom(32))
+    path.chmod(0o644)
+    with pytest.raises(ValueError, match="may be read by others .* chmod 600"):
+        key_of(str(path), False, "x")
+    path.chmod(0o600)
+    assert key_of(str(path), False, "x") == key_of(str(path), True, "x")  # both nodes: one key
+    monkeypatch.setenv("REKV_SECRET_FILE", str(path))
+    assert key_of(None, False, "x") == JobKey.from_file(path)
+    short = tmp_path / "short"
+    short.write_bytes(b"hunter2")
+    short.chmod(0o600)
+    with pytest.raises(ValueError, match="at least 16"):
+        JobKey.from_file(short)
+
+
+def test_handoff_role_without_a_key_is_one_line_exit_2(monkeypatch, capsys):
+    monkeypatch.delenv("REKV_SECRET_FILE", raising=False)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["handoff", "--role", "decode", "--coordinator", "127.0.0.1:1", "--seq-len",
+                  "32", "--actions", "bf16:r=2", "--link-gbps", "unpaced"])
+    assert e.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("rekv handoff: error: a multi-host run (--role) needs the job's key")

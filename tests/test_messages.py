@@ -19,7 +19,13 @@ from rekv_jax.config import ModelConfig
 from rekv_jax.handoff.receiver import receive_handoff
 from rekv_jax.handoff.sender import prepare, send_handoff
 from rekv_jax.mode import Mode
-from rekv_jax.transport import LocalTransport, TransportError, TransportTimeout, distributed
+from rekv_jax.transport import (
+    JobKey,
+    LocalTransport,
+    TransportError,
+    TransportTimeout,
+    distributed,
+)
 from rekv_jax.transport.control import Board
 from rekv_jax.transport.transfer_server import TransferServerTransport
 from rekv_jax.transport.workers import Worker, wait_for
@@ -72,8 +78,9 @@ def local_pair(board: Board) -> tuple[LocalTransport, LocalTransport]:
 def transfer_server_pair(board: Board, monkeypatch) -> tuple[TransferServerTransport, ...]:
     """Both ends of a real transfer server in this process, with a Board as their channel."""
     monkeypatch.setattr(distributed, "local_ip", lambda: "127.0.0.1")
-    prefill = TransferServerTransport("prefill", board)
-    return prefill, TransferServerTransport("decode", board)
+    key = JobKey.new()
+    prefill = TransferServerTransport("prefill", board, key)
+    return prefill, TransferServerTransport("decode", board, key)
 
 
 def no_sleeping(*_):

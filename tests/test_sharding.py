@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from rekv_jax import Action, ModelConfig, sizes
+from rekv_jax.launch.environments import with_host_devices
 from rekv_jax.planning.costmodel import Profile
-from rekv_jax.sharding import force_host_devices
 
 TESTS = Path(__file__).parent
 
@@ -66,9 +66,10 @@ def test_links_and_per_link_bytes():
     assert whole == sizes.prefix_bytes(tiny, 256, 4, 8) + sizes.boundary_bytes(tiny, 256)
 
 
-def test_force_host_devices_sets_one_flag(monkeypatch):
-    monkeypatch.setenv("XLA_FLAGS", "--xla_foo=1 --xla_force_host_platform_device_count=8")
-    force_host_devices(4)
-    assert os.environ["XLA_FLAGS"] == "--xla_foo=1 --xla_force_host_platform_device_count=4"
-    force_host_devices(1)  # one device: nothing to ask for
-    assert os.environ["XLA_FLAGS"].endswith("=4")
+def test_a_sharded_sides_environment_asks_for_its_host_devices():
+    env = {"XLA_FLAGS": "--xla_foo=1 --xla_force_host_platform_device_count=8", "PATH": "/bin"}
+    four = with_host_devices(env, 4)
+    assert four == {"XLA_FLAGS": "--xla_foo=1 --xla_force_host_platform_device_count=4",
+                    "PATH": "/bin"}
+    assert with_host_devices(four, 1) == four  # one device: nothing to ask for
+    assert env["XLA_FLAGS"].endswith("=8")  # the given environment is left as it was

@@ -147,13 +147,13 @@ def test_mini_sweep_writes_every_output(monkeypatch, tmp_path):
                          link_gbps=0.001, crossover_factors=(1.0, 4.0),
                          cut_spread=0, prompt_length=32, batch_model="tiny", batches=(2,))
     sessions = []
+    opened = sweep_module.open_session
 
-    class Counted(sweep_module.CliSession):
-        def __init__(self, *args, **kw):
-            sessions.append(args)
-            super().__init__(*args, **kw)
+    def counted(*args):
+        sessions.append(args)
+        return opened(*args)
 
-    monkeypatch.setattr(sweep_module, "CliSession", Counted)
+    monkeypatch.setattr(sweep_module, "open_session", counted)
     records, profiles = sweep(preset, tmp_path, reps=3, warmup=1)
     assert len(sessions) == 1  # one pair ran all five experiments
     names = {p.name for p in tmp_path.iterdir()}
@@ -354,7 +354,8 @@ def test_a_pair_of_processes_runs_experiments_in_turn(tmp_path):
         paced = pair.run(first)
         unpaced = pair.run(dataclasses.replace(first, actions=(q8,), link_gbps=None))
         other = pair.run(dataclasses.replace(first, model="tiny-qwen3", actions=(q8,)))
-        with pytest.raises(ValueError, match=r"handoff pair: .*not for tiny"):
+        # both sides refuse it; the first to end is told, named unless it is the decode side
+        with pytest.raises(ValueError, match=r"^(the prefill side: )?actions .*not for tiny"):
             pair.run(dataclasses.replace(first, actions=(Action(16, 8, 8),)))
     assert [(r.model, str(r.action), r.link_gbps) for r in paced + unpaced + other] == [
         ("tiny", "bf16:full", 0.0005), ("tiny", "q8:r=2", None), ("tiny", "q8:r=2", None),

@@ -4,12 +4,9 @@ processes on loopback, including injected faults (corruption, mismatch, a peer k
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import threading
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -17,9 +14,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transport_worker import COMPUTE_S, PACED_S
+from transport_worker import COMPUTE_S, PACED_S, main, sleep_side
 
+from rekv_jax.launch.pair import Pair, loopback, run_child
 from rekv_jax.transport import (
+    ROLES,
+    JobKey,
     LocalTransport,
     Paced,
     TransportError,
@@ -28,9 +28,7 @@ from rekv_jax.transport import (
     connect,
 )
 from rekv_jax.transport.checksums import _checksums_and_word, _host_checksum
-from rekv_jax.transport.launch import run_pair
 
-WORKER = Path(__file__).with_name("transport_worker.py")
 REAL_KINDS = ["transfer-server", "collective"]
 
 
@@ -198,9 +196,9 @@ def test_bad_use_raises_value_error():
     with pytest.raises(ValueError, match="at least one dimension"):
         prefill.send("p", [jnp.float32(1.0)])
     with pytest.raises(ValueError, match="unknown transport"):
-        connect("carrier-pigeon", "decode")
+        connect("carrier-pigeon", "decode", key=None)
     with pytest.raises(ValueError, match="role"):
-        connect("collective", "encode")
+        connect("collective", "encode", key=None)
     prefill.close()
     with pytest.raises(TransportError, match="closed"):
         prefill.send("q", prefix_payload())
@@ -232,15 +230,11 @@ def test_pacing_emulates_a_fifo_link():
 # -- two real processes on loopback -----------------------------------------------------------
 
 def run_workers(kind: str, scenario: str) -> dict:
-    """Both ends of `scenario`; returns {role: (returncode, events or None, stderr)}."""
-    done = run_pair(lambda role, coord: [sys.executable, str(WORKER), kind, role, coord, scenario],
-                    timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    out = {}
-    for role, proc in done.items():
-        lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-        events = {e[0]: e[1:] for e in lines[0]["events"]} if lines else None
-        out[role] = (proc.returncode, events, proc.stderr[-3000:])
-    return out
+    """Both ends of `scenario`; returns {role: (exit code, events or None, output)}."""
+    with Pair(main, (kind, scenario), {role: dict(os.environ) for role in ROLES},
+              key=JobKey.new(), coordinator=loopback()) as pair:
+        ended = pair.wait(timeout=120)
+    return {role: (e.exitcode, e.value, e.log[-3000:] + e.traceback) for role, e in ended.items()}
 
 
 @pytest.mark.parametrize("kind", REAL_KINDS)
@@ -285,12 +279,19 @@ def test_decode_killed_ends_prefill_without_hanging():
     assert result["prefill"][0] != 0
 
 
-def test_run_pair_kills_children_on_timeout(tmp_path):
-    script = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(60)"
-    with pytest.raises(TimeoutError, match="still running"):
-        run_pair(lambda role, coord: [sys.executable, "-c", script, str(tmp_path / role)],
-                 timeout=3)
-    for role in ("prefill", "decode"):
-        pid = int((tmp_path / role).read_text())
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+def _children() -> set[int]:
+    """This process's child processes (Linux)."""
+    with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
+        return {int(pid) for pid in f.read().split()}
+
+
+def test_launched_processes_are_killed_past_their_timeout():
+    before = _children()
+    with pytest.raises(TimeoutError, match="^the prefill side and the decode side still running "
+                                          r"after 3 s \(killed\)$"):
+        with Pair(sleep_side, (600,), {role: dict(os.environ) for role in ROLES},
+                  key=None) as pair:
+            pair.wait(timeout=3)
+    with pytest.raises(TimeoutError, match=r"^napping: still running after 3 s \(killed\)$"):
+        run_child(time.sleep, 600, env=os.environ, what="napping", timeout=3)
+    assert _children() <= before  # nothing stays behind

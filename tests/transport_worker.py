@@ -1,17 +1,11 @@
-"""One end of a two-process transport test.
-
-Usage: `python tests/transport_worker.py KIND ROLE COORDINATOR SCENARIO`.
-
-Prints one JSON line {"role", "events": [[step, outcome, message], ...]} where outcome is "ok" or
-the exception's class name; tests/test_transport.py launches both ends and checks the events.
-"""
+"""One end of a two-process transport test: `main(side, kind, scenario)`, the job of a launched
+pair (`launch.pair`), returns {step: [outcome, message]} where outcome is "ok" or the exception's
+class name; tests/test_transport.py launches both ends and checks the events."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import sys
 import threading
 import time
 
@@ -19,7 +13,8 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from rekv_jax.transport import Paced, connect
+from rekv_jax.launch.child import Side
+from rekv_jax.transport import Paced
 
 TIMEOUT = 30.0
 PREFETCHED = ("pre0", "pre1")  # sent back to back, taken with compute between
@@ -40,8 +35,9 @@ def specs(arrays: list[np.ndarray]) -> list[jax.ShapeDtypeStruct]:
     return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
 
 
-def main(kind: str, role: str, coordinator: str, scenario: str) -> None:
-    t = connect(kind, role, coordinator, timeout=TIMEOUT, heartbeat_s=3)
+def main(side: Side, kind: str, scenario: str) -> dict[str, list]:
+    role = side.role
+    t = side.connect(kind, timeout=TIMEOUT, heartbeat_s=3)
     events: list[list] = []
 
     def step(name: str, fn) -> None:
@@ -132,8 +128,9 @@ def main(kind: str, role: str, coordinator: str, scenario: str) -> None:
     t0 = time.monotonic()
     t.close()
     events.append(["close", "ok", round(time.monotonic() - t0, 3)])
-    print(json.dumps({"role": role, "events": events}), flush=True)
+    return {e[0]: e[1:] for e in events}
 
 
-if __name__ == "__main__":
-    main(*sys.argv[1:])
+def sleep_side(side: Side, seconds: float) -> None:
+    """A side that does nothing for `seconds` (the launcher's timeout tests)."""
+    time.sleep(seconds)

@@ -98,10 +98,11 @@ def flag_groups() -> dict[str, Callable[[argparse.ArgumentParser], None]]:
                        help="run one side only (multi-host); default: start both here")
         p.add_argument("--coordinator", default=None,
                        help="host:port of the decode process (default: detected, e.g. SLURM)")
-        p.add_argument("--experiment", default=None, help=argparse.SUPPRESS)  # from launch_pair
-        # a sweep's pair (sweep.Pair): experiments as JSON lines on stdin, each answered by its
-        # records and experiment.SESSION_DONE
-        p.add_argument("--session", action="store_true", help=argparse.SUPPRESS)
+        p.add_argument("--secret-file", default=None, metavar="PATH",
+                       help="with --role: the job's key, one owner-only file for both nodes "
+                            "(default: $REKV_SECRET_FILE)")
+        p.add_argument("--insecure", action="store_true",
+                       help="with --role and no key: run without one (anyone may join)")
         p.add_argument("--prefill-devices", type=int, default=1,
                        help="tensor-parallel devices of the prefill side (CPU: host devices)")
         p.add_argument("--decode-devices", type=int, default=1,

@@ -140,9 +140,6 @@ def _generate_flags(p: argparse.ArgumentParser) -> None:
                    help="token chunks of the chunked schedule / pipelined prefill (default 4)")
     p.add_argument("--compare", action="store_true",
                    help="also decode on a single-process cache; report first_divergence")
-    p.add_argument("--role", choices=("prefill", "decode"), default=None, help=argparse.SUPPRESS)
-    p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--request", default=None, help=argparse.SUPPRESS)  # JSON, from generate()
 
 
 @command("doctor", cmd_doctor, "self-check of this machine: kernels, exactness, speed, a handoff",

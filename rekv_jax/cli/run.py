@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 
 from rekv_jax.cli.flags import PAPER_LINK
@@ -21,13 +20,6 @@ def _handoff_experiment(args: argparse.Namespace):
     from rekv_jax.study.calibrate import calibrate_link_in_child
     from rekv_jax.study.experiment import DEFAULT_ACTIONS, Experiment, side_environments
 
-    if args.experiment:  # the prefill child of launch_pair: everything already decided
-        return Experiment.from_json(args.experiment), ""
-    if args.session:  # a sweep's pair: its first experiment decides the processes
-        line = sys.stdin.readline()
-        if not line.strip():
-            raise ValueError("--session: no experiment on stdin")
-        return Experiment.from_json(line), ""
     cfg = load_config(args.model)
     cfg.check_seq_len(args.seq_len)
     schedules = run_schedules(None if args.schedule == "both" else args.schedule.split(","),
@@ -64,50 +56,39 @@ def cmd_handoff(args: argparse.Namespace) -> None:
 
     from rekv_jax.study import experiment, report
     from rekv_jax.study.records import Summary
+    from rekv_jax.transport.cores import PINNING_ENV
+    from rekv_jax.transport.secret import key_of
 
     exp, note = _handoff_experiment(args)
-    from rekv_jax.sharding import force_host_devices  # before JAX starts (CPU host devices)
+    summaries: list[Summary] = []
+    key = args.role and key_of(args.secret_file, args.insecure, "a multi-host run (--role)")
+    # a refused set-up (collective on one GPU) fails here, before any output
+    envs = None if args.role else experiment.side_environments(exp, not args.no_pin)
+    bar = tqdm(total=experiment.total_handoffs(exp), desc="handoffs", unit="", file=sys.stderr,
+               disable=args.json or args.role == "prefill")
 
-    # the decode side also builds the prefill mesh, for its reference (experiment.summarize)
-    force_host_devices(exp.prefill_devices if args.role == "prefill"
-                       else max(exp.prefill_devices, exp.decode_devices))
-    summaries = []
-    # stdout carries our records and tables only: native libraries (gloo) print to fd 1
-    sys.stdout.flush()
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-
-    def emit(record) -> None:
+    def take(item: object) -> None:  # what the decode side sends, as it comes
+        if isinstance(item, experiment.Progress):
+            return bar.update(item.handoffs)
         if args.json:
-            print(json.dumps(record.to_json()), file=out, flush=True)
-        if isinstance(record, Summary):
+            print(json.dumps(item.to_json()), flush=True)
+        if isinstance(item, Summary):
             if not args.json:  # each row as it completes: a later failure loses none
-                print(report.handoff_table([record], header=not summaries), file=out, flush=True)
-            summaries.append(record)
+                print(report.handoff_table([item], header=not summaries), flush=True)
+            summaries.append(item)
 
-    if args.role is not None:  # one process of a pair started by a scheduler (or by us)
-        experiment.run_process(args.role, exp, args.coordinator, emit)
-        return
-    rest = experiment.session_experiments(sys.stdin, out) if args.session else ()
-    pinning = "one process"
-    if exp.transport != "local":  # a refused set-up (collective on one GPU) before any output
-        from rekv_jax.transport.cores import PINNING_ENV
-
-        pinning = experiment.side_environments(exp, not args.no_pin)["decode"].get(PINNING_ENV)
+    if envs is None:  # one process of a pair started by a scheduler (multi-host)
+        return experiment.run_process(args.role, exp, args.coordinator, key or None, take)
+    pinning = "one process" if exp.transport == "local" else envs["decode"].get(PINNING_ENV)
     if not args.json:
         print(f"{exp.model}, {exp.seq_len} tokens, batch {exp.batch}, {exp.transport}"
-              + f"; {pinning}" * bool(pinning) + f"; link: {note}", file=out, flush=True)
-    bar = tqdm(total=experiment.total_handoffs(exp), desc="handoffs", unit="", file=sys.stderr,
-               disable=args.json)
-    if exp.transport == "local":
-        experiment.run_local(exp, emit, bar.update, rest)
-    else:  # both processes on this machine: we are the decode side, a child is the prefill side
-        experiment.launch_pair(exp, emit, bar.update, rest, not args.no_pin)
+              + f"; {pinning}" * bool(pinning) + f"; link: {note}", flush=True)
+    experiment.launch_pair(exp, take, not args.no_pin)
     bar.close()
     for warning in filter(None, (s.fidelity_warning() for s in summaries)):
         print(warning, file=sys.stderr, flush=True)
     if not args.json:
-        print("\n".join(report.conclusion(summaries)), file=out, flush=True)
+        print("\n".join(report.conclusion(summaries)), flush=True)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
@@ -125,10 +106,6 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from rekv_jax.model.loader import tokenizer_of
     from rekv_jax.study.calibrate import calibrate_link_in_child
 
-    if args.request:  # the prefill process started by generate.generate
-        generate.job(generate.Request(**json.loads(args.request))).side(args.role,
-                                                                       args.coordinator)
-        return
     args.model = args.model or str(generate.SHIPPED_MODEL)
     tok = tokenizer_of(args.model)
     if args.token_ids is not None:

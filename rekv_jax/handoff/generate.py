@@ -12,7 +12,6 @@ of the same dtype (no quantization) and reports where the two token streams firs
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -24,6 +23,10 @@ import numpy as np
 from rekv_jax.action import Action
 from rekv_jax.handoff.receiver import receive_handoff
 from rekv_jax.handoff.sender import send_prompt
+from rekv_jax.launch.child import Side
+from rekv_jax.launch.environments import pair_environments, visible_gpus
+from rekv_jax.launch.pair import loopback, run_pair
+from rekv_jax.launch.runtime import agree_runtime
 from rekv_jax.mode import Fallback, Interval, Mode, PrefillMode, Schedule
 from rekv_jax.model.loader import SHIPPED_MODEL, load_config, load_model
 from rekv_jax.model.transformer import (
@@ -33,10 +36,8 @@ from rekv_jax.model.transformer import (
     prefill,
 )
 from rekv_jax.sizes import action_bytes
-from rekv_jax.transport import Transport
+from rekv_jax.transport import JobKey, Transport
 from rekv_jax.transport.base import Role
-from rekv_jax.transport.job import PairJob
-from rekv_jax.transport.launch import agree_runtime, pair_environments, visible_gpus
 
 OnToken = Callable[[int], None]
 DTYPES = ("bfloat16", "float32")
@@ -163,17 +164,18 @@ def run_role(role: Role, req: Request, transport: Transport, on_token: OnToken =
         first_divergence=divergence)
 
 
-def job(req: Request, on_token: OnToken = lambda t: None) -> PairJob[Generation | None]:
-    """The request as the job of both workers (`rekv generate --request`, one process each)."""
-    return PairJob(lambda role, t: run_role(role, req, t, on_token), req.transport,
-                   req.link_gbps, req.timeout,
-                   ("generate", "--request", json.dumps(dataclasses.asdict(req))))
+def run_side(side: Side, req: Request) -> Generation | None:
+    """One worker's process (`generate`); over the `local` transport, both workers in one.
+    Tokens reach the launching process as they come (`Side.emit`)."""
+    return side.on_link(req.transport, req.link_gbps, req.timeout,
+                        lambda role, transport: run_role(role, req, transport, side.emit))
 
 
 def generate(req: Request, on_token: OnToken = lambda t: None) -> Generation:
-    """Run both workers: in-process for `local`, else this process decodes and a child
-    process (`rekv generate --role prefill`) prefills over loopback."""
-    if req.transport == "local":
-        return job(req, on_token).here()
-    return job(req, on_token).launch(pair_environments(visible_gpus(), os.environ, None,
-                                                       req.transport))
+    """Run both workers on this machine, each spawned in its environment (a GPU or a fair share
+    each, or the cores they share) over loopback, under a key made for them; one process for
+    `local`. Each token reaches `on_token` as the decode worker produces it."""
+    envs = ({"decode": dict(os.environ)} if req.transport == "local" else
+            pair_environments(visible_gpus(), os.environ, None, req.transport))
+    return run_pair(run_side, req, envs=envs, key=JobKey.new(), coordinator=loopback(),
+                    grace=req.timeout, on_item=on_token)

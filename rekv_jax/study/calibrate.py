@@ -4,7 +4,7 @@ speed."""
 from __future__ import annotations
 
 import dataclasses
-import json
+import os
 import statistics
 import time
 
@@ -12,12 +12,12 @@ import jax
 import jax.numpy as jnp
 
 from rekv_jax import sizes
+from rekv_jax.launch.pair import run_child
 from rekv_jax.model.loader import load_config, load_model
 from rekv_jax.model.transformer import run_suffix
 from rekv_jax.planning.planner import PAPER_LINK_GBPS
 from rekv_jax.study.sweep_plan import PAPER_LINK_TO_SUFFIX
 from rekv_jax.transport.cores import cpu_text, keep_freed_memory, usable_cpus
-from rekv_jax.transport.launch import run_cli
 
 
 def suffix_layer_ms(model: str, seq_len: int, reps: int = 20) -> float:
@@ -69,11 +69,10 @@ def calibrate_link(model: str, seq_len: int) -> LinkCalibration:
 
 
 def calibrate_link_in_child(model: str, seq_len: int, env: dict[str, str] | None = None,
-                            timeout: float = 600.0):
-    """`sweep.calibrate_link` in a fresh process (a process that runs a real transport must
-    initialize jax.distributed before any JAX work, so it cannot time the suffix itself), in
-    `env`: the decode side's (`side_environments`), so it times a layer on that side's cores."""
-
-    out = run_cli(["calibrate", "--json", "--model", model, "--seq-len", str(seq_len)],
-                  "link calibration", timeout, env)
-    return LinkCalibration(**{k: v for k, v in json.loads(out).items() if k != "kind"})
+                            timeout: float = 600.0) -> LinkCalibration:
+    """`calibrate_link` in a fresh process (`launch.run_child`: a process that runs a real
+    transport must initialize jax.distributed before any JAX work, and a launching process does
+    none), in `env`: the decode side's (`side_environments`), so it times a layer on that
+    side's cores."""
+    return run_child(calibrate_link, model, seq_len, env=os.environ if env is None else env,
+                     what="link calibration", timeout=timeout)

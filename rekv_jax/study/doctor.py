@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -27,6 +28,8 @@ from rekv_jax import sizes
 from rekv_jax.action import Action
 from rekv_jax.config import Llama3RopeScaling, ModelConfig
 from rekv_jax.handoff.check import SUFFIX_ACROSS
+from rekv_jax.launch.environments import visible_gpus
+from rekv_jax.launch.pair import run_child
 from rekv_jax.mode import Schedule
 from rekv_jax.model.loader import synthetic_model
 from rekv_jax.model.transformer import attention_backend, prefill, run_prefix, run_suffix
@@ -35,7 +38,6 @@ from rekv_jax.study.experiment import Experiment
 from rekv_jax.study.records import Summary
 from rekv_jax.study.sweep import run_experiment
 from rekv_jax.transport import TransportError
-from rekv_jax.transport.launch import visible_gpus
 
 
 class Record(Protocol):
@@ -223,6 +225,7 @@ def check_exact(cfg: ModelConfig, seq_len: int, fractions: tuple[float, ...]) ->
 # light tails (smaller group maxima), measured 1.5-3.5% under the estimate; a quantizer that
 # truncates instead of rounding doubles the error, a wrong scale or code layout does worse.
 RMS_ERR_BAND = 0.1
+CHECKS_TIMEOUT_S = 3600.0  # the single-process checks, real shapes on a GPU included
 
 
 def gaussian_rms_rel_err(bits: int, group_size: int = sizes.GROUP_SIZE) -> float:
@@ -268,9 +271,7 @@ def check_handoff(seq_len: int) -> Finding:
     """A short two-process handoff (tiny model): first tokens and caches must check out, and
     the decode side's suffix must equal the prefill process's own (by checksum) on every rep.
 
-    It runs as a sweep's experiments do (`sweep.run_experiment`: `rekv handoff` in a child
-    process): the decode side initializes `jax.distributed`, which must come before any
-    computation of this process."""
+    It runs as a sweep's experiments do (`sweep.run_experiment`: both sides spawned)."""
     action = Action.parse("q8:r=2", ModelConfig.preset("tiny").num_layers)
     exp = Experiment(model="tiny", seq_len=seq_len, actions=(action,),
                      schedules=(Schedule.OVERLAPPED,),
@@ -287,11 +288,19 @@ def check_handoff(seq_len: int) -> Finding:
 
 
 def run_checks() -> list[Check]:
-    """Every check, on this platform's shapes. The two-process handoff runs first, before this
-    process starts JAX (whose GPU backend would hold memory the pair needs), on the shapes of
-    the platform that `visible_gpus` predicts; it is reported last."""
+    """Every check, on this platform's shapes, each in a process spawned for it: the two-process
+    handoff first, on the shapes of the platform that `visible_gpus` predicts (reported last),
+    then the single-process checks in one fresh process (this one starts no JAX backend, whose
+    GPU memory the pair would need)."""
     guess = shapes_for("gpu" if visible_gpus() else "cpu")
     handoff = _timed("handoff", lambda: check_handoff(guess.handoff_seq_len))
+    checks = run_child(single_process_checks, env=os.environ, what="the doctor's checks",
+                       timeout=CHECKS_TIMEOUT_S)
+    return [*checks, handoff]
+
+
+def single_process_checks() -> list[Check]:
+    """The kernels, exactness and benchmark checks, on this process's platform's shapes."""
     shapes = shapes_for(jax.default_backend())
     checks = [_timed("pallas_kernels", lambda: check_kernels(shapes.quant_rows))]
     for family, cfg in shapes.families.items():
@@ -301,7 +310,7 @@ def run_checks() -> list[Check]:
     model = ModelConfig.preset(shapes.bench_model)
     checks.append(_timed("bench_quant", lambda: check_bench_quant(model, shapes.bench_seq_len)))
     checks.append(_timed("bench_model", lambda: check_bench_model(model, shapes.bench_seq_len)))
-    return [*checks, handoff]
+    return checks
 
 
 def report(checks: list[Check]) -> Report:

@@ -1,9 +1,10 @@
 """`rekv handoff`: timed ReKV handoffs between a prefill and a decode process (paper §3).
 
-Each process runs `run_session`: one experiment (`run_role`), or, for a sweep's pair, one after
-another over the same transport and weights. On one machine `launch_pair` starts both over
-loopback; on a multi-host allocation the scheduler starts one process per role (see the README).
-Both sides
+Each side's process runs `run_side`: one experiment (`run_role`), or, for a sweep's pair, one
+after another over the same transport and weights (`run_session`). On one machine `launch_pair`
+(or `open_session`) spawns both over loopback; on a multi-host allocation the scheduler starts
+one process per role, which runs its side in a spawned process (`run_process`, see the README).
+Records reach the launching process as objects, as they come. Both sides
 build the same weights (same seed, or the same checkpoint), agree on the experiment, then run
 `warmup + reps` handoffs per action and schedule. The decode side checks every timed rep's first
 token and complete cache against its own single-process prefill (`References`), and emits one
@@ -21,8 +22,7 @@ import itertools
 import json
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
-from typing import TextIO
+from collections.abc import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +34,15 @@ from rekv_jax.handoff.check import HostReference, check_cache, reference, split_
 from rekv_jax.handoff.outcome import Handoff
 from rekv_jax.handoff.receiver import receive_handoff
 from rekv_jax.handoff.sender import prepare, send_handoff, send_prompt
+from rekv_jax.launch.child import Side
+from rekv_jax.launch.environments import (
+    pair_environments,
+    scheduled_environment,
+    visible_gpus,
+    with_host_devices,
+)
+from rekv_jax.launch.pair import Pair, loopback, run_pair
+from rekv_jax.launch.runtime import agree_runtime
 from rekv_jax.mode import (
     FALLBACKS,
     PAPER_SCHEDULES,
@@ -51,11 +60,17 @@ from rekv_jax.sharding import shard_params
 from rekv_jax.sizes import action_bytes
 from rekv_jax.study.device import Device
 from rekv_jax.study.records import Fidelity, Rep, Summary, serializes
-from rekv_jax.transport import Transport, TransportError, checksums, cores, paced
-from rekv_jax.transport.base import Role
+from rekv_jax.transport import (
+    JobKey,
+    LocalTransport,
+    Transport,
+    TransportError,
+    checksums,
+    cores,
+    paced,
+)
+from rekv_jax.transport.base import ROLES, Role
 from rekv_jax.transport.cores import PINNING_ENV, usable_cpus
-from rekv_jax.transport.job import PairJob
-from rekv_jax.transport.launch import agree_runtime, pair_environments, visible_gpus
 from rekv_jax.transport.mesh import MeshTransport
 
 Emit = Callable[[Rep | Summary], None]
@@ -112,13 +127,6 @@ class Experiment:
         if self.chunks > 1 and self.prefill_devices * self.decode_devices > 1:
             raise ValueError("token chunks run on one device per side")
 
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> Experiment:
-        return cls(**json.loads(text))
-
     def modes(self, action: Action) -> list[Mode]:
         """How `action`'s handoffs run, once per distinct mode (a non-joint action has no
         schedule: it runs once); the chunks are the chunked schedule's."""
@@ -136,9 +144,11 @@ def fingerprint(cfg: ModelConfig, params: Params) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-# The decode side of a sweep's pair (`rekv handoff --session`) prints this line after the
-# records of each experiment
-SESSION_DONE = json.dumps({"kind": "experiment_done"})
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """Handoffs the decode side ran since its last `Progress` (for a progress bar)."""
+
+    handoffs: int
 
 
 class Weights:
@@ -191,18 +201,6 @@ def _tag_prefix(n: int) -> str:
     tags (and its messages, e.g. "runtime: prefill and decode disagree ...") are a plain run's;
     the index for the others (no action's tag starts with a digit)."""
     return f"{n}/" if n else ""
-
-
-def session_experiments(lines: TextIO, out: TextIO) -> Iterator[Experiment]:
-    """The experiments after the first of `rekv handoff --session` (a sweep's pair), as
-    `run_session` consumes them: once the last one's records are out, SESSION_DONE goes to `out`,
-    then the next is read from `lines` (JSON, one a line), until they end."""
-    while True:
-        print(SESSION_DONE, file=out, flush=True)
-        line = lines.readline()
-        if not line.strip():
-            return
-        yield Experiment.from_json(line)
 
 
 def _check_same_pair(first: Experiment, exp: Experiment) -> None:
@@ -421,46 +419,70 @@ def _reference_text(cfg: ModelConfig, cut: int, prefill_devices: int, decode_dev
     return f" to a prefix on {prefill_devices} devices and a suffix on {decode_devices}"
 
 
-def pair_job(exp: Experiment, emit: Emit, progress: Callable[[int], None] = lambda n: None,
-             more: Iterable[Experiment] = ()) -> PairJob[None]:
-    """`exp`, then `more` (`run_session`), as the job of both sides; as a process of its own,
-    the prefill side runs in a supervised worker (`PairJob.side`)."""
-    return PairJob(lambda role, t: run_session(role, exp, t, emit, progress, more),
-                   exp.transport, None, exp.timeout,  # each experiment paces its own link
-                   ("handoff", "--experiment", exp.to_json()), supervised=True)
+def run_side(side: Side, exp: Experiment, session: bool = False) -> None:
+    """One side's process of a launched pair: `exp`, then, in a `session`, each experiment the
+    launching process hands the decode side (`run_session`); records and `Progress` go to the
+    launching process as they come. Over the `local` transport the one process runs both
+    sides. Each experiment paces its own link (`run_role`), so the transport is unpaced."""
+    more = side.requests() if session and side.role == "decode" else ()
+
+    def progress(n: int) -> None:
+        side.emit(Progress(n))
+
+    side.on_link(exp.transport, None, exp.timeout, lambda role, transport: run_session(
+        role, exp, transport, side.emit, progress, more if role == "decode" else ()))
 
 
 def run_local(exp: Experiment, emit: Emit, progress: Callable[[int], None] = lambda n: None,
               more: Iterable[Experiment] = ()) -> None:
     """Both sides in this process (the `local` transport): prefill on a thread; `exp`, then
     `more` (`run_session`)."""
-    pair_job(exp, emit, progress, more).here()
+    LocalTransport.run_pair(lambda t: run_session("prefill", exp, t, emit, progress),
+                            lambda t: run_session("decode", exp, t, emit, progress, more),
+                            None, exp.timeout)  # each experiment paces its own link
 
 
-def run_process(role: Role, exp: Experiment, coordinator: str | None, emit: Emit) -> None:
-    """This process's side over a real transport (jax.distributed is initialized here)."""
-    pair_job(exp, emit).side(role, coordinator)
+def launch_pair(exp: Experiment, on_item: Callable[[object], None], pin: bool = True) -> None:
+    """Run `exp` on this machine, each side spawned in its environment (`side_environments`:
+    a GPU or a fair share each, or on CPU its own cores unless not `pin`) over loopback, under
+    a key made for it; records and `Progress` reach `on_item` as they come. A failed side is
+    one line naming it and how it ended (`launch.pair`)."""
+    run_pair(run_side, exp, envs=side_environments(exp, pin), key=JobKey.new(),
+             coordinator=loopback(), grace=exp.timeout, on_item=on_item)
 
 
-def launch_pair(exp: Experiment, emit: Emit, progress: Callable[[int], None] = lambda n: None,
-                more: Iterable[Experiment] = (), pin: bool = True) -> None:
-    """Run both sides on this machine over loopback, `exp` then `more` (`run_session`), each
-    side one process for all of them: this process decodes, a child prefills
-    (`transport.launch.with_prefill_child`: a GPU or a fair share per side, bounded, and a dead
-    child is named by its exit). The decode side builds the prefill mesh too, for its reference
-    (`References`), so it needs max(N, M) devices. On CPU each side runs on its own cores
-    unless not `pin`."""
-    pair_job(exp, emit, progress, more).launch(side_environments(exp, pin))
+def open_session(exp: Experiment, envs: dict[Role, dict[str, str]]) -> Pair[None]:
+    """A pair spawned for `exp` and kept running for more (a sweep's): `Pair.wait_ready` returns
+    `exp`'s records, `Pair.ask(next, timeout)` runs the next experiment on the same processes,
+    transport and weights, `Pair.close` ends it."""
+    return Pair(run_side, (exp, True), envs, key=JobKey.new(), coordinator=loopback(),
+                grace=exp.timeout)
+
+
+def run_process(role: Role, exp: Experiment, coordinator: str | None, key: JobKey | None,
+                on_item: Callable[[object], None]) -> None:
+    """This process's side of a multi-host pair, spawned in a supervised process of its own
+    (`coordinator`: the decode side's host:port; None: JAX detects the cluster)."""
+    devices = exp.prefill_devices if role == "prefill" else max(exp.prefill_devices,
+                                                                exp.decode_devices)
+    env = scheduled_environment(with_host_devices(os.environ, devices))
+    run_pair(run_side, exp, envs={role: env}, key=key, coordinator=coordinator,
+             grace=exp.timeout, on_item=on_item)
 
 
 def side_environments(exp: Experiment, pin: bool = True) -> dict[Role, dict[str, str]]:
     """Each side's environment when `launch_pair` runs `exp` on this machine
-    (`transport.launch.pair_environments`: on CPU, with `pin`, each side on its own cores); a
-    ValueError for a refused set-up, e.g. the collective transport on one GPU."""
+    (`launch.environments.pair_environments`: on CPU, with `pin`, each side on its own cores;
+    a sharded CPU side with its host devices), or the one process's of the `local` transport;
+    a ValueError for a refused set-up, e.g. the collective transport on one GPU. The decode
+    side builds the prefill mesh too, for its reference (`References`): max(N, M) devices."""
     devices = {"prefill": exp.prefill_devices,
                "decode": max(exp.prefill_devices, exp.decode_devices)}
-    return pair_environments(visible_gpus(), os.environ, devices, exp.transport,
+    if exp.transport == "local":
+        return {"decode": with_host_devices(os.environ, devices["decode"])}
+    envs = pair_environments(visible_gpus(), os.environ, devices, exp.transport,
                              cpus=usable_cpus() if pin else None)
+    return {role: with_host_devices(envs[role], devices[role]) for role in ROLES}
 
 
 def total_handoffs(exp: Experiment) -> int:

@@ -1,7 +1,7 @@
 """`rekv profile` and `rekv sweep`: measured handoffs over models x lengths x actions (paper §4).
 
-A sweep runs one process pair (`Pair`: `rekv handoff --session` in a subprocess, its prefill side
-a child of that) for all its models, model after model; each model's experiments in order: its
+A sweep runs one process pair (`Pair`: both sides spawned once, handed one experiment after
+another) for all its models, model after model; each model's experiments in order: its
 start profiles, then its grid (decided from them), crossover links, Fig. 3 and batch runs
 (`sweep_plan`), building each model's weights once per process. The link is calibrated in a
 child on the cores of the pair's decode side (`calibrate_pair_link`). Profiles are fitted from the
@@ -23,11 +23,13 @@ from tqdm import tqdm
 
 from rekv_jax import phases, sizes
 from rekv_jax.config import ModelConfig
+from rekv_jax.launch import pair as launched
+from rekv_jax.launch.environments import pair_environments, visible_gpus
 from rekv_jax.model.loader import load_config
 from rekv_jax.planning import costmodel, profile_fit
 from rekv_jax.study import report, tables
 from rekv_jax.study.calibrate import LinkCalibration, calibrate_link_in_child
-from rekv_jax.study.experiment import SESSION_DONE, Experiment
+from rekv_jax.study.experiment import Experiment, open_session, side_environments
 from rekv_jax.study.records import Summary
 from rekv_jax.study.sweep_plan import (
     COSTS,
@@ -43,40 +45,60 @@ from rekv_jax.study.sweep_plan import (
     tail_experiments,
 )
 from rekv_jax.transport.cores import usable_cpus
-from rekv_jax.transport.launch import CliSession, pair_environments, visible_gpus
 
 
 class Pair:
-    """One process pair of a sweep (`rekv handoff --session`), started at once: its processes
-    load their modules meanwhile, then wait for the first experiment (which decides the rest);
-    `run` gives it one experiment after another, and returns each one's summary records.
+    """One process pair of a sweep, spawned for its first experiment (which decides its
+    transport and devices) and handed one experiment after another (`run`), each decided from
+    the records of the last; returns each one's summary records.
 
     With `cache_dir`, compiled programs persist there, so the calibration child and the two
     sides compile a program once where they do not compile it at the same time (compilation is
-    not part of any timed interval). Its launcher gives each side a GPU or a memory share of
-    one, or on CPU its own cores unless not `pin` (`transport.launch.pair_environments`)."""
+    not part of any timed interval). Each side gets a GPU or a memory share of one, or on CPU
+    its own cores unless not `pin` (`experiment.side_environments`)."""
 
     def __init__(self, cache_dir: Path | None = None, timeout: float = 1800.0,
                  pin: bool = True) -> None:
-        env = dict(os.environ) | compile_cache_env(cache_dir)
+        self._cache = compile_cache_env(cache_dir)
         self._timeout = timeout  # per experiment
-        self._session = CliSession(["handoff", "--json", "--session"] + ["--no-pin"] * (not pin),
-                                   "handoff pair", env)
+        self._pin = pin
+        self._pair: launched.Pair[None] | None = None
+        self._failed = False
 
     def run(self, exp: Experiment) -> list[Summary]:
-        lines = self._session.ask(exp.to_json(), SESSION_DONE, self._timeout)
-        records = [json.loads(line) for line in lines]
-        return [Summary.from_json(r) for r in records if r["kind"] == "summary"]
+        """`exp`'s summary records; a failure (in one line) ends the pair."""
+        try:
+            if self._pair is None:
+                envs = {role: env | self._cache
+                        for role, env in side_environments(exp, self._pin).items()}
+                self._pair = open_session(exp, envs)
+                items = self._pair.wait_ready(self._timeout)
+            else:
+                items = self._pair.ask(exp, self._timeout)
+        except BaseException:
+            self._failed = True
+            raise
+        return [r for r in items if isinstance(r, Summary)]
 
     def close(self) -> None:
-        """End its experiments and wait for its processes to exit."""
-        self._session.close()
+        """End its experiments and wait for its processes to exit (a pair that failed was told
+        so by `run`: it only ends)."""
+        if self._failed and self._pair is not None:
+            self._pair.kill()
+        elif self._pair is not None:
+            try:
+                self._pair.close(self._timeout)
+            finally:
+                self._pair.kill()
 
     def __enter__(self) -> Pair:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._session.__exit__(*exc)
+    def __exit__(self, kind: type | None, *rest: object) -> None:
+        if kind is None:
+            self.close()
+        elif self._pair is not None:  # the caller's error wins: no one is left to ask
+            self._pair.kill()
 
 
 def run_experiment(exp: Experiment, cache_dir: Path | None = None, timeout: float = 1800.0

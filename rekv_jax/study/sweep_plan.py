@@ -82,7 +82,7 @@ SWEEP_PRESETS = {
                        suffix_lens=(1, 4), transport="transfer-server", link_gbps=None,
                        crossover_factors=(0.25, 1.0, 4.0)),
     # The paper's shapes (synthetic weights, one layer's weights repeated) on a GPU per side, or
-    # one GPU shared with a memory share each (`transport.launch.pair_environments`), over the
+    # one GPU shared with a memory share each (`launch.environments.pair_environments`), over the
     # transfer-server transport, paced to the paper's 2.32 GB/s, then unpaced; Fig. 3 at 8K per
     # model, batch 2 and 4 at 8K for Qwen2.5-7B. Its duration: `rekv sweep --dry-run`.
     "gpu": _GPU,
@@ -301,7 +301,7 @@ COSTS = {
                      "later model's weights measured idle; 0.3 s per small program and 20 ms "
                      "per handoff beyond its timed interval: assumed"),
     # Never measured: no GPU has run this code. Guesses for an H100/H200 with autotuning off
-    # (`transport.launch.GPU_XLA_FLAGS`) and the shared compile cache.
+    # (`launch.environments.GPU_XLA_FLAGS`) and the shared compile cache.
     "gpu": PairCosts(60.0, 10.0, 1.0, 20.0, 15.0, "ASSUMED, never measured on a GPU: 60 s "
                      "pair start-up (CUDA, jax.distributed, synthetic weights), 15 s per later "
                      "model's weights, 10 s per model program and 1 s per small program to "

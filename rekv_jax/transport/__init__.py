@@ -39,6 +39,7 @@ from rekv_jax.transport.checksums import checksums
 from rekv_jax.transport.collective import CollectiveTransport
 from rekv_jax.transport.local import LocalTransport
 from rekv_jax.transport.paced import Paced, paced
+from rekv_jax.transport.secret import JobKey
 from rekv_jax.transport.transfer_server import TransferServerTransport
 
 # what `kind` may name; the first is the default
@@ -46,9 +47,13 @@ TRANSPORTS = tuple(t.kind for t in (TransferServerTransport, CollectiveTransport
 
 
 def connect(kind: str, role: Role, coordinator: str | None = None,
-            process_id: int | None = None, *, link_gbps: float | None = None,
+            process_id: int | None = None, *, key: JobKey | None, link_gbps: float | None = None,
             timeout: float = 60.0, heartbeat_s: int = 10) -> Transport:
     """This process's end of a two-process link of `kind` ("collective" | "transfer-server").
+
+    `key`: the job's key, which both sides hold (`secret`): the control connection opens only
+    between holders of it and the transfer server's pull ids are keyed by it; None (`--insecure`)
+    lets anyone who reaches the control port join.
 
     Initializes jax.distributed unless it already is, so call it before any other JAX work (a
     caller that initializes it should first set `jax_enable_recoverability`, see distributed.py).
@@ -68,10 +73,10 @@ def connect(kind: str, role: Role, coordinator: str | None = None,
                                heartbeat_s=heartbeat_s)
     cores.start_device(os.environ)  # on a pinned CPU side, its host threads leave its cores
     distributed.check_two_processes()
-    channel = distributed.PeerChannel(heartbeat_s, timeout)
+    channel = distributed.PeerChannel(key, heartbeat_s, timeout)
     if kind == "collective":
         return paced(CollectiveTransport(role, channel), link_gbps)
-    return paced(TransferServerTransport(role, channel, timeout), link_gbps)
+    return paced(TransferServerTransport(role, channel, key, timeout), link_gbps)
 
 
 __all__ = [
@@ -79,6 +84,7 @@ __all__ = [
     "Arrival",
     "TRANSPORTS",
     "CollectiveTransport",
+    "JobKey",
     "LocalTransport",
     "Paced",
     "Role",

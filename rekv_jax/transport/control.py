@@ -3,26 +3,29 @@
 over one direct TCP connection (`PeerSocket`), set up through the coordinator's key-value store.
 
 A message is one frame on that connection (tens of microseconds on loopback), where a put or get
-on the coordinator's store is a gRPC round trip (0.3-0.5 ms measured here) through the process
-that hosts it. The connection is authenticated by a per-run secret that the listening side
-(process 0) posts in the store next to its address: a process that reaches the port but not the
-coordinator cannot send a message (see the threat model in docs/reliability.md)."""
+on the coordinator's store is a gRPC round trip through the process that hosts it. The listening
+side (process 0) posts only its address in the store. The connection opens with a mutual
+challenge-response over the job's key (`secret`): the connector sends a fresh nonce; the
+listener answers with its own and its proof over both; the connector checks it and sends its
+proof; the listener checks that. Each side proves it holds the key, no key bytes cross, and a
+proof is good for that connection only; then the connection carries frames. A connection that
+fails the exchange is closed and the listener waits for the next (see the threat model in
+docs/reliability.md). Without a key (`--insecure`) the first connection is taken."""
 
 from __future__ import annotations
 
-import hmac
 import json
-import secrets
 import socket
 import threading
 import time
 from collections.abc import Callable
 
 from rekv_jax.errors import TransportError, TransportTimeout
+from rekv_jax.transport import secret
 from rekv_jax.transport.workers import LIVENESS_S
 
-SECRET_BYTES = 16
-_HELLO_S = 5.0  # how long a connection that opened may take to present the secret
+_HELLO_S = 5.0  # how long a connection that opened may take to prove it holds the key
+PURPOSE = "control connection"  # the derived key the exchange uses (`JobKey.derive`)
 
 
 class Board:
@@ -117,10 +120,6 @@ def _read_exactly(sock: socket.socket, n: int) -> bytes:
     return bytes(data)
 
 
-def new_secret() -> bytes:
-    return secrets.token_bytes(SECRET_BYTES)
-
-
 def listen(host: str) -> tuple[socket.socket, str]:
     """A listening socket on an ephemeral port of `host`, and its "host:port" address."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -131,11 +130,11 @@ def listen(host: str) -> tuple[socket.socket, str]:
     return listener, f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def accept(listener: socket.socket, secret: bytes, timeout: float,
+def accept(listener: socket.socket, key: secret.JobKey | None, timeout: float,
            peer_alive: Callable[[], bool] = lambda: True) -> socket.socket:
-    """The first connection to `listener` that presents `secret` (others are closed);
-    TransportTimeout after `timeout` s, TransportError once `peer_alive()` says the peer is gone
-    (asked every `LIVENESS_S`)."""
+    """The first connection to `listener` that proves it holds `key` (others are closed; None:
+    the first connection); TransportTimeout after `timeout` s, TransportError once
+    `peer_alive()` says the peer is gone (asked every `LIVENESS_S`)."""
     deadline = time.monotonic() + timeout
     while (left := deadline - time.monotonic()) > 0:
         listener.settimeout(min(left, LIVENESS_S))
@@ -148,7 +147,7 @@ def accept(listener: socket.socket, secret: bytes, timeout: float,
             continue
         try:
             sock.settimeout(min(_HELLO_S, max(0.1, deadline - time.monotonic())))
-            if hmac.compare_digest(_read_frame(sock), secret):
+            if key is None or _listener_exchange(sock, key.derive(PURPOSE)):
                 return sock
         except (OSError, EOFError):
             pass
@@ -156,12 +155,38 @@ def accept(listener: socket.socket, secret: bytes, timeout: float,
     raise TransportTimeout(f"the peer did not open the control connection within {timeout:g}s")
 
 
-def connect(address: str, secret: bytes, timeout: float) -> socket.socket:
-    """Open the control connection to `address` ("host:port") and present `secret`."""
+def _listener_exchange(sock: socket.socket, key: bytes) -> bool:
+    """The listening side's half of the challenge-response: whether the connector proved it
+    holds `key` (having been shown that this side does)."""
+    theirs = _read_exactly(sock, secret.NONCE_BYTES)
+    nonces = theirs + secret.new_nonce()
+    sock.sendall(nonces[secret.NONCE_BYTES:] + secret.prove(key, "listener", nonces))
+    return secret.check(key, "connector", nonces, _read_exactly(sock, secret.PROOF_BYTES))
+
+
+def connect(address: str, key: secret.JobKey | None, timeout: float) -> socket.socket:
+    """Open the control connection to `address` ("host:port") and prove this side holds `key`
+    once the listener proved it does (None: no exchange). TransportError if it cannot, or if
+    the listener does not hold the key."""
     host, port = address.rsplit(":", 1)
     try:
         sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
-        sock.sendall(len(secret).to_bytes(4, "big") + secret)
-    except OSError as e:
+        if key is not None and not _connector_exchange(sock, key.derive(PURPOSE)):
+            sock.close()
+            raise TransportError(f"the control listener at {address} does not hold the job's "
+                                 "key (another job's, or not the peer)")
+    except (OSError, EOFError) as e:
         raise TransportError(f"could not open the control connection to {address}: {e}") from e
     return sock
+
+
+def _connector_exchange(sock: socket.socket, key: bytes) -> bool:
+    """The connecting side's half: whether the listener proved it holds `key` (this side's
+    proof is sent only then)."""
+    mine = secret.new_nonce()
+    sock.sendall(mine)
+    nonces = mine + _read_exactly(sock, secret.NONCE_BYTES)
+    if not secret.check(key, "listener", nonces, _read_exactly(sock, secret.PROOF_BYTES)):
+        return False
+    sock.sendall(secret.prove(key, "connector", nonces))
+    return True

@@ -1,8 +1,8 @@
 """Each side of a CPU pair on one machine on its own cores, so that both compute at once, as two
-GPUs do. `launch.pair_environments` splits the cores; environment variables carry the split; the
-launcher pins its own process and starts each child on its side's cores (Linux CPU affinity,
-which a child inherits). Where affinity cannot be set, or there is one core, the sides share the
-cores and say so.
+GPUs do. `launch.environments.pair_environments` splits the cores; environment variables carry
+the split; the launcher starts each side's process on its side's cores (`children_on`: Linux CPU
+affinity, which a child inherits). Where affinity cannot be set, or there is one core, the sides
+share the cores and say so.
 
 A side's cores are its *device*: only the threads of JAX's CPU backend, which run its programs,
 stay on them (`start_device`). Every other thread (Python's, the transport's, the coordination
@@ -108,7 +108,7 @@ def start_device(env: Mapping[str, str]) -> None:
     global _device_cpus
     import jax
 
-    from rekv_jax.transport.distributed import backends_started
+    from rekv_jax.jax_private import backends_started
 
     device, host = _cpus(env), _cpus(env, HOST_CPUS_ENV)
     if device is None or host is None or backends_started() or not usable_cpus():

@@ -1,6 +1,6 @@
 """jax.distributed for the two-process handoff: bounded-failure setup, the control channel between
-the two processes (`PeerChannel`), and an ordered shutdown. Every private JAX API the package
-uses is in this file.
+the two processes (`PeerChannel`), and an ordered shutdown. JAX's private modules are reached
+through `rekv_jax.jax_private` only.
 
 What JAX does when a peer dies (jax 0.10, seen here): the coordination service lives in process 0.
 If process 0 dies, the JAX client in process 1 aborts its process at once ("Terminating process
@@ -14,26 +14,27 @@ called it), so it serves that wait but not as a liveness probe: the channel keep
 
 JAX's client aborts its process (a C++ fatal error and stack) on any error it detects: a
 coordinator that never answers, or one that went away. `initialize` hands the client an error
-callback instead, which records the error: connecting then fails with a TransportError, and a peer
-lost later is reported by `PeerChannel` like any other dead peer. A prefill side first waits
-(bounded) for the coordinator's port to open, so an unreachable coordinator is a one-line error.
+callback instead (`jax_private.client_errors_recorded`), which records the error: connecting then
+fails with a TransportError, and a peer lost later is reported by `PeerChannel` like any other
+dead peer. A prefill side first waits (bounded) for the coordinator's port to open, so an
+unreachable coordinator is a one-line error. What the coordinator's store holds is public: the
+control connection's address and the two heartbeats; the job's key never enters it (`control`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
 
 import jax
-from jax._src import distributed as _jax_distributed  # private: the KV-store client
 
+from rekv_jax import jax_private
 from rekv_jax.errors import TransportError, TransportTimeout
 from rekv_jax.transport import control
 from rekv_jax.transport.base import Role
+from rekv_jax.transport.secret import JobKey
 from rekv_jax.transport.workers import LIVENESS_S
 
 # The decode side hosts the coordination service so that it survives the prefill side's death.
@@ -48,38 +49,6 @@ def _record_client_error(status: object) -> None:
     """JAX client error callback, in place of its default one that aborts the process. (jaxlib
     0.10 cannot pass the status to Python: the call then fails inside `connect`, which raises.)"""
     _client_error.append(str(status).strip().splitlines()[0])
-
-
-@contextlib.contextmanager
-def _client_errors_recorded() -> Iterator[None]:
-    """While JAX builds its distributed client, give it `_record_client_error` as its callback."""
-    lib = _jax_distributed._jax
-    make_client = getattr(lib, "get_distributed_runtime_client", None)
-    if make_client is None:  # another JAX layout: keep its default (aborting) behaviour
-        yield
-        return
-
-    class _WithCallback:
-        def __getattr__(self, name: str) -> object:
-            return getattr(lib, name)
-
-        @staticmethod
-        def get_distributed_runtime_client(*args: object, **kwargs: object) -> object:
-            return make_client(*args, missed_heartbeat_callback=_record_client_error, **kwargs)
-
-    _jax_distributed._jax = _WithCallback()
-    try:
-        yield
-    finally:
-        _jax_distributed._jax = lib
-
-
-def backends_started() -> bool:
-    """Whether JAX has started its backends in this process (after which CUDA_VISIBLE_DEVICES,
-    the memory share and XLA_FLAGS are read and fixed)."""
-    from jax._src import xla_bridge  # private
-
-    return xla_bridge.backends_are_initialized()
 
 
 def wait_for_port(address: str, timeout: float) -> None:
@@ -109,11 +78,11 @@ def initialize(coordinator: str | None, process_id: int | None, *, init_timeout_
         wait_for_port(coordinator, init_timeout_s)
     init_timeout_s = max(1, round(init_timeout_s - (time.monotonic() - start)))
     # JAX's coordination service binds every interface by default; a loopback coordinator (one
-    # machine, `launch.with_prefill_child`) keeps it to loopback
+    # machine, `launch.pair.loopback`) keeps it to loopback
     host = coordinator.rsplit(":", 1)[0].strip("[]") if coordinator else None
     bind = coordinator if host in ("127.0.0.1", "localhost", "::1") else None
     try:
-        with _client_errors_recorded():
+        with jax_private.client_errors_recorded(_record_client_error):
             jax.distributed.initialize(
                 coordinator, 2 if coordinator else None, process_id,
                 initialization_timeout=init_timeout_s, heartbeat_timeout_seconds=heartbeat_s,
@@ -122,7 +91,7 @@ def initialize(coordinator: str | None, process_id: int | None, *, init_timeout_
     except RuntimeError as e:  # JaxRuntimeError, or the callback's own error while connecting
         if not isinstance(e, jax.errors.JaxRuntimeError) and "bad_cast" not in str(e):
             raise  # misuse (e.g. JAX already started), not a missing peer
-        state = _jax_distributed.global_state
+        state = jax_private.distributed_state()
         with contextlib.suppress(RuntimeError):
             if state.service is not None:
                 state.service.shutdown()
@@ -141,7 +110,7 @@ def check_two_processes() -> None:
 
 def local_ip() -> str:
     """This host's address on the route to the coordinator (no packet is sent)."""
-    host = _jax_distributed.global_state.coordinator_address.rsplit(":", 1)[0].strip("[]")
+    host = jax_private.distributed_state().coordinator_address.rsplit(":", 1)[0].strip("[]")
     family, _, _, _, addr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
     with socket.socket(family, socket.SOCK_DGRAM) as s:
         s.connect(addr)
@@ -159,8 +128,9 @@ class PeerChannel:
     that returns only once every live task has called it.) Waits are sliced so that a dead peer
     is reported instead of waited out."""
 
-    def __init__(self, stale_s: float = 10.0, timeout: float = 60.0) -> None:
-        self._client = _jax_distributed.global_state.client
+    def __init__(self, key: JobKey | None, stale_s: float = 10.0, timeout: float = 60.0
+                 ) -> None:
+        self._client = jax_private.distributed_state().client
         if self._client is None:
             raise ValueError("jax.distributed is not initialized")
         self.process_id = jax.process_index()
@@ -172,26 +142,26 @@ class PeerChannel:
         self._beater = threading.Thread(target=self._beat, name="rekv-beat", daemon=True)
         self._beater.start()
         self._board = control.Board()
-        self._socket = control.PeerSocket(self._open(timeout), self._board,
+        self._socket = control.PeerSocket(self._open(key, timeout), self._board,
                                           f"the peer process {self.peer_id} is gone "
                                           "(its control connection closed)")
 
-    def _open(self, timeout: float) -> socket.socket:
+    def _open(self, key: JobKey | None, timeout: float) -> socket.socket:
         """Process 0 listens where the coordinator routes (loopback on one machine) and posts
-        its address and a new secret in the store; process 1 reads them and connects."""
-        key = _PREFIX + "control"
+        its address, and nothing else, in the store; process 1 reads it and connects. Both
+        prove they hold `key` (`control`)."""
+        name = _PREFIX + "control"
         if self.process_id == 0:
-            secret = control.new_secret()
             listener, address = control.listen(local_ip())
             with listener:
-                self._client.key_value_set(key, json.dumps([address, secret.hex()]))
-                return control.accept(listener, secret, timeout, self.peer_alive)
+                self._client.key_value_set(name, address)
+                return control.accept(listener, key, timeout, self.peer_alive)
         deadline = time.monotonic() + timeout
         while True:  # the store's own wait, in slices that check the peer's beat
             try:
-                address, secret = json.loads(self._client.blocking_key_value_get(
-                    key, max(1, int(1000 * min(LIVENESS_S, deadline - time.monotonic())))))
-                return control.connect(address, bytes.fromhex(secret), timeout)
+                address = self._client.blocking_key_value_get(
+                    name, max(1, int(1000 * min(LIVENESS_S, deadline - time.monotonic()))))
+                return control.connect(address, key, timeout)
             except jax.errors.JaxRuntimeError as e:
                 if "DEADLINE_EXCEEDED" not in str(e) or time.monotonic() >= deadline:
                     raise TransportError(f"the peer process {self.peer_id} did not open the "

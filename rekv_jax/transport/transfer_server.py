@@ -2,15 +2,14 @@
 registers the buffers with `await_pull` and returns; the decode side pulls them by uuid at once,
 without waiting for the header (a pull that comes before the registration waits for it, and one
 of other shapes than registered fails or brings a checksums buffer whose `spec_word` differs; the
-header is read then). A uuid is keyed by a per-run secret, so a process that can reach the
-transfer server but not the coordinator cannot name a buffer (see the threat model in
-docs/reliability.md)."""
+header is read then). A uuid is keyed by a key derived from the job's key (`PURPOSE`), so a
+process that can reach the transfer server, the coordinator and the control port, but does not
+hold the job's key, cannot name a buffer (see the threat model in docs/reliability.md)."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import secrets
 import time
 
 import jax
@@ -20,14 +19,20 @@ from jax.sharding import SingleDeviceSharding
 from rekv_jax.errors import TransportError
 from rekv_jax.transport import distributed
 from rekv_jax.transport.base import Arrival, Endpoint, Role, spec_of
+from rekv_jax.transport.secret import JobKey
 from rekv_jax.transport.workers import Worker
 
-SECRET_BYTES = 16
+PURPOSE = "transfer-server pull ids"  # the key pull ids are keyed by (`JobKey.derive`)
+
+
+def pull_key(key: JobKey | None) -> bytes:
+    """The key of a job's pull ids (none without a job key: `--insecure`)."""
+    return b"" if key is None else key.derive(PURPOSE)
 
 
 def _uuid(tag: str, secret: bytes) -> int:
-    """The pull id of a tag in the run keyed by `secret` (63 bits): the same on both sides,
-    unguessable without the secret (a keyed BLAKE2b)."""
+    """The pull id of a tag in the job whose pull ids `secret` keys (63 bits): the same on both
+    sides, unguessable without the key (a keyed BLAKE2b)."""
     digest = hashlib.blake2b(tag.encode(), digest_size=8, key=secret).digest()
     return int.from_bytes(digest, "big") >> 1
 
@@ -38,24 +43,18 @@ class TransferServerTransport(Endpoint):
 
     kind = "transfer-server"
 
-    def __init__(self, role: Role, channel: distributed.PeerChannel, timeout: float = 60.0
-                 ) -> None:
+    def __init__(self, role: Role, channel: distributed.PeerChannel, key: JobKey | None,
+                 timeout: float = 60.0) -> None:
         super().__init__(role, channel)
         self._device = jax.local_devices()[0]
         ip = distributed.local_ip()
         address = f"[{ip}]:0" if ":" in ip else f"{ip}:0"
         self._server = transfer.start_transfer_server(self._device.client, address, [address])
         channel.put(f"transfer-server/{role}", self._server.address())
-        # the run's secret: made by the prefill side (the side that serves buffers), read by the
-        # decode side over the control channel, where it already waits for the prefill side's
-        # address; the prefill side waits for nothing here
+        self._secret = pull_key(key)  # each side derives it: nothing crosses for it
         self._connection = None
-        if role == "prefill":
-            self._secret = secrets.token_bytes(SECRET_BYTES)
-            channel.put("transfer-server/secret", self._secret.hex())
-        else:
+        if role == "decode":
             self._connection = self._server.connect(channel.get("transfer-server/prefill", timeout))
-            self._secret = bytes.fromhex(channel.get("transfer-server/secret", timeout))
         self._pending: dict[str, list[jax.Array]] = {}  # sent, not yet acknowledged
         # a pull returns at once and its buffers fill in from the server's threads: `_lander`
         # waits for them, checksums them and settles the receive, first in, first out; `_guard`

@@ -1,0 +1,10 @@
+"""Processes started from Python: a job function run by both sides of a pair, or by one fresh
+process, each spawned in its own environment, supervised, and answering in Python objects.
+
+- `environments`: what each side of a pair on one machine gets (its GPUs or memory share, or
+  its cores), before JAX starts in it;
+- `child`: what runs inside a spawned process (its entry, and the `Side` a job is handed);
+- `processes`: one spawned process watched from its parent, and how it ended, in one line;
+- `pair`: the launcher (`Pair`, `run_pair`, `run_child`);
+- `runtime`: what both sides must share for their bits to agree.
+"""
