@@ -29,6 +29,7 @@ from rekv_jax.serving.pages import (
 )
 
 STEPS = 3  # decode steps per request
+CAPACITY = 64  # the contiguous caches': a power of two, so it caps no attention bucket
 
 
 def assert_bitwise(a: jax.Array, b: jax.Array) -> None:
@@ -58,10 +59,9 @@ def random_request(cfg: ModelConfig, dtype, prompt: int, rng: np.random.Generato
 
 
 def decode_alone(cfg: ModelConfig, params: dict, r: Request) -> None:
-    """The contiguous decode of r alone, on a cache whose capacity (a power of two) cuts no
-    attention bucket."""
-    capacity = 1 << (r.prompt + STEPS - 1).bit_length()
-    kv = KVCache(tuple(r.k), tuple(r.v)).pad(capacity)
+    """The contiguous decode of r alone, on a cache whose capacity cuts no attention bucket."""
+    assert r.prompt + STEPS <= CAPACITY
+    kv = KVCache(tuple(r.k), tuple(r.v)).pad(CAPACITY)
     token = r.first
     for i in range(STEPS):
         r.tokens.append(token)
@@ -190,13 +190,15 @@ def test_buckets_and_step_inputs():
 # ---------------------------------------------------------------------------- the decode step
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(family=st.sampled_from(list(FAMILIES)), page_size=st.sampled_from([1, 3, 16]),
        prompt=st.integers(1, 40), seed=st.integers(0, 2**31 - 1), dtype=st.just(jnp.bfloat16))
 @example(family="qwen2", page_size=5, prompt=13, seed=1, dtype=jnp.float32)
+@example(family="qwen3", page_size=2, prompt=1, seed=2, dtype=jnp.float32)
 def test_paged_decode_is_contiguous_decode_bitwise(family, page_size, prompt, seed, dtype):
     """A request on randomly placed pages of a random size decodes bit for bit as on a
-    contiguous cache (BF16 in every family; float32 once)."""
+    contiguous cache (BF16 in every family; float32 in two, where XLA compiles a layer
+    differently once a loop around it is inlined: docs/design.md)."""
     cfg = small_config(family, layers=2)
     params = random_params(cfg, dtype)
     rng = np.random.default_rng(seed)
@@ -206,10 +208,10 @@ def test_paged_decode_is_contiguous_decode_bitwise(family, page_size, prompt, se
     table = random_table(rng, config, prompt + STEPS)
     weights = paged.stack_weights(cfg, params)
     pool = write_prompt(paged.new_pool(cfg, config.num_pages, page_size, dtype), r, table)
-    tables = table.padded(-(-64 // page_size))[None]
+    tables = table.padded(-(-CAPACITY // page_size))[None]
     for i in range(STEPS):
         logits, pool = paged.decode_step(cfg, weights, pool, np.array([r.tokens[i]], np.int32),
-                                         np.array([prompt + i], np.int32), tables, width=64)
+                                         np.array([prompt + i], np.int32), tables, CAPACITY)
         assert_bitwise(logits[0], r.logits[i])
 
 
