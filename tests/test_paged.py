@@ -324,6 +324,8 @@ def test_bad_step_inputs_raise_value_error():
             paged.decode_step(cfg, weights, pool, one, one, tables, width)
     with pytest.raises(ValueError, match="tables"):
         paged.decode_step(cfg, weights, pool, one, one, tables[0], 16)
+    with pytest.raises(ValueError, match="positions"):
+        paged.decode_step(cfg, weights, pool, one, one * 16, tables, 16)
     with pytest.raises(ValueError, match="float32"):
         paged.decode_step(cfg, weights, paged.new_pool(cfg, 8, 4, jnp.float32), one, one,
                           tables, 16)
@@ -332,6 +334,8 @@ def test_bad_step_inputs_raise_value_error():
     x = jnp.zeros((1, 3, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)
     with pytest.raises(ValueError, match="T rows"):
         paged.write_layer(pool, 0, np.arange(2), x, x)
+    with pytest.raises(ValueError, match="next layer"):
+        paged.write_layer(pool, 0, np.arange(30, 33), x, x)
 
 
 # ---------------------------------------------------------------------------- the Pallas kernel

@@ -98,7 +98,11 @@ def write_layer(pool: PagePool, layer: int, rows: np.ndarray, k: jax.Array, v: j
                          f"{len(rows)} rows")
     if k.dtype != pool.dtype:
         raise ValueError(f"the pool holds {pool.dtype.name}, the cache is {k.dtype}")
-    return _write(pool, np.int32(layer), np.asarray(rows, np.int32), k, v)
+    rows = np.asarray(rows, np.int32)
+    if len(rows) and not 0 <= rows.min() <= rows.max() < pool.num_pages * pool.page_size:
+        raise ValueError(f"rows must be in 0..{pool.num_pages * pool.page_size - 1} (a row past "
+                         f"a layer's pages would land in the next layer's)")
+    return _write(pool, np.int32(layer), rows, k, v)
 
 
 def write_cache(pool: PagePool, kv: KVCache, first: int, rows: np.ndarray) -> PagePool:
@@ -244,8 +248,9 @@ def decode_step(cfg: ModelConfig, weights: StepWeights, pool: PagePool, tokens: 
                 attention: str | None = None) -> tuple[jax.Array, PagePool]:
     """One decode step of B requests: tokens [B] int32 at positions [B], each attending over
     its pages `tables` [B, n]; `width`, a power of two at least every position + 1 and at most
-    n * page_size, sets the program (`width_bucket`). The pool is donated (each new K/V is
-    written in place): use the one returned. Returns (logits [B, V] f32, the pool).
+    n * page_size, sets the program (`serving.pages.width_bucket`). The pool is donated (each
+    new K/V is written in place): use the one returned. Returns (logits [B, V] f32, the pool).
+    Positions are checked when they are host arrays (device ones are never pulled).
     `attention`: one of PAGED_ATTENTIONS, default Pallas on a GPU, else XLA."""
     attention = attention or ("pallas" if jax.default_backend() == "gpu" else "xla")
     if attention not in PAGED_ATTENTIONS:
@@ -260,5 +265,8 @@ def decode_step(cfg: ModelConfig, weights: StepWeights, pool: PagePool, tokens: 
     if width & (width - 1) or not width <= tables.shape[1] * pool.page_size:
         raise ValueError(f"width must be a power of two within the tables' "
                          f"{tables.shape[1]} pages of {pool.page_size}, got {width}")
+    if isinstance(positions, np.ndarray) and not 0 <= positions.min() <= positions.max() < width:
+        raise ValueError(f"positions must be in 0..{width - 1} (the width), got "
+                         f"{positions.min()}..{positions.max()}")
     return _step(cfg, weights, pool, tokens, positions, tables, width=width,
                  attention=attention)
