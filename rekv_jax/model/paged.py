@@ -13,12 +13,13 @@ owns some pages (its block table, `rekv_jax.serving.pages`): its position `p` li
 (batch, width) shape. It computes each request exactly as the contiguous
 `transformer.decode_step` computes a batch of one. On XLA:CPU a dot's bits depend on its row
 count (one row runs XLA's matrix-vector code, more rows YNNPACK's tiled kernels, whose bits
-change again with the count), and the softmax's sum depends on the attention width. So every dot of the step runs each request's row alone (a loop over the batch
-inside the layer, sharing the layer's weights), and each request attends over its own
-power-of-two bucket of positions (one branch per bucket), never the batch's. A request's logits
-are then bitwise the same whatever shares its batch, in any slot, and equal to the contiguous
-decode of it alone on a cache whose capacity cuts no bucket. With `attention="pallas"` (a GPU)
-attention is JAX's Pallas paged-attention kernel over the BF16 pages instead, with its own bits.
+change again with the count), and the softmax's sum depends on the attention width. So every
+dot of the step runs each request's row alone (a loop over the batch inside the layer, sharing
+the layer's weights), and each request attends over its own power-of-two bucket of positions
+(one branch per bucket), never the batch's. A request's logits are then bitwise the same
+whatever shares its batch, in any slot, and equal to the contiguous decode of it alone on a
+cache whose capacity cuts no bucket. With `attention="pallas"` (a GPU) attention is JAX's
+Pallas paged-attention kernel over the BF16 pages instead, with its own bits.
 """
 
 from __future__ import annotations
