@@ -21,9 +21,11 @@ ALLOWED = {
     "handoff": {"model", "launch", "transport", TOP, KERNELS},
     "planning": {"model", "transport", TOP, KERNELS},
     "quality": {"handoff", "model", "launch", "transport", TOP, KERNELS},
-    "study": {"quality", "handoff", "planning", "model", "launch", "transport", TOP, KERNELS},
-    "cli": {"study", "quality", "handoff", "planning", "model", "launch", "transport", TOP,
-            KERNELS},
+    "serving": {"handoff", "planning", "model", "launch", "transport", TOP, KERNELS},
+    "study": {"serving", "quality", "handoff", "planning", "model", "launch", "transport", TOP,
+              KERNELS},
+    "cli": {"study", "serving", "quality", "handoff", "planning", "model", "launch", "transport",
+            TOP, KERNELS},
 }
 
 
@@ -142,6 +144,10 @@ def test_the_check_finds_planted_violations(tmp_path):
         "rekv_jax/cli/__init__.py": "",
         "rekv_jax/cli/main.py": "from . import other\n",
         "rekv_jax/cli/other.py": "",
+        "rekv_jax/serving/__init__.py": "",
+        "rekv_jax/serving/pages.py": "from rekv_jax.model import transformer\n",
+        "rekv_jax/handoff/__init__.py": "",
+        "rekv_jax/handoff/core.py": "from rekv_jax.serving.pages import BlockTable\n",
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -150,6 +156,7 @@ def test_the_check_finds_planted_violations(tmp_path):
     assert deps["rekv_jax.cli.main"] == {"rekv_jax.cli.other"}  # relative imports resolve
     assert [v.split(" (")[0] for v in violations(deps)] == [
         "pallas_kernels.quant imports rekv_jax.sizes",
+        "rekv_jax.handoff.core imports rekv_jax.serving.pages",
         "rekv_jax.quality.gate imports rekv_jax.planning.costmodel",
         "rekv_jax.sizes imports rekv_jax.model.transformer",
         "rekv_jax.study.b imports rekv_jax.cli.main",

@@ -1,5 +1,6 @@
 """The model: the transformer (modules, layer program, functional API), its parameters (HF
-safetensors, orbax) and the one loader."""
+safetensors, orbax), the one loader, and the decode side's paged cache and batched step
+(`paged`)."""
 
 from rekv_jax.model.transformer import (
     KVCache,

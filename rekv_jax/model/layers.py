@@ -65,22 +65,14 @@ class Attention(nnx.Module):
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B, T, D] -> (out [B, T, D], k, v): k/v [B, T, K, H], or with a past the updated
         cache [B, C, K, H] (attention reads its first `width` positions only)."""
-        q = jnp.einsum("btd,dnh->btnh", x, self.q_proj[...])  # [B, T, N, H]
-        k = jnp.einsum("btd,dkh->btkh", x, self.k_proj[...])  # [B, T, K, H]
-        v = jnp.einsum("btd,dkh->btkh", x, self.v_proj[...])  # [B, T, K, H]
-        if self.cfg.qkv_bias:
-            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
-        if self.cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = self.project(x, rope)
         start, seen_k, seen_v = 0, k, v
         if past is not None:  # write at `start` into a capacity-C cache (in place when donated)
             past_k, past_v, start, width = past
             k = jax.lax.dynamic_update_slice_in_dim(past_k, k, start, axis=1)  # [B, C, K, H]
             v = jax.lax.dynamic_update_slice_in_dim(past_v, v, start, axis=1)  # [B, C, K, H]
             seen_k, seen_v = k[:, :width], v[:, :width]  # [B, W, K, H]: nothing past the bucket
-        T, W = q.shape[1], seen_k.shape[1]
-        mask = jnp.arange(W)[None, :] <= start + jnp.arange(T)[:, None]  # [T, W]: t sees 0..start+t
+        mask = causal_mask(start, q.shape[1], seen_k.shape[1])  # [T, W]
         # `attention` is concrete here (the public functions resolve `auto`)
         if self.cfg.attention != "cudnn":
             out = xla_attention(q, seen_k, seen_v, mask)  # [B, T, N, H]
@@ -90,7 +82,28 @@ class Attention(nnx.Module):
             # aligned, so it cannot express the offset `start` (see docs/gpu.md)
             out = jax.nn.dot_product_attention(q, seen_k, seen_v, mask=mask[None, None],
                                                implementation="cudnn")
-        return jnp.einsum("btnh,nhd->btd", out, self.o_proj[...]), k, v  # [B, T, D]
+        return self.output(out), k, v  # [B, T, D]
+
+    def project(self, x: jax.Array, rope: tuple[jax.Array, jax.Array]
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [B, T, D] -> q [B, T, N, H] and this step's k, v [B, T, K, H], after RoPE."""
+        q = jnp.einsum("btd,dnh->btnh", x, self.q_proj[...])  # [B, T, N, H]
+        k = jnp.einsum("btd,dkh->btkh", x, self.k_proj[...])  # [B, T, K, H]
+        v = jnp.einsum("btd,dkh->btkh", x, self.v_proj[...])  # [B, T, K, H]
+        if self.cfg.qkv_bias:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, *rope), apply_rope(k, *rope), v
+
+    def output(self, out: jax.Array) -> jax.Array:
+        """Attention's heads out [B, T, N, H] -> [B, T, D] (the output projection)."""
+        return jnp.einsum("btnh,nhd->btd", out, self.o_proj[...])
+
+
+def causal_mask(start: int | jax.Array, tokens: int, width: int) -> jax.Array:
+    """[T, W] bool: token t, at position start + t, sees cache positions 0..start+t."""
+    return jnp.arange(width)[None, :] <= start + jnp.arange(tokens)[:, None]
 
 
 def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -139,9 +152,13 @@ class DecoderLayer(nnx.Module):
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
         with jax.named_scope("attn"):  # profile labels: decoder_layer/attn, decoder_layer/mlp
             attn_out, k, v = self.attn(self.input_norm(x), rope, past)
+        return self.finish(x, attn_out), k, v
+
+    def finish(self, x: jax.Array, attn_out: jax.Array) -> jax.Array:
+        """The rest of the block after attention: x [B, T, D] + attn_out, then + its MLP."""
         x = x + attn_out
         with jax.named_scope("mlp"):
-            return x + self.mlp(self.post_attn_norm(x)), k, v
+            return x + self.mlp(self.post_attn_norm(x))
 
 
 # ---------------------------------------------------------------------------- RoPE

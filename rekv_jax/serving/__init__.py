@@ -1,0 +1,1 @@
+"""The decode worker of a serving system: the paged cache's bookkeeping (`pages`)."""
