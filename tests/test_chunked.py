@@ -27,6 +27,7 @@ from rekv_jax.handoff.core import (
 )
 from rekv_jax.handoff.generate import Request, generate
 from rekv_jax.handoff.payload import pack_prefix, unpack_prefix
+from rekv_jax.handoff.prefix_format import PrefixCodec
 from rekv_jax.model import new_cache, prefill, run_chunk, run_prefix, run_suffix, token_chunks
 from rekv_jax.quality.gate import reconstruct_cache
 from rekv_jax.study.experiment import Experiment, run_local
@@ -136,8 +137,8 @@ def test_handoff_is_its_chunked_reference_bitwise(family, seq, chunks, action, p
     result = handoff(cfg, params, tokens, action, chunks, pipelined)
     kv, logits, name = reference(cfg, params, tokens, action.cut, chunks, pipelined)
     c = action.cut
-    restored = unpack_prefix(pack_prefix(kv.layers(0, c), action.bits), action.bits,
-                             jnp.bfloat16)
+    codec = PrefixCodec(action.bits)
+    restored = unpack_prefix(pack_prefix(kv.layers(0, c), codec), codec, jnp.bfloat16)
     assert_same([result.kv.k[:c], result.kv.v[:c], result.kv.k[c:], result.kv.v[c:]],
                 [restored.k, restored.v, kv.k[c:], kv.v[c:]])
     assert np.array_equal(result.first_token, jnp.argmax(logits, axis=-1))
@@ -212,7 +213,8 @@ def test_quality_scores_the_chunked_caches():
         kv, logits = reconstruct_cache(cfg, params, tokens, action, 4, pipelined)
         want, want_logits, name = reference(cfg, params, tokens, action.cut, 4, pipelined)
         assert np.array_equal(logits, want_logits) and np.array_equal(kv.k[4:], want.k[4:])
-        restored = unpack_prefix(pack_prefix(want.layers(0, 4), 8), 8, jnp.bfloat16)
+        restored = unpack_prefix(pack_prefix(want.layers(0, 4), PrefixCodec(8)), PrefixCodec(8),
+                                 jnp.bfloat16)
         assert np.array_equal(kv.k[:4], restored.k) and np.array_equal(kv.v[:4], restored.v)
 
 

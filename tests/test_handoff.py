@@ -26,6 +26,7 @@ from rekv_jax.handoff.check import SUFFIX_ACROSS, HostReference, check_cache
 from rekv_jax.handoff.core import prepare, receive_handoff, send_handoff, send_prompt
 from rekv_jax.handoff.outcome import TIMELINE, Handoff, PrefillTimes
 from rekv_jax.handoff.payload import pack_prefix, unpack_prefix
+from rekv_jax.handoff.prefix_format import PrefixCodec
 from rekv_jax.phases import PAPER_SCHEDULES, Phases
 from rekv_jax.planning.planner import analytic_profile
 from rekv_jax.sizes import action_bytes
@@ -283,7 +284,8 @@ def test_cache_check_does_not_trust_the_payload_code():
                                                     0.0, Phases(0.0, 0.0, 0.0, 0.0, 0.0)))
 
     def restored(bits: int) -> KVCache:
-        return unpack_prefix(pack_prefix(reference.layers(0, 4), bits), bits, jnp.bfloat16)
+        codec = PrefixCodec(bits)
+        return unpack_prefix(pack_prefix(reference.layers(0, 4), codec), codec, jnp.bfloat16)
 
     q8 = restored(8)
     assert check(q8) == "suffix bitwise, prefix within the q8 error bound"

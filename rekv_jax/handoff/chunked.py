@@ -35,6 +35,7 @@ from rekv_jax.action import Action, ActionKind
 from rekv_jax.config import ModelConfig
 from rekv_jax.handoff.outcome import Handoff, PrefillTimes, elapsed_ms, finish_send, outcome
 from rekv_jax.handoff.payload import prefix_specs, recv_prefix, send_prefix
+from rekv_jax.handoff.prefix_format import PrefixCodec
 from rekv_jax.kv import KVCache
 from rekv_jax.model.transformer import (
     Params,
@@ -75,6 +76,7 @@ def send_pipelined(transport: Transport, cfg: ModelConfig, params: Params, token
     through layers 0..c-1, send its `h_c`, quantize and send its prefix KV."""
     c, L = action.cut, cfg.num_layers
     B, S = tokens.shape
+    codec = PrefixCodec.of(cfg, params, action)
     t0, sent_before = time.perf_counter(), transport.sent_bytes
     transport.send(f"{tag}/tokens", [tokens], timeout)
     phases, prefill_ms, quantize_ms, boundary_at_ms = ["tokens"], 0.0, 0.0, 0.0
@@ -94,8 +96,8 @@ def send_pipelined(transport: Transport, cfg: ModelConfig, params: Params, token
             boundary_at_ms = boundary_at_ms or elapsed_ms(t0, time.perf_counter())
             transport.send(name, out, timeout)
             phases.append(name.removeprefix(f"{tag}/"))
-        quantize_ms += send_prefix(transport, f"{tag}/prefix{i}", kv.span(a, b), action.bits,
-                                   backend, timeout)
+        quantize_ms += send_prefix(transport, f"{tag}/prefix{i}", kv.span(a, b), codec,
+                                   backend, timeout, start=a)
         phases.append(f"prefix{i}")
     finish_send(transport, tag, phases, timeout, PrefillTimes(
         prefill_ms, quantize_ms, boundary_at_ms, transport.sent_bytes - sent_before))
@@ -108,6 +110,7 @@ def receive_chunked(transport: Transport, cfg: ModelConfig, params: Params, acti
     on each token chunk as it arrives; the prefix restored meanwhile on the background worker."""
     c, L, D = action.cut, cfg.num_layers, cfg.hidden_size
     dtype = params["embed"].dtype
+    codec = PrefixCodec.of(cfg, params, action)
     ranges = token_chunks(seq_len, chunks)
     token_spec = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
     first_spec = jax.ShapeDtypeStruct((batch,), jnp.int32)
@@ -144,8 +147,9 @@ def receive_chunked(transport: Transport, cfg: ModelConfig, params: Params, acti
         try:
             spans = []  # pipelined: chunk by chunk, as computed
             for i, (name, shape) in enumerate(zip(prefix_tags, prefix_shapes, strict=True)):
-                spans.append(recv_prefix(transport, cfg, action, shape, dtype, name, backend,
-                                         timeout, boundary_in[i if pipelined else -1]))
+                spans.append(recv_prefix(transport, cfg, codec, shape, dtype, name, backend,
+                                         timeout, boundary_in[i if pipelined else -1],
+                                         start=ranges[i][0] if pipelined else 0))
                 prefix_in[i].set()
             prefix = KVCache.join_spans(*spans) if pipelined else spans[0]
         finally:  # a failed receive holds up no other

@@ -35,6 +35,7 @@ from rekv_jax.action import Action, ActionKind
 from rekv_jax.config import ModelConfig
 from rekv_jax.handoff.outcome import Handoff, PrefillTimes, elapsed_ms, finish_send, outcome
 from rekv_jax.handoff.payload import pack_prefix, prefix_specs, recv_prefix, send_prefix
+from rekv_jax.handoff.prefix_format import PrefixCodec
 from rekv_jax.kv import KVCache
 from rekv_jax.model.transformer import (
     Params,
@@ -68,6 +69,7 @@ class PrefillState:
     # `checksums` of this process's suffix KV [K, V] (joint actions, when asked for): the decode
     # side compares its recomputed suffix with it (sent with the prefill side's times)
     suffix_sums: tuple[int, ...] = dataclasses.field(default=(), metadata={"static": True})
+    codec: PrefixCodec | None = None  # how the prefix is encoded (None: no prefix)
 
 
 def check_schedule(schedule: str, prefill_mode: str, chunks: int, seq_len: int) -> None:
@@ -96,7 +98,8 @@ def prepare(cfg: ModelConfig, params: Params, tokens: jax.Array, action: Action,
     first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     joint = action.kind == ActionKind.JOINT
     sums = tuple(checksums([suffix.k, suffix.v])) if joint and check_suffix else ()
-    return PrefillState(tokens, h_c if joint else None, prefix, first, sums)
+    return PrefillState(tokens, h_c if joint else None, prefix, first, sums,
+                        PrefixCodec.of(cfg, params, action))
 
 
 # ---------------------------------------------------------------------------- prefix payload
@@ -144,7 +147,7 @@ def _send_state(transport: Transport, state: PrefillState, action: Action, tag: 
     start = time.perf_counter()
     payload = []
     if state.prefix is not None:
-        payload = jax.block_until_ready(pack_prefix(state.prefix, action.bits, backend))
+        payload = jax.block_until_ready(pack_prefix(state.prefix, state.codec, backend))
     quantize_ms = elapsed_ms(start, time.perf_counter()) if action.bits != 16 else 0.0
     pieces = [] if state.h_c is None else [state.h_c] if chunks == 1 else [
         state.h_c[:, a:b] for a, b in token_chunks(state.h_c.shape[1], chunks)]  # [B, T, D]
@@ -169,6 +172,7 @@ def _send_streamed(transport: Transport, cfg: ModelConfig, params: Params, token
     hand it to the link, which moves it while the next layer computes. `h_c` (or, transfer-only,
     the first token) leaves as soon as layer c-1 is computed, before that layer's payload."""
     c, L = action.cut, cfg.num_layers
+    codec = PrefixCodec.of(cfg, params, action)
     sent_before = transport.sent_bytes
     transport.send(f"{tag}/tokens", [tokens], timeout)
     phases, prefill_ms, quantize_ms, boundary_at_ms = ["tokens"], 0.0, 0.0, 0.0
@@ -190,8 +194,8 @@ def _send_streamed(transport: Transport, cfg: ModelConfig, params: Params, token
             phases.append("boundary")
         else:
             prefill_ms += elapsed_ms(start, time.perf_counter())
-        quantize_ms += send_prefix(transport, f"{tag}/layer{layer}", kv, action.bits, backend,
-                                   timeout)
+        quantize_ms += send_prefix(transport, f"{tag}/layer{layer}", kv, codec, backend,
+                                   timeout, layer)
         phases.append(f"layer{layer}")
     finish_send(transport, tag, phases, timeout, PrefillTimes(
         prefill_ms, quantize_ms, boundary_at_ms, transport.sent_bytes - sent_before))
@@ -222,6 +226,7 @@ def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, acti
                                pipelined, fallback, backend, timeout)
     split, c = prefill_mode == PrefillMode.SPLIT, action.cut
     dtype = params["embed"].dtype
+    codec = PrefixCodec.of(cfg, params, action)
     token_spec = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
     first_spec = jax.ShapeDtypeStruct((batch,), jnp.int32)
     h_c_spec = jax.ShapeDtypeStruct((batch, seq_len, cfg.hidden_size), dtype)
@@ -237,7 +242,7 @@ def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, acti
 
     def restore_prefix() -> tuple[KVCache, float]:
         if not split:
-            prefix = recv_prefix(transport, cfg, action, (batch, seq_len, c), dtype,
+            prefix = recv_prefix(transport, cfg, codec, (batch, seq_len, c), dtype,
                                  f"{tag}/prefix", backend, timeout, boundary_in)
         else:  # restore each layer as it arrives (all pulled at once: see Transport.prefetch)
             transport.prefetch([f"{tag}/layer{layer}" for layer in range(c)],
@@ -245,8 +250,9 @@ def receive_handoff(transport: Transport, cfg: ModelConfig, params: Params, acti
             layers = []
             for layer in range(c):
                 try:
-                    layers.append(recv_prefix(transport, cfg, action, (batch, seq_len, 1), dtype,
-                                              f"{tag}/layer{layer}", backend, timeout))
+                    layers.append(recv_prefix(transport, cfg, codec, (batch, seq_len, 1), dtype,
+                                              f"{tag}/layer{layer}", backend, timeout,
+                                              layer=layer))
                 except TransportError as e:
                     raise TransportError(f"prefix layer {layer} lost after {layer} of {c} "
                                          f"arrived: {e}") from e

@@ -27,6 +27,7 @@ from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
 from rekv_jax.gate_result import GateMetrics, GateResult
 from rekv_jax.handoff.payload import round_trip
+from rekv_jax.handoff.prefix_format import PrefixCodec
 from rekv_jax.kv import KVCache
 from rekv_jax.model.transformer import (
     Params,
@@ -35,6 +36,7 @@ from rekv_jax.model.transformer import (
     prefill,
     run_prefix,
     run_suffix,
+    token_chunks,
 )
 from rekv_jax.quality import niah
 from rekv_jax.quality.data import windows
@@ -50,22 +52,27 @@ def reconstruct_cache(cfg: ModelConfig, params: Params, tokens: jax.Array, actio
                       chunks: int = 1, pipelined: bool = False) -> tuple[KVCache, jax.Array]:
     """The decode side's cache after `action`, computed in-process (no transport).
 
-    Prefix layers 0..c-1 are quantized and restored; layers c..L-1 are recomputed from the
-    exact boundary state h_c, whose suffix also gives the first token's logits [B, V]. With
-    `chunks` > 1: the chunked schedule's cache (the suffix in token chunks), or, `pipelined`,
-    the pipelined prefill's (every layer in token chunks).
+    Prefix layers 0..c-1 are quantized and restored in the action's format; layers c..L-1 are
+    recomputed from the exact boundary state h_c, whose suffix also gives the first token's
+    logits [B, V]. With `chunks` > 1: the chunked schedule's cache (the suffix in token chunks),
+    or, `pipelined`, the pipelined prefill's (every layer in token chunks, the prefix sent and
+    restored chunk by chunk).
     """
     if action.num_layers != cfg.num_layers:
         raise ValueError(f"action {action} is for {action.num_layers} layers, the model has "
                          f"{cfg.num_layers}")
     c, L = action.cut, cfg.num_layers
+    codec = PrefixCodec.of(cfg, params, action)
     if pipelined:
         kv, logits = prefill(cfg, params, tokens, chunks)
         prefix, suffix = kv.layers(0, c), kv.layers(c, L)
-    else:
-        h_c, prefix = run_prefix(cfg, params, tokens, c)  # [B, S, D], [c, B, S, K, H]
-        suffix, logits = run_suffix(cfg, params, h_c, c, chunks=chunks)  # [L - c, ...], [B, V]
-    return KVCache.concat(round_trip(prefix, action.bits), suffix), logits
+        if c > 0:
+            prefix = KVCache.join_spans(*(round_trip(prefix.span(a, b), codec, a)
+                                          for a, b in token_chunks(tokens.shape[1], chunks)))
+        return KVCache.concat(prefix, suffix), logits
+    h_c, prefix = run_prefix(cfg, params, tokens, c)  # [B, S, D], [c, B, S, K, H]
+    suffix, logits = run_suffix(cfg, params, h_c, c, chunks=chunks)  # [L - c, ...], [B, V]
+    return KVCache.concat(round_trip(prefix, codec), suffix), logits
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,6 +38,7 @@ from rekv_jax.handoff.core import (
     send_prompt,
 )
 from rekv_jax.handoff.outcome import Handoff
+from rekv_jax.handoff.prefix_format import KeyBias
 from rekv_jax.model.loader import load_model
 from rekv_jax.model.transformer import Params, attention_backend, prefill
 from rekv_jax.phases import (
@@ -314,7 +315,7 @@ class References:
                 chunked.reference(*args, cut, chunks, self._pipelined) if chunks > 1
                 else (*split_reference(*args, cut, *self._devices), "") if self._sharded
                 else (*prefill(*args), ""))
-            self._cache[key] = (HostReference(reference),
+            self._cache[key] = (HostReference(reference, KeyBias.of(self._cfg, self._params)),
                                 np.asarray(jnp.argmax(logits, axis=-1)), name)
         return self._cache[key]
 
