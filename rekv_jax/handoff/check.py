@@ -62,9 +62,9 @@ class HostReference:
             if bits is None:
                 self._memo[key] = Expected.of(k), Expected.of(v)
             else:
-                self._memo[key] = (
-                    Expected.of(k, key_error_bound(k, bits, fmt, k.dtype, self._key_bias, start)),
-                    Expected.of(v, error_bound(v, bits, v.dtype)))
+                bound = key_error_bound(k, bits, fmt, k.dtype, self._key_bias, layer=start)
+                self._memo[key] = (Expected.of(k, bound),
+                                   Expected.of(v, error_bound(v, bits, v.dtype)))
         return self._memo[key]
 
 

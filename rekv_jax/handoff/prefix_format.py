@@ -208,13 +208,13 @@ class KeyBias:
                          for layer in params["layers"]])
         return cls(bias, inverse_frequencies(cfg, np.float64))
 
-    def rope(self, start: int, stop: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-        """RoPE(b_k, pos) of layers start..stop-1 at positions 0..seq_len-1, [n, S, K, H], and a
+    def rope(self, layers: slice, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """RoPE(b_k, pos) of `layers` at `positions` [S], [n, S, K, H], and a
         bound on how far the float32 evaluation of `_rope_bias` lies from it: the angle
         `pos * inv_freq` rounded twice (2.5 ulp, < 2**-22 of the angle), cos/sin and the rotation's
         products and sum (< 2**-17 generously), each times |b_i| + |b_j| of the rotated pair."""
-        b = self.bias[start:stop][:, None]  # [n, 1, K, H]
-        theta = np.arange(seq_len)[:, None] * self.inv_freq  # [S, H/2]
+        b = self.bias[layers][:, None]  # [n, 1, K, H]
+        theta = np.asarray(positions, np.float64)[:, None] * self.inv_freq  # [S, H/2]
         cos, sin = (f(theta)[None, :, None] for f in (np.cos, np.sin))  # [1, S, 1, H/2]
         b1, b2 = np.split(b, 2, axis=-1)
         rope = np.concatenate([b1 * cos - b2 * sin, b2 * cos + b1 * sin], axis=-1)
@@ -257,8 +257,8 @@ def _group_error(mag: np.ndarray, bits: int, per_channel: bool) -> np.ndarray:
 
 
 def key_error_bound(keys: np.ndarray, bits: int, fmt: str, dtype: np.dtype,
-                    bias: KeyBias | None = None, first_layer: int = 0) -> np.ndarray:
-    """Per element of keys `[n, B, S, K, H]` (layers `first_layer..`, positions 0..S-1), the
+                    bias: KeyBias | None = None, layer: int = 0, start: int = 0) -> np.ndarray:
+    """Per element of keys `[n, B, S, K, H]` (of layers `layer..`, at positions `start..`), the
     largest |restored - keys| a round trip in `fmt` to `dtype` may have, in float64.
 
     Let y be the quantizer's input computed exactly (keys, minus RoPE(b_k, pos), rotated) and
@@ -274,7 +274,8 @@ def key_error_bound(keys: np.ndarray, bits: int, fmt: str, dtype: np.dtype,
     if DEBIAS in parts:
         if bias is None:
             raise ValueError(f"the error bound of prefix format {fmt!r} needs the k_proj bias")
-        rope, rope_err = bias.rope(first_layer, first_layer + x.shape[0], x.shape[2])
+        n, s = x.shape[0], x.shape[2]
+        rope, rope_err = bias.rope(slice(layer, layer + n), np.arange(start, start + s))
         y = x - rope[:, None]
         err = _U * (np.abs(y) + rope_err[:, None])  # K - RoPE(b) rounded to float32
         slack = rope_err[:, None] + err
