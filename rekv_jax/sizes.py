@@ -78,8 +78,8 @@ def format_layer_bytes(kv_bytes: int, seq_len: int, fmt: str) -> int:
     """One KV layer's Q8/Q4 payload in format `fmt`, from its payload `kv_bytes` in the paper's
     (keys and values of `seq_len` tokens each, the same bytes per token): the keys' half carries
     `key_tokens` tokens. Exact for `kv_layer_bytes`; rounded up for a share of it per link."""
-    half = kv_bytes // 2
-    return half + -(-half * key_tokens(seq_len, fmt) // seq_len)
+    padding = key_tokens(seq_len, fmt) - seq_len
+    return kv_bytes + -(-kv_bytes // 2 * padding // seq_len) if padding else kv_bytes
 
 
 def kv_layer_bytes(cfg: ModelConfig, seq_len: int, batch: int = 1, bits: int = 16,

@@ -15,7 +15,7 @@ from rekv_jax.cli.render import emit_json
 
 def _handoff_experiment(args: argparse.Namespace):
     """The experiment of `rekv handoff` and a line saying which link it runs on."""
-    from rekv_jax.action import parse_actions
+    from rekv_jax.action import parse_actions, parse_formats
     from rekv_jax.handoff.chunked import DEFAULT_CHUNKS
     from rekv_jax.model.loader import load_config
     from rekv_jax.phases import PAPER_SCHEDULES, PrefillMode, Schedule
@@ -39,7 +39,9 @@ def _handoff_experiment(args: argparse.Namespace):
         link = None  # one side of a multi-host pair: the link is real, not emulated
     exp = Experiment(  # checks every field before any process starts
         model=args.model, seq_len=args.seq_len, batch=args.batch,
-        actions=tuple(parse_actions(args.actions or DEFAULT_ACTIONS, cfg.num_layers)),
+        actions=tuple(parse_actions(args.actions or DEFAULT_ACTIONS, cfg.num_layers,
+                                    parse_formats(args.prefix_format) if args.prefix_format
+                                    else None)),
         schedules=schedules,
         chunks=args.chunks or (DEFAULT_CHUNKS if Schedule.CHUNKED in schedules else 1),
         transport=args.transport, link_gbps=None if link == PAPER_LINK else link,
