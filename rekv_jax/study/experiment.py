@@ -161,7 +161,9 @@ class Weights:
         """(the loaded model, its `fingerprint`)."""
         if self._key != (spec, seed):
             self._key, self._held = None, None  # the old weights go before the new ones come
-            model = load_model(spec, seed)
+            # a trained-model folder from its safetensors: an orbax restore under
+            # jax.distributed refuses a checkpoint saved by one process
+            model = load_model(spec, seed, orbax=False)
             self._held = model, fingerprint(model.cfg, model.params)
             self._key = (spec, seed)
         return self._held
