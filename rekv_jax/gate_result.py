@@ -25,6 +25,10 @@ class GateMetrics:
     niah_pass: int  # NIAH prompts whose greedy passkey is exact on the action's cache
     niah_total: int
     niah_pass_bf16: int
+    # the measured noise of kl and of the log-perplexity change: standard errors over the
+    # windows (None where not measured)
+    kl_se: float | None = None
+    log_ppl_change_se: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,17 +46,21 @@ class GateResult:
     def to_json(self) -> dict[str, Any]:
         """The `rekv quality --json` line; inverse of `from_json`."""
         chunked = {"chunks": self.chunks, "pipelined": self.pipelined} if self.chunks > 1 else {}
-        metrics = {} if self.metrics is None else dataclasses.asdict(self.metrics)
+        metrics = {} if self.metrics is None else {  # an unmeasured noise is left out
+            f.name: getattr(self.metrics, f.name) for f in dataclasses.fields(GateMetrics)
+            if f.default is dataclasses.MISSING or getattr(self.metrics, f.name) is not None}
         return {"model": self.model, "seq_len": self.seq_len, "action": self.action, **chunked,
                 **metrics, "eligible": self.eligible}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> GateResult:
-        """Parse a line; its metrics only when it holds all of them (a transcribed verdict may
-        hold a few, or none)."""
-        names = [f.name for f in dataclasses.fields(GateMetrics)]
+        """Parse a line; its metrics only when it holds all that have no default (a transcribed
+        verdict may hold a few, or none)."""
+        fields = dataclasses.fields(GateMetrics)
+        names = [f.name for f in fields if f.default is dataclasses.MISSING]
+        given = {f.name: d[f.name] for f in fields if f.name in d}
         try:
-            metrics = GateMetrics(**{k: d[k] for k in names}) if set(names) <= d.keys() else None
+            metrics = GateMetrics(**given) if set(names) <= d.keys() else None
             return cls(d["model"], int(d["seq_len"]), d["action"], bool(d["eligible"]),
                        int(d.get("chunks", 1)), bool(d.get("pipelined", False)), metrics)
         except (KeyError, TypeError) as e:

@@ -24,8 +24,9 @@ from pallas_kernels import quant as kernels
 from pallas_kernels.quant import F16_TO_INF, QMAX, QuantizedTensor, quantized_specs
 from rekv_jax.sizes import GROUP_SIZE
 
-__all__ = ["BACKENDS", "BACKEND_ENV", "QMAX", "QuantizedTensor", "check_finite", "dequantize",
-           "error_bound", "finite_error", "quantize", "quantize_unchecked", "quantized_specs",
+__all__ = ["BACKENDS", "BACKEND_ENV", "QMAX", "QuantizedTensor", "check_finite", "code_error",
+           "dequantize", "error_bound", "finite_error", "quantize", "quantize_unchecked",
+           "quantized_specs",
            "resolve_backend"]
 BACKENDS = ("xla", "pallas", "pallas-interpret")
 BACKEND_ENV = "REKV_QUANT_BACKEND"
@@ -88,20 +89,27 @@ def dequantize(q: QuantizedTensor, dtype: jnp.dtype | None = None, *,
     return kernels.dequantize(q, dtype, interpret=choice == "pallas-interpret")
 
 
+def code_error(group_max: np.ndarray, bits: int) -> np.ndarray:
+    """The largest |code * s - x| the contract allows for an element of a group whose max |x| is
+    `group_max` (float64, before any cast of the restored value).
+
+    The stored scale is float16(a / qmax): within 2**-11 relative (2**-25 absolute where float16
+    is subnormal) of a / qmax, so |x| / s stays below qmax + 1/2 and rounding the code costs at
+    most s / 2 (a clipped code, or a scale flushed to zero, at most qmax * 2**-24).
+    """
+    qmax = QMAX[bits]
+    scale = np.asarray(group_max, np.float64) / qmax * (1 + 2.0**-11)  # the largest stored
+    return scale / 2 + qmax * 2.0**-24
+
+
 def error_bound(x: np.ndarray, bits: int, dtype: jnp.dtype, group_size: int = GROUP_SIZE
                 ) -> np.ndarray:
     """Per element of `x [..., H]`, the largest |restored - x| the contract allows after a
-    quantize/dequantize round trip to `dtype`, computed in float64 from `x` alone (no kernel).
-
-    With `a` a group's max |x|, the stored scale is float16(a / qmax): within 2**-11 relative
-    (2**-25 absolute where float16 is subnormal) of a / qmax, so |x| / s stays below qmax + 1/2
-    and rounding the code costs at most s / 2 (a clipped code, or a scale flushed to zero, at most
-    qmax * 2**-24). Casting `code * s` to `dtype` adds half an ulp, |y| * eps / 2.
+    quantize/dequantize round trip to `dtype`, computed in float64 from `x` alone (no kernel):
+    `code_error` of its group, plus half an ulp for casting `code * s` to `dtype`, |y| * eps / 2.
     """
-    qmax = QMAX[bits]
     x64 = np.abs(np.asarray(x, np.float64))
     groups = x64.reshape(*x64.shape[:-1], -1, group_size)  # [..., H // G, G]
-    scale = groups.max(axis=-1, keepdims=True) / qmax * (1 + 2.0**-11)  # the largest stored
-    code_error = scale / 2 + qmax * 2.0**-24  # [..., H // G, 1]
+    code = code_error(groups.max(axis=-1, keepdims=True), bits)  # [..., H // G, 1]
     half_ulp = float(jnp.finfo(dtype).eps) / 2
-    return (code_error * (1 + half_ulp) + groups * half_ulp).reshape(x64.shape)
+    return (code * (1 + half_ulp) + groups * half_ulp).reshape(x64.shape)

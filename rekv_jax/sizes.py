@@ -3,7 +3,10 @@
 Every payload size used by the cost model, the planner, the CLI and the tables comes from here.
 A KV layer holds `E = 2 * B * S * K * H` elements (keys and values, `[B, S, K, H]` each). At 16
 bits it costs `2E` bytes; at `b` in {8, 4} bits it is sent as packed codes plus one float16 scale
-per group of `G = 64` elements along head_dim: `E * (b/8 + 2/G)` bytes (Eq. 7). The boundary
+per group of `G = 64` elements along head_dim: `E * (b/8 + 2/G)` bytes (Eq. 7). A prefix format
+that groups keys per channel along tokens (`per-channel`: 64 tokens of one channel share a scale)
+has the same count of scales per element, but pads the keys' tokens to a whole group
+(`key_tokens`); every other format sends exactly the paper's bytes. The boundary
 state `h_c` is always BF16 (`B * S * D * 2` bytes, Eq. 1); full recomputation sends int32 token IDs.
 Model FLOPs count 2 per weight per token plus the two attention matmuls over the keys each
 query sees (the roofline of `planner.analytic_profile` and `scripts/bench_model.py` use them).
@@ -15,7 +18,7 @@ import dataclasses
 import itertools
 import math
 
-from rekv_jax.action import BITS, Action, ActionKind
+from rekv_jax.action import BITS, PAPER, Action, ActionKind, Transform, transforms_of
 from rekv_jax.config import ModelConfig
 
 GROUP_SIZE = 64  # elements sharing one scale (paper §2.2)
@@ -61,14 +64,40 @@ def kv_layer_elements(cfg: ModelConfig, seq_len: int, batch: int = 1) -> int:
     return 2 * batch * seq_len * cfg.num_kv_heads * cfg.head_dim
 
 
-def kv_layer_bytes(cfg: ModelConfig, seq_len: int, batch: int = 1, bits: int = 16) -> int:
-    """B_KV (Eq. 2) at 16 bits; at 8/4 bits the packed codes plus float16 group scales (Eq. 7)."""
-    return quantized_bytes(kv_layer_elements(cfg, seq_len, batch), cfg.head_dim, bits)
+def key_tokens(seq_len: int, fmt: str = PAPER) -> int:
+    """Tokens a prefix's keys occupy on the wire: `seq_len`, or, in a format grouping keys per
+    channel along tokens, `seq_len` rounded up to a whole group of `GROUP_SIZE`: the last, partial
+    group is padded with zeros (they change no group's max, and the decode side drops them)."""
+    _check_positive(seq_len=seq_len)
+    if Transform.PER_CHANNEL in transforms_of(fmt):
+        return -(-seq_len // GROUP_SIZE) * GROUP_SIZE
+    return seq_len
 
 
-def prefix_bytes(cfg: ModelConfig, seq_len: int, cut: int, bits: int, batch: int = 1) -> int:
-    """KV payload of layers `0..cut-1` at `bits` (without the boundary state)."""
-    return cfg.check_cut(cut) * kv_layer_bytes(cfg, seq_len, batch, bits)
+def format_layer_bytes(kv_bytes: int, seq_len: int, fmt: str) -> int:
+    """One KV layer's Q8/Q4 payload in format `fmt`, from its payload `kv_bytes` in the paper's
+    (keys and values of `seq_len` tokens each, the same bytes per token): the keys' half carries
+    `key_tokens` tokens. Exact for `kv_layer_bytes`; rounded up for a share of it per link."""
+    padding = key_tokens(seq_len, fmt) - seq_len
+    return kv_bytes + -(-kv_bytes // 2 * padding // seq_len) if padding else kv_bytes
+
+
+def kv_layer_bytes(cfg: ModelConfig, seq_len: int, batch: int = 1, bits: int = 16,
+                   fmt: str = PAPER) -> int:
+    """B_KV (Eq. 2) at 16 bits; at 8/4 bits the packed codes plus float16 group scales (Eq. 7),
+    in prefix format `fmt` (`format_layer_bytes`)."""
+    paper = quantized_bytes(kv_layer_elements(cfg, seq_len, batch), cfg.head_dim, bits)
+    if bits == 16:
+        if fmt != PAPER:
+            raise ValueError(f"prefix format {fmt!r} applies to a Q8/Q4 prefix, not to BF16")
+        return paper
+    return format_layer_bytes(paper, seq_len, fmt)
+
+
+def prefix_bytes(cfg: ModelConfig, seq_len: int, cut: int, bits: int, batch: int = 1,
+                 fmt: str = PAPER) -> int:
+    """KV payload of layers `0..cut-1` at `bits` in format `fmt` (without the boundary state)."""
+    return cfg.check_cut(cut) * kv_layer_bytes(cfg, seq_len, batch, bits, fmt)
 
 
 def token_bytes(seq_len: int, batch: int = 1) -> int:
@@ -94,15 +123,19 @@ class HandoffBytes:
     prefix_payload_bytes: int  # layers 0..c-1 at `bits`
     token_bytes: int  # int32 token IDs, 0 unless full recomputation
     total_bytes: int
+    format: str = PAPER  # the prefix format (action.PREFIX_FORMATS)
 
     @property
     def total_mib(self) -> float:
         return self.total_bytes / MIB
 
     def to_json(self) -> dict[str, int | float | str]:
-        """The fields and four of them in MiB (`rekv bytes --json`)."""
-        return dataclasses.asdict(self) | {
-            mib: getattr(self, field) / MIB for mib, field in _IN_MIB.items()}
+        """The fields (the format only when not the paper's) and four of them in MiB
+        (`rekv bytes --json`)."""
+        fields = dataclasses.asdict(self)
+        if self.format == PAPER:
+            del fields["format"]
+        return fields | {mib: getattr(self, field) / MIB for mib, field in _IN_MIB.items()}
 
 
 # HandoffBytes.to_json's sizes in MiB: key -> field
@@ -110,10 +143,11 @@ _IN_MIB = {"boundary_mib": "boundary_bytes", "kv_layer_mib_bf16": "kv_layer_byte
            "prefix_payload_mib": "prefix_payload_bytes", "total_mib": "total_bytes"}
 
 
-def handoff_bytes(cfg: ModelConfig, seq_len: int, bits: int, cut: int, batch: int = 1
-                  ) -> HandoffBytes:
+def handoff_bytes(cfg: ModelConfig, seq_len: int, bits: int, cut: int, batch: int = 1,
+                  fmt: str = PAPER) -> HandoffBytes:
     """Bytes sent by the action (bits, cut): `cut == L` full KV at `bits` (no boundary),
-    `cut == 0` token IDs only (bits ignored), else the `bits` prefix plus the BF16 boundary (Eq. 7).
+    `cut == 0` token IDs only (bits ignored), else the `bits` prefix plus the BF16 boundary (Eq. 7);
+    a Q8/Q4 prefix in format `fmt`.
     """
     _check_bits(bits)
     cfg.check_cut(cut)
@@ -122,12 +156,12 @@ def handoff_bytes(cfg: ModelConfig, seq_len: int, bits: int, cut: int, batch: in
         kind, prefix, boundary, tokens = ActionKind.RECOMPUTE, 0, 0, token_bytes(seq_len, batch)
     else:
         kind = ActionKind.TRANSFER if cut == L else ActionKind.JOINT
-        prefix = prefix_bytes(cfg, seq_len, cut, bits, batch)
+        prefix = prefix_bytes(cfg, seq_len, cut, bits, batch, fmt)
         boundary = 0 if cut == L else boundary_bytes(cfg, seq_len, batch)
         tokens = 0
     return HandoffBytes(cfg.name, seq_len, batch, bits, cut, L - cut, kind, boundary,
                         kv_layer_bytes(cfg, seq_len, batch), prefix, tokens,
-                        prefix + boundary + tokens)
+                        prefix + boundary + tokens, fmt)
 
 
 def action_bytes(cfg: ModelConfig, action: Action, seq_len: int, batch: int = 1
@@ -136,7 +170,7 @@ def action_bytes(cfg: ModelConfig, action: Action, seq_len: int, batch: int = 1
     if action.num_layers != cfg.num_layers:
         raise ValueError(f"action {action} is for {action.num_layers} layers, "
                          f"{cfg.name} has {cfg.num_layers}")
-    return handoff_bytes(cfg, seq_len, action.bits, action.cut, batch)
+    return handoff_bytes(cfg, seq_len, action.bits, action.cut, batch, action.format)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -135,6 +135,16 @@ def plot_curves(losses: list[float], answers: list[tuple[int, int]], phase_start
     plt.close(fig)
 
 
+def save_model(out: Path, cfg: ModelConfig, params) -> dict:
+    """Write params in BF16 as an orbax checkpoint (`out/orbax`, what the loader reads) and as HF
+    safetensors + config.json (`out`, for `load_hf`); returns the BF16 params."""
+    params = jax.tree.map(lambda w: w.astype(jnp.bfloat16), params)
+    shutil.rmtree(out / "orbax", ignore_errors=True)  # orbax refuses to overwrite
+    save_params(out / "orbax", cfg, params)
+    save_hf(out, cfg, params)
+    return params
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -186,10 +196,7 @@ def main() -> None:
                 bar.update()
     train_s = time.perf_counter() - t0
 
-    params = jax.tree.map(lambda w: w.astype(jnp.bfloat16), params)
-    shutil.rmtree(args.out / "orbax", ignore_errors=True)  # orbax refuses to overwrite
-    save_params(args.out / "orbax", cfg, params)
-    save_hf(args.out, cfg, params)
+    params = save_model(args.out, cfg, params)
     plot_curves(losses, answers, phase_starts, args.out / "loss.png")
 
     test_ids = data.encode(tok, data.read_split("test", args.wikitext))

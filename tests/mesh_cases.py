@@ -20,6 +20,7 @@ from test_model import (
 
 from rekv_jax import Action, KVCache, ModelConfig, init_params, prefill, sharding, sizes
 from rekv_jax.handoff.payload import pack_prefix
+from rekv_jax.handoff.prefix_format import PrefixCodec
 from rekv_jax.model.transformer import decode_step, extend
 from rekv_jax.quantize import quantize
 from rekv_jax.study.experiment import Experiment, run_local
@@ -105,8 +106,9 @@ def test_payload_crosses_meshes_in_pieces(sides, bits):
     src = sharding.make_mesh(cfg, n)
     placed = KVCache.stacked(*(jax.device_put(x, sharding.kv_sharding(src, shape))
                                for x in (kv.k, kv.v)))
-    sent, _ = pack_prefix(placed, bits)  # per layer [B, S, K, *]
-    assert all(np.array_equal(a, b) for a, b in zip(sent, pack_prefix(kv, bits)[0], strict=True))
+    sent, _ = pack_prefix(placed, PrefixCodec(bits))  # per layer [B, S, K, *]
+    assert all(np.array_equal(a, b) for a, b in zip(sent, pack_prefix(kv, PrefixCodec(bits))[0],
+                                                    strict=True))
     if bits != 16:
         assert quantize(placed.k, bits).values.addressable_shards[0].data.shape[3] == 4 // n
     dst = sharding.make_mesh(cfg, m)

@@ -20,6 +20,7 @@ from rekv_jax.handoff.check import check_cache
 from rekv_jax.handoff.check import reference as mode_reference
 from rekv_jax.handoff.generate import Request, generate
 from rekv_jax.handoff.payload import round_trip
+from rekv_jax.handoff.prefix_format import PrefixCodec
 from rekv_jax.handoff.receiver import receive_handoff
 from rekv_jax.handoff.sender import prepare, send_handoff, send_prompt
 from rekv_jax.mode import Mode, Reference
@@ -136,7 +137,7 @@ def test_handoff_is_its_chunked_reference_bitwise(family, seq, chunks, action, p
     result = handoff(cfg, params, tokens, action, chunks, pipelined)
     kv, logits, name = reference(cfg, params, tokens, action.cut, chunks, pipelined)
     c = action.cut
-    restored = round_trip(kv.layers(0, c), action.bits)
+    restored = round_trip(kv.layers(0, c), PrefixCodec(action.bits))
     assert_same([result.kv.k[:c], result.kv.v[:c], result.kv.k[c:], result.kv.v[c:]],
                 [restored.k, restored.v, kv.k[c:], kv.v[c:]])
     assert np.array_equal(result.first_token, jnp.argmax(logits, axis=-1))
@@ -216,7 +217,7 @@ def test_quality_scores_the_chunked_caches():
         kv, logits = reconstruct_cache(cfg, params, tokens, action, 4, pipelined)
         want, want_logits, name = reference(cfg, params, tokens, action.cut, 4, pipelined)
         assert np.array_equal(logits, want_logits) and np.array_equal(kv.k[4:], want.k[4:])
-        restored = round_trip(want.layers(0, 4), 8)
+        restored = round_trip(want.layers(0, 4), PrefixCodec(8))
         assert np.array_equal(kv.k[:4], restored.k) and np.array_equal(kv.v[:4], restored.v)
 
 

@@ -26,11 +26,13 @@ from rekv_jax import (
 from rekv_jax.handoff.check import SUFFIX_ACROSS, HostReference, check_cache
 from rekv_jax.handoff.outcome import Handoff, PrefillTimes
 from rekv_jax.handoff.payload import round_trip
+from rekv_jax.handoff.prefix_format import PrefixCodec
 from rekv_jax.handoff.receiver import receive_handoff
 from rekv_jax.handoff.sender import prepare, send_handoff, send_prompt
 from rekv_jax.launch.environments import pair_environments, visible_gpus
 from rekv_jax.launch.pair import loopback
 from rekv_jax.mode import PAPER_SCHEDULES, Mode
+from rekv_jax.model.loader import SHIPPED_MODEL, load_config
 from rekv_jax.phases import TIMELINE, Phases
 from rekv_jax.planning.planner import analytic_profile
 from rekv_jax.sizes import action_bytes
@@ -45,13 +47,15 @@ ACTIONS = "bf16:full,q8:full,bf16:r=2,q8:r=2,q4:r=3,bf16:recompute"
 ID_BYTES = 4  # int32 token ids and first token
 
 
-def expected_sent_bytes(cfg, action, seq_len, batch=1, prefill="full"):
+def expected_sent_bytes(cfg, action, seq_len, batch=1, prefill="full", chunks=1):
     """What a handoff must put on the wire, from the paper's formulas: the prefix (Eq. 5 in
-    BF16, Eq. 7 in b bits) and `h_c` of a joint action (Eq. 1), plus what carries the request:
-    the token ids (always) and the first token (beside the ids, unless a split prefill's
-    boundary message is `h_c`)."""
+    BF16, Eq. 7 in b bits, in its format; a pipelined prefill's chunk by chunk) and `h_c` of a
+    joint action (Eq. 1), plus what carries the request: the token ids (always) and the first
+    token (beside the ids, unless a split prefill's boundary message is `h_c`)."""
     joint = action.kind == "joint"
-    paper = (sizes.prefix_bytes(cfg, seq_len, action.cut, action.bits, batch)
+    spans = sizes.token_chunks(seq_len, chunks) if prefill == "pipelined" else [(0, seq_len)]
+    paper = (sum(sizes.prefix_bytes(cfg, b - a, action.cut, action.bits, batch, action.format)
+                 for a, b in spans)
              + joint * sizes.boundary_bytes(cfg, seq_len, batch))
     token_ids = batch * seq_len * ID_BYTES
     first_token = batch * ID_BYTES if prefill == "full" or action.kind == "transfer" else 0
@@ -300,7 +304,7 @@ def test_cache_check_does_not_trust_the_payload_code():
                                                     0.0, Phases(0.0, 0.0, 0.0, 0.0, 0.0)))
 
     def restored(bits: int) -> KVCache:
-        return round_trip(reference.layers(0, 4), bits)
+        return round_trip(reference.layers(0, 4), PrefixCodec(bits))
 
     q8 = restored(8)
     assert check(q8) == "suffix bitwise, prefix within the q8 error bound"
@@ -423,3 +427,53 @@ def test_fig3_twin_prompt_interval_paired_reps():
     (row,) = fig3_rows(summaries)
     assert row.paired and row.reps == 3 and row.ci95[0] <= row.speedup
 
+
+
+STAND_IN = str(SHIPPED_MODEL.parent / "wt2-tiny-kbias")  # k_proj biases with outliers
+FORMAT_ACTIONS = ("q4:r=2/debias,q4:full/hadamard,q8:r=3/per-channel,q4:r=1/debias+hadamard,"
+                  "q4:r=2/debias+per-channel")
+
+
+def check_formats(records: list, actions: str, seq_len: int, prefill: str, chunks: int = 1
+                  ) -> None:
+    """Every action's cache within its format's own error bound, its first token the prefill's,
+    and exactly the format's bytes on the wire."""
+    cfg = load_config(STAND_IN)
+    summaries = [r for r in records if r["kind"] == "summary"]
+    assert [s["action"] for s in summaries] == actions.split(",")
+    for s in summaries:
+        action = Action.parse(s["action"], cfg.num_layers)
+        check = s["cache_check"]
+        assert check.startswith("suffix bitwise") and (
+            f"prefix within the {action.precision}/{action.format} error bound" in check), s
+        assert s["first_token_match"] is True
+        assert s["sent_bytes"] == expected_sent_bytes(cfg, action, seq_len, prefill=prefill,
+                                                      chunks=chunks)
+
+
+def test_two_processes_carry_every_prefix_format():
+    """One prefill and one decode process, the stand-in with Qwen2.5-like k_proj biases (the
+    `tiny` preset's synthetic biases are zero), 100 tokens (per-channel keys pad their last
+    group): each format's whole prefix passes its cache check."""
+    out = subprocess.run(
+        [sys.executable, "-m", "rekv_jax.cli", "handoff", "--model", STAND_IN, "--seq-len", "100",
+         "--actions", FORMAT_ACTIONS, "--transport", "transfer-server", "--link-gbps", "unpaced",
+         "--schedule", "overlapped", "--warmup", "0", "--reps", "1", "--json", "--timeout", "60"],
+        capture_output=True, text=True, timeout=420)
+    assert out.returncode == 0, out.stderr[-3000:]
+    check_formats([json.loads(line) for line in out.stdout.splitlines()], FORMAT_ACTIONS, 100,
+                  "full")
+
+
+@pytest.mark.parametrize("prefill", ["split", "pipelined"])
+def test_streamed_layers_and_token_chunks_carry_the_format(prefill):
+    """The split prefill's per-layer messages (a debiased layer needs its own bias) and the
+    pipelined prefill's token chunks (their positions; per-channel groups of a ragged chunk)."""
+    actions = "q4:r=2/debias+per-channel,q8:r=1/debias+hadamard"
+    exp = Experiment(model=STAND_IN, seq_len=100, transport="local", warmup=0, reps=1,
+                     actions=tuple(parse_actions(actions, 4)), interval="prompt", prefill=prefill,
+                     schedules=("chunked" if prefill == "pipelined" else "overlapped",),
+                     chunks=3 if prefill == "pipelined" else 1)
+    records: list[dict] = []
+    run_local(exp, lambda r: records.append(r.to_json()))
+    check_formats(records, actions, 100, prefill, exp.chunks)

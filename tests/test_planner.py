@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from rekv_jax import sizes
 from rekv_jax.action import Action, action_space
 from rekv_jax.cli.main import main
 from rekv_jax.config import ModelConfig
@@ -236,3 +237,36 @@ def test_predicted_crossover_brackets_the_analytic_break_even_link():
     lo, hi = change.between_gbps
     assert (change.before, change.after) == ("bf16:recompute", "bf16:full")
     assert lo <= w_star <= hi
+
+
+def test_a_prefix_format_is_chosen_only_where_the_gate_passes_it():
+    """Gate results that fail paper Q4 and pass it debiased: the plan's action space gains the
+    judged formats, the choice is the debiased Q4 (its label names the format), and where the
+    paper's format passes too it wins the tie (a format's transforms are not in the profile)."""
+    gate = [GateResult("qwen2.5-7b", 8192, "q4:full", False),
+            GateResult("qwen2.5-7b", 8192, "q4:full/debias", True),
+            GateResult("qwen2.5-7b", 8192, "q4:full/hadamard", False),
+            GateResult("qwen2.5-7b", 8192, "q8:r=13", True)]
+    out = planner.plan(QWEN7B, 8192, gate=gate, schedules=("overlapped",))
+    formats = {c.action.format for c in out.candidates}
+    assert formats == {"paper", "debias", "hadamard"}
+    assert str(out.best.action) == "q4:full/debias" and out.best.quality == "eligible"
+    assert "q4:full/debias" in planner.plan_text(out).splitlines()[1]
+    assert out.to_json()["best"]["format"] == "debias"
+    standing = {str(c.action): c.quality for c in out.candidates}
+    assert standing["q4:full"] == standing["q4:full/hadamard"] == "ineligible"
+    assert standing["q4:r=2/debias"] == "unchecked"
+    both = [*gate, GateResult("qwen2.5-7b", 8192, "q4:full", True)][1:]
+    assert str(planner.plan(QWEN7B, 8192, gate=both).best.action) == "q4:full"
+    unchecked = planner.plan(QWEN7B, 8192)  # no gate: the paper's format only
+    assert {c.action.format for c in unchecked.candidates} == {"paper"}
+
+
+def test_a_per_channel_prefix_costs_its_padded_keys():
+    p = planner.analytic_profile(TINY, 100)
+    for bits in (8, 4):
+        a, b = Action(bits, 3, 6), Action(bits, 3, 6, "per-channel")
+        extra = cm.phase_ms(p, b).prefix - cm.phase_ms(p, a).prefix
+        padded = sizes.prefix_bytes(TINY, 100, 3, bits, 1, "per-channel") - sizes.prefix_bytes(
+            TINY, 100, 3, bits)
+        assert padded > 0 and extra == pytest.approx(cm.transfer_ms(padded, p.link_gbps))

@@ -101,6 +101,17 @@ def test_select_picks_fastest_eligible_action():
     assert untimed.chosen is None and untimed.untimed_eligible == ("q8:full", "q8:r=2")
 
 
+def test_select_picks_a_prefix_format_only_where_the_gate_passes_it():
+    rows = [GateResult("m", 512, a, e) for a, e in [("q4:full", False), ("q4:full/debias", True),
+                                                    ("q4:full/hadamard", False)]]
+    timings = [timing(a, t) for a, t in [("q4:full", 1.0), ("q4:full/hadamard", 1.1),
+                                         ("q4:full/debias", 1.2)]]
+    [choice] = selection.select(rows, timings)
+    assert (choice.chosen, choice.eligible) == ("q4:full/debias", ("q4:full/debias",))
+    # a record's action text keeps its format through the summary's JSON
+    assert Summary.from_json(timings[2].to_json()).action == Action(4, 6, 6, "debias")
+
+
 def test_select_cli_joins_quality_with_sweep_summaries(tmp_path, capsys):
     quality_rows = [{"model": "m", "seq_len": 512, "action": a, "eligible": True}
                     for a in ("q8:full", "q8:r=2")]

@@ -13,6 +13,7 @@ from rekv_jax import quantize as Q
 from rekv_jax import sizes
 from rekv_jax.config import ModelConfig
 from rekv_jax.handoff.payload import prefix_specs
+from rekv_jax.handoff.prefix_format import PrefixCodec
 from rekv_jax.kv import KVCache
 
 
@@ -203,7 +204,7 @@ def test_receiver_sizes_quantized_buffers_without_a_backend(monkeypatch):
         layer = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q.values, q.scales)] * 2
         with monkeypatch.context() as gpu:
             gpu.setattr(jax, "default_backend", lambda: "gpu")
-            assert prefix_specs(cfg, bits, 1, 8, 2, jnp.bfloat16) == layer * 2  # 2 layers
+            assert prefix_specs(cfg, PrefixCodec(bits), 1, 8, 2, jnp.bfloat16) == layer * 2
 
 
 def test_backend_resolution(monkeypatch):

@@ -133,3 +133,36 @@ def test_layer_flops_of_a_prompt_then_more_tokens_add_up(prompt, more):
     split = sizes.layer_flops(cfg, prompt, 2) + sizes.layer_flops(cfg, more, 2, past=prompt)
     assert split == sizes.layer_flops(cfg, prompt + more, 2)
     assert sizes.head_flops(cfg, 3, 2) == 2 * 2 * 3 * cfg.hidden_size * cfg.vocab_size
+
+
+@pytest.mark.parametrize("seq, padded", [(8192, 8192), (100, 128), (1, 64), (64, 64)])
+def test_per_channel_keys_count_whole_token_groups(seq, padded):
+    """Keys grouped per channel along tokens: one FP16 scale per 64 tokens of a channel, the same
+    scales per element as the paper's; a last partial group is padded to 64 tokens. Every other
+    format sends the paper's bytes."""
+    cfg = ModelConfig.preset("qwen3-8b")
+    per_token = 3 * cfg.num_kv_heads * cfg.head_dim  # batch 3
+    for bits in (8, 4):
+        want = (per_token * padded + per_token * seq) * (bits / 8 + 2 / 64)
+        assert sizes.kv_layer_bytes(cfg, seq, 3, bits, "per-channel") == want
+        assert sizes.kv_layer_bytes(cfg, seq, 3, bits, "debias+per-channel") == want
+        paper = sizes.kv_layer_bytes(cfg, seq, 3, bits)
+        for fmt in ("debias", "hadamard", "debias+hadamard"):
+            assert sizes.kv_layer_bytes(cfg, seq, 3, bits, fmt) == paper
+        assert sizes.format_layer_bytes(paper, seq, "per-channel") == want
+    with pytest.raises(ValueError, match="Q8/Q4"):
+        sizes.kv_layer_bytes(cfg, seq, 1, 16, "per-channel")
+
+
+def test_cli_bytes_of_a_prefix_format(capsys):
+    args = ["bytes", "--model", "qwen2.5-7b", "--seq-len", "8100", "--bits", "4", "--cut", "15"]
+    main([*args, "--prefix-format", "per-channel", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out == sizes.handoff_bytes(QWEN7B, 8100, 4, 15, 1, "per-channel").to_json()
+    assert out["format"] == "per-channel" and out["prefix_payload_bytes"] > (
+        sizes.handoff_bytes(QWEN7B, 8100, 4, 15).prefix_payload_bytes)
+    main([*args, "--prefix-format", "per-channel"])
+    text = capsys.readouterr().out
+    assert "4-bit per-channel prefix" in text and "8100 tokens padded to 8128" in text
+    main([*args, "--json"])
+    assert "format" not in json.loads(capsys.readouterr().out)  # the paper's: as before

@@ -306,7 +306,8 @@ def test_one_pair_runs_a_sequence_of_experiments(monkeypatch):
 
     loads = []
     real = experiment.load_model
-    monkeypatch.setattr(experiment, "load_model", lambda *a: loads.append(a) or real(*a))
+    monkeypatch.setattr(experiment, "load_model",
+                        lambda *a, **k: loads.append(a) or real(*a, **k))
     bf16, q8 = Action.parse("bf16:full", 6), Action.parse("q8:r=2", 6)
     first = experiment.Experiment(seq_len=32, actions=(bf16,), transport="local", warmup=0,
                                   reps=2, link_gbps=0.0005)

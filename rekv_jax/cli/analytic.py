@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from rekv_jax.action import PAPER
 from rekv_jax.cli.flags import PAPER_LINK
 from rekv_jax.cli.render import emit_json, mib
 
@@ -32,14 +33,20 @@ def cmd_bytes(args: argparse.Namespace) -> None:
 
     cfg = load_config(args.model)
     cut = cfg.num_layers if args.cut is None else args.cut
-    b = sizes.handoff_bytes(cfg, args.seq_len, args.bits, cut, args.batch)
+    fmt = args.prefix_format
+    b = sizes.handoff_bytes(cfg, args.seq_len, args.bits, cut, args.batch, fmt)
     if args.json:
         return emit_json([b.to_json()])
-    print(f"{cfg.name}, S {args.seq_len}, B {args.batch}, {args.bits}-bit prefix, cut {cut} "
+    named = f" {fmt}" if fmt != PAPER else ""
+    print(f"{cfg.name}, S {args.seq_len}, B {args.batch}, {args.bits}-bit{named} prefix, cut {cut} "
           f"({b.kind}, suffix of {b.suffix_len} layers):")
     print(f"  boundary h_c {mib(b.boundary_bytes)} + prefix {mib(b.prefix_payload_bytes)}"
           f" + token ids {mib(b.token_bytes)} = {mib(b.total_bytes)}"
           f" (one BF16 KV layer: {mib(b.kv_layer_bytes_bf16)})")
+    tokens = sizes.key_tokens(args.seq_len, fmt)
+    if tokens != args.seq_len:
+        print(f"  keys grouped per channel along tokens: {args.seq_len} tokens padded to "
+              f"{tokens} (whole groups of {sizes.GROUP_SIZE})")
 
 
 def cmd_plan(args: argparse.Namespace) -> None:

@@ -54,8 +54,15 @@ def flag_groups() -> dict[str, Callable[[argparse.ArgumentParser], None]]:
         p.add_argument("--batch", type=int, default=1, help="prompts per handoff B")
 
     def actions(p: argparse.ArgumentParser) -> None:
+        from rekv_jax.action import PREFIX_FORMATS
+
         p.add_argument("--actions", default=None,
-                       help="comma list of PREC:CUT (bf16|q8|q4 : c|full|recompute|r=N), or all")
+                       help="comma list of PREC:CUT[/FORMAT] (bf16|q8|q4 : c|full|recompute|r=N "
+                            f"/ {'|'.join(PREFIX_FORMATS)}), or all")
+        p.add_argument("--prefix-format", default=None, metavar="FORMATS",
+                       help="run each Q8/Q4 action in each of these prefix formats: a comma list "
+                            f"of {', '.join(PREFIX_FORMATS)}, or all (default: the action's own; "
+                            "paper, the paper's groups of 64 along head_dim, unless written)")
 
     def link(p: argparse.ArgumentParser) -> None:
         p.add_argument("--link-gbps", type=_link, default=None, metavar="GBPS|paper|unpaced",

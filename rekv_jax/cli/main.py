@@ -48,8 +48,17 @@ def _info_flags(p: argparse.ArgumentParser) -> None:
 @command("bytes", cmd_bytes, "bytes sent by a handoff action (paper Eqs. 5, 7)",
          ("model", "seq_len", "batch", "bits", "json"))
 def _bytes_flags(p: argparse.ArgumentParser) -> None:
+    from rekv_jax.action import PAPER, PREFIX_FORMATS
+
     p.add_argument("--cut", type=int, default=None,
                    help="first recomputed layer c: L = transfer-only (default), 0 = recompute")
+    p.add_argument("--prefix-format", choices=PREFIX_FORMATS, default=PAPER,
+                   help="format of a Q8/Q4 prefix: paper (Eq. 7: one FP16 scale per 64 "
+                        "elements along head_dim); debias, hadamard and debias+hadamard send "
+                        "the same bytes (the keys transformed); per-channel and "
+                        "debias+per-channel group keys as 64 tokens of one channel per FP16 "
+                        "scale, the same scales per element, with the keys' tokens padded to a "
+                        "multiple of 64")
 
 
 @command("plan", cmd_plan, "predicted latency of every action and schedule, and the best",

@@ -58,7 +58,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     """Predict every candidate, choose one and print the plan (a table, or one JSON object)."""
-    from rekv_jax.action import action_space, parse_actions
+    from rekv_jax.action import parse_actions, parse_formats
     from rekv_jax.gate_result import load_gate
     from rekv_jax.model.loader import load_config
     from rekv_jax.planning.costmodel import load_profiles
@@ -68,14 +68,10 @@ def cmd_plan(args: argparse.Namespace) -> None:
     profile = None
     if args.profile:
         profile = select_profile(load_profiles(args.profile), cfg, args.seq_len, args.batch)
-    if args.actions:
-        actions = parse_actions(args.actions, cfg.num_layers)
-    else:
-        bits = sorted(profile.quantize_ms if profile else (16, 8, 4), reverse=True)
-        if args.plan_bits:
-            bits = [int(b) for b in args.plan_bits.split(",")]
-        actions = list(action_space(cfg.num_layers, bits))
+    formats = parse_formats(args.prefix_format) if args.prefix_format else None
+    actions = parse_actions(args.actions, cfg.num_layers, formats) if args.actions else None
+    bits = [int(b) for b in args.plan_bits.split(",")] if args.plan_bits else None
     gate = load_gate(args.quality) if args.quality else None
     result = plan(cfg, args.seq_len, profile, args.link_gbps, actions, args.batch, args.schedule,
-                  args.interval, args.prefill, args.chunks, gate, args.quality)
+                  args.interval, args.prefill, args.chunks, gate, args.quality, bits, formats)
     print(json.dumps(result.to_json()) if args.json else plan_text(result), flush=True)

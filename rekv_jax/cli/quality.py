@@ -9,7 +9,7 @@ from rekv_jax.cli.render import emit_json
 
 
 def cmd_quality(args: argparse.Namespace) -> None:
-    from rekv_jax.action import parse_actions
+    from rekv_jax.action import parse_actions, parse_formats
     from rekv_jax.model.loader import SHIPPED_MODEL, load_model
     from rekv_jax.quality import data
     from rekv_jax.quality import gate as quality
@@ -23,7 +23,8 @@ def cmd_quality(args: argparse.Namespace) -> None:
     if not args.json:  # a markdown table
         print("| model | S | action | top-1 agree (flips) | KL(BF16‖a) | PPL BF16 | PPL | "
               "PPL change | NIAH | eligible |\n|---|---:|---|---:|---:|---:|---:|---:|---:|---|")
-    actions = parse_actions(args.actions, cfg.num_layers)
+    formats = parse_formats(args.prefix_format) if args.prefix_format else None
+    actions = parse_actions(args.actions, cfg.num_layers, formats)
     for r in quality.evaluate(cfg, params, evals, actions, args.chunks, args.pipelined):
         if args.json:
             print(json.dumps(r.to_json()), flush=True)

@@ -14,7 +14,7 @@ from rekv_jax.cli.render import emit_json
 
 def _handoff_experiment(args: argparse.Namespace):
     """The experiment of `rekv handoff` and a line saying which link it runs on."""
-    from rekv_jax.action import parse_actions
+    from rekv_jax.action import parse_actions, parse_formats
     from rekv_jax.mode import run_chunks, run_schedules
     from rekv_jax.model.loader import load_config
     from rekv_jax.study.calibrate import calibrate_link_in_child
@@ -29,7 +29,9 @@ def _handoff_experiment(args: argparse.Namespace):
         link = None  # one side of a multi-host pair: the link is real, not emulated
     exp = Experiment(  # checks every field before any process starts
         model=args.model, seq_len=args.seq_len, batch=args.batch,
-        actions=tuple(parse_actions(args.actions or DEFAULT_ACTIONS, cfg.num_layers)),
+        actions=tuple(parse_actions(args.actions or DEFAULT_ACTIONS, cfg.num_layers,
+                                    parse_formats(args.prefix_format) if args.prefix_format
+                                    else None)),
         schedules=schedules,
         chunks=run_chunks(schedules, args.prefill, args.chunks),
         transport=args.transport, link_gbps=None if link == PAPER_LINK else link,

@@ -7,9 +7,10 @@ import dataclasses
 import jax
 import numpy as np
 
-from rekv_jax.action import Action
+from rekv_jax.action import PAPER, Action
 from rekv_jax.config import ModelConfig
 from rekv_jax.handoff.outcome import Handoff
+from rekv_jax.handoff.prefix_format import KeyBias, key_error_bound
 from rekv_jax.kv import KVCache
 from rekv_jax.mode import Reference
 from rekv_jax.model.transformer import Params, prefill, run_prefix, run_suffix
@@ -53,21 +54,29 @@ def split_reference(cfg: ModelConfig, params: Params, tokens: jax.Array, cut: in
 class HostReference:
     """A single-process `prefill` cache as `check_cache` compares with it, on the host: each
     layer range stacked, and a Q8/Q4 prefix's error bound, computed once each (a sweep checks
-    thousands of reps against one reference)."""
+    thousands of reps against one reference). A debiased prefix's bound needs the model's k_proj
+    bias (`KeyBias.of`)."""
 
-    def __init__(self, cache: KVCache) -> None:
+    def __init__(self, cache: KVCache, key_bias: KeyBias | None = None) -> None:
         self.num_layers = cache.num_layers
         self._cache = cache
-        self._memo: dict[tuple[int, int, int | None], tuple[Expected, Expected]] = {}
+        self._key_bias = key_bias
+        self._memo: dict[tuple[int, int, int | None, str], tuple[Expected, Expected]] = {}
 
-    def layers(self, start: int, stop: int, bits: int | None = None
+    def layers(self, start: int, stop: int, bits: int | None = None, fmt: str = PAPER
                ) -> tuple[Expected, Expected]:
         """What the keys and values of layers `start..stop-1` must be: bitwise these (`bits`
-        None), or within the error bound of a `bits` round trip."""
-        key = (start, stop, bits)
+        None), or within the error bound of a `bits` round trip in prefix format `fmt`."""
+        key = (start, stop, bits, fmt)
         if key not in self._memo:
             part = self._cache.layers(start, stop)
-            self._memo[key] = tuple(Expected.of(np.asarray(x), bits) for x in (part.k, part.v))
+            k, v = np.asarray(part.k), np.asarray(part.v)
+            if bits is None:
+                self._memo[key] = Expected.of(k), Expected.of(v)
+            else:
+                bound = key_error_bound(k, bits, fmt, k.dtype, self._key_bias, layer=start)
+                self._memo[key] = (Expected.of(k, bound),
+                                   Expected.of(v, error_bound(v, bits, v.dtype)))
         return self._memo[key]
 
 
@@ -82,9 +91,8 @@ class Expected:
     bound: np.ndarray | None = None
 
     @staticmethod
-    def of(want: np.ndarray, bits: int | None) -> Expected:
-        return Expected(want.astype(np.float64), want.dtype,
-                        None if bits is None else error_bound(want, bits, want.dtype))
+    def of(want: np.ndarray, bound: np.ndarray | None = None) -> Expected:
+        return Expected(want.astype(np.float64), want.dtype, bound)
 
     def holds(self, layers: tuple[jax.Array, ...]) -> bool:
         """Each of `layers` (`[B, S, K, H]`, one a layer) has the reference's shape and dtype,
@@ -110,9 +118,10 @@ def check_cache(reference: KVCache | HostReference, action: Action, result: Hand
     reference `name`d (e.g. `run_suffix(chunks=4)`), which the text names.
 
     BF16 prefixes and every recomputed suffix must be bitwise equal to the prefill's; a Q8/Q4
-    prefix must lie, element by element, within the quantizer's own error bound
-    (`quantize.error_bound`) of the prefill's prefix, computed from the prefill's KV alone, not
-    through `pack_prefix`/`unpack_prefix`, so the check is independent of the code it checks.
+    prefix must lie, element by element, within its format's error bound
+    (`quantize.error_bound`, `prefix_format.key_error_bound`) of the prefill's prefix, computed
+    from the prefill's KV (and the k_proj bias) alone, not through `pack_prefix`/`unpack_prefix`,
+    so the check is independent of the code it checks.
     Where the prefill process sent its own suffix's checksums, they must equal the recomputed
     suffix's (`Handoff.suffix_match`): the same bits in both processes, checked on every rep.
     """
@@ -121,7 +130,7 @@ def check_cache(reference: KVCache | HostReference, action: Action, result: Hand
     c, L = (0 if result.fallback else action.cut), reference.num_layers
     bounded = c > 0 and action.bits != 16
     parts = [("prefix", result.kv.layers(0, c),
-              reference.layers(0, c, action.bits if bounded else None)),
+              reference.layers(0, c, action.bits if bounded else None, action.format)),
              ("suffix", result.kv.layers(c, L), reference.layers(c, L))]
     failed = [part for part, got, (want_k, want_v) in parts
               if not (want_k.holds(got.keys) and want_v.holds(got.values))]
@@ -132,4 +141,6 @@ def check_cache(reference: KVCache | HostReference, action: Action, result: Hand
     versus = f" vs {name}" if name else ""
     if not bounded:
         return "bitwise" + versus + across
-    return f"suffix bitwise{versus}, prefix within the {action.precision} error bound" + across
+    fmt = f"/{action.format}" if action.format != PAPER else ""
+    return (f"suffix bitwise{versus}, prefix within the {action.precision}{fmt} error bound"
+            + across)

@@ -29,6 +29,7 @@ from rekv_jax.config import ModelConfig
 from rekv_jax.errors import TransportError
 from rekv_jax.handoff.outcome import Clock, Event, Handoff, PrefillTimes, phases_of
 from rekv_jax.handoff.payload import prefix_specs, unpack_prefix
+from rekv_jax.handoff.prefix_format import PrefixCodec
 from rekv_jax.kv import KVCache
 from rekv_jax.mode import Fallback, Message, Mode, Part
 from rekv_jax.model.transformer import Params, new_cache, prefill, run_chunk, run_suffix
@@ -70,6 +71,7 @@ class Reception:
         self._batch, self._seq_len, self.tag = batch, seq_len, tag
         self._fallback, self._backend, self._timeout = Fallback(fallback), backend, timeout
         self._dtype = params["embed"].dtype
+        self._codec = PrefixCodec.of(cfg, params, mode.action)
         self._messages = mode.messages(seq_len, cfg.num_layers)
         self.clock: Clock | None = None
         self._arrivals: list[Arrival] = []
@@ -156,8 +158,8 @@ class Reception:
         out = []
         for part in message.parts:
             out += specs[part] if part != Part.PREFIX else prefix_specs(
-                self._cfg, self.mode.action.bits, B, stop - start,
-                message.layers[1] - message.layers[0], self._dtype)
+                self._cfg, self._codec, B, stop - start, message.layers[1] - message.layers[0],
+                self._dtype)
         return out
 
     def _take(self, message: Message, buffers: list[jax.Array]) -> None:
@@ -171,7 +173,7 @@ class Reception:
             elif part == Part.BOUNDARY:
                 self._on_boundary(message, rest.pop(0))
             else:
-                self._on_prefix(rest)
+                self._on_prefix(message, rest)
         arrived = self._arrivals[self._next].settled_at
         if {Part.BOUNDARY, Part.FIRST} & set(message.parts):
             self.clock.note(Event.BOUNDARY, arrived)
@@ -189,10 +191,10 @@ class Reception:
         else:
             self._run_suffix(h)
 
-    def _on_prefix(self, buffers: list[jax.Array]) -> None:
+    def _on_prefix(self, message: Message, buffers: list[jax.Array]) -> None:
         """Restore one prefix part; once the last is in, watch the whole prefix."""
-        bits = self.mode.action.bits
-        self._restored.append(unpack_prefix(buffers, bits, self._dtype, self._backend))
+        self._restored.append(unpack_prefix(buffers, self._codec, self._dtype, self._backend,
+                                            message.layers[0], message.tokens[0]))
         if len(self._restored) == sum(Part.PREFIX in m.parts for m in self._messages):
             parts = self._restored
             spans = len({m.tokens for m in self._messages if Part.PREFIX in m.parts}) > 1

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from rekv_jax.config import ModelConfig
 from rekv_jax.handoff.outcome import PrefillTimes, elapsed_ms
 from rekv_jax.handoff.payload import check_finite, pack_prefix
+from rekv_jax.handoff.prefix_format import PrefixCodec
 from rekv_jax.kv import KVCache
 from rekv_jax.mode import Message, Mode, Part
 from rekv_jax.model.transformer import (
@@ -53,6 +54,7 @@ class PrefillState:
     h_c: jax.Array | None  # [B, S, D] boundary (joint actions)
     prefix: KVCache | None  # layers 0..c-1 (joint and transfer-only)
     first_token: jax.Array  # [B] from the prefill's own logits (sent with the token ids)
+    codec: PrefixCodec  # how the prefix travels
     # `checksums` of this process's suffix KV [K, V] (joint actions, when asked for): the decode
     # side compares its recomputed suffix with it (sent with the prefill side's times)
     suffix_sums: tuple[int, ...] = dataclasses.field(default=(), metadata={"static": True})
@@ -64,13 +66,15 @@ def prepare(cfg: ModelConfig, params: Params, tokens: jax.Array, mode: Mode,
     `h_c` and its own suffix, in the mode's token chunks. `check_suffix`: also the checksums of
     that suffix (joint actions; a device-to-host sync, so only outside a timed interval)."""
     action = mode.action
+    codec = PrefixCodec.of(cfg, params, action)
     if not action.cut:
         _, logits = prefill(cfg, params, tokens)
-        return PrefillState(tokens, None, None, _argmax(logits))
+        return PrefillState(tokens, None, None, _argmax(logits), codec)
     h_c, prefix = run_prefix(cfg, params, tokens, action.cut)
     suffix, logits = run_suffix(cfg, params, h_c, action.cut, chunks=mode.suffix_chunks)
     sums = tuple(checksums([suffix.k, suffix.v])) if mode.joint and check_suffix else ()
-    return PrefillState(tokens, h_c if mode.joint else None, prefix, _argmax(logits), sums)
+    return PrefillState(tokens, h_c if mode.joint else None, prefix, _argmax(logits), codec,
+                        sums)
 
 
 @jax.jit
@@ -87,8 +91,8 @@ class _Sent:
     """The prefill side's running account of one handoff: its compute and quantize times, when
     the boundary left, the messages sent and the bytes they carried."""
 
-    def __init__(self, link: Transport, t0: float, bits: int) -> None:
-        self.link, self.t0, self.bits, self.bytes_before = link, t0, bits, link.sent_bytes
+    def __init__(self, link: Transport, t0: float, codec: PrefixCodec) -> None:
+        self.link, self.t0, self.codec, self.bytes_before = link, t0, codec, link.sent_bytes
         self.prefill_ms = self.quantize_ms = self.boundary_at_ms = 0.0
         self.tags: list[str] = []
         self.nonfinite: list[jax.Array] = []
@@ -100,10 +104,11 @@ class _Sent:
         setattr(self, what, getattr(self, what) + elapsed_ms(start, time.perf_counter()))
         return out
 
-    def pack(self, prefix: KVCache, backend: str | None) -> list[jax.Array]:
-        """The payload of `prefix` (Q: quantize, timed; BF16 buffers as they are)."""
-        payload, nonfinite = (self.timed("quantize_ms", pack_prefix, prefix, self.bits, backend)
-                              if self.bits != 16 else pack_prefix(prefix, self.bits))
+    def pack(self, prefix: KVCache, backend: str | None, message: Message) -> list[jax.Array]:
+        """The payload of `message`'s prefix (Q: quantize, timed; BF16 buffers as they are)."""
+        args = (prefix, self.codec, backend, message.layers[0], message.tokens[0])
+        payload, nonfinite = (self.timed("quantize_ms", pack_prefix, *args)
+                              if self.codec.bits != 16 else pack_prefix(*args))
         self.nonfinite += nonfinite
         return payload
 
@@ -116,7 +121,7 @@ class _Sent:
     def finish(self, tag: str, timeout: float, suffix_sums: tuple[int, ...] = ()) -> None:
         """Post the prefill side's times and bytes, then wait for every message's verdict (the
         decode side's errors surface here); a non-finite scale is an error too."""
-        check_finite(self.nonfinite, self.bits)
+        check_finite(self.nonfinite, self.codec.bits)
         times = PrefillTimes(self.prefill_ms, self.quantize_ms, self.boundary_at_ms,
                              self.link.sent_bytes - self.bytes_before, suffix_sums)
         self.link.send_meta(f"{tag}/prefill", times.to_json())
@@ -128,7 +133,7 @@ def send_handoff(link: Transport, state: PrefillState, mode: Mode, tag: str,
                  backend: str | None = None, timeout: float = 60.0) -> None:
     """Prefill side of one handoff from a ready prefill state (the paper's interval)."""
     link.agree(f"{tag}/go", {}, timeout)  # both sides start their clocks here
-    sent = _Sent(link, time.perf_counter(), mode.action.bits)
+    sent = _Sent(link, time.perf_counter(), state.codec)
     _send_state(state, mode, tag, backend, timeout, sent)
 
 
@@ -136,7 +141,7 @@ def send_prompt(link: Transport, cfg: ModelConfig, params: Params, tokens: jax.A
                 tag: str, backend: str | None = None, timeout: float = 60.0) -> None:
     """Prefill side of one handoff timed from the prompt's arrival (`mode.from_prompt`)."""
     link.agree(f"{tag}/go", {}, timeout)
-    sent = _Sent(link, time.perf_counter(), mode.action.bits)
+    sent = _Sent(link, time.perf_counter(), PrefixCodec.of(cfg, params, mode.action))
     if not mode.streams:
         state = sent.timed("prefill_ms", prepare, cfg, params, tokens, mode)
         _send_state(state, mode, tag, backend, timeout, sent)
@@ -150,8 +155,9 @@ def _send_state(state: PrefillState, mode: Mode, tag: str, backend: str | None, 
                 sent: _Sent) -> None:
     """Quantize the prefix (Q), then send each message: the ids with the first token and h_c's
     first chunk, h_c's other chunks, the prefix."""
-    payload = [] if state.prefix is None else sent.pack(state.prefix, backend)
-    for message in mode.messages(state.tokens.shape[1], mode.action.num_layers):
+    messages = mode.messages(state.tokens.shape[1], mode.action.num_layers)
+    payload = [] if state.prefix is None else sent.pack(state.prefix, backend, messages[-1])
+    for message in messages:
         buffers = []
         for part in message.parts:
             buffers += {Part.TOKENS: lambda: [state.tokens],
@@ -211,7 +217,7 @@ def _streamed(message: Message, tokens: jax.Array, x: jax.Array, prefix: KVCache
         return [x]
     if part == Part.FIRST:
         return [sent.timed("prefill_ms", _first_token, cfg, params, x)]
-    return sent.pack(prefix, backend)
+    return sent.pack(prefix, backend, message)
 
 
 def _layer_step(cfg: ModelConfig, params: Params, tokens: jax.Array, x: jax.Array, layer: int

@@ -164,8 +164,9 @@ class DecoderLayer(nnx.Module):
 # ---------------------------------------------------------------------------- RoPE
 
 
-def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
-    """RoPE inverse frequencies [H/2] (float32), with Llama-3.1 rescaling when configured."""
+def inverse_frequencies(cfg: ModelConfig, dtype: np.dtype = np.float32) -> np.ndarray:
+    """RoPE inverse frequencies [H/2] (computed in float64, returned as `dtype`: float32 is what
+    the model rotates by), with Llama-3.1 rescaling when configured."""
     H = cfg.head_dim
     inv = 1.0 / cfg.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H)
     s = cfg.rope_scaling
@@ -178,7 +179,7 @@ def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
         scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = np.where(medium, (1 - smooth) * scaled / s.factor + smooth * scaled, scaled)
-    return inv.astype(np.float32)
+    return inv.astype(dtype)
 
 
 def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:

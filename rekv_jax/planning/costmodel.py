@@ -9,7 +9,9 @@ join (assemble the cache, pick the token; it differs by action kind): the fields
     T_seq - T_ov = min(X, R)           (Eq. 10)
 
 A `Profile` holds per-layer costs for one model, prompt length and batch on one machine and link:
-`Q_b(c) = q0 + c α_b`; `X_b(c) = m + x0_b + c β_b` with `β_b = B_KV,b / W + restore_b`;
+`Q_b(c) = q0 + c α_b`; `X_b(c) = m + x0_b + c β_b` with `β_b = B_KV,b / W + restore_b`, where a
+prefix format's `B_KV,b` is `sizes.format_layer_bytes` of the paper's (the formats' transforms
+are not timed apart: a profile's α_b and restore_b are the paper format's);
 `H = h0 + (B_tok + B_H) / W`; `R(c) = r0 + (L - c) γ`. Transfer terms are bytes / bandwidth
 plus a fixed per-message latency `m`, so a profile measured at one link can be re-targeted to
 another (`Profile.at_link`). With the fixed terms at zero this is the paper's linear model, whose
@@ -93,7 +95,7 @@ from pathlib import Path
 from typing import Any
 
 from rekv_jax import sizes
-from rekv_jax.action import ACTION_KINDS, Action, ActionKind
+from rekv_jax.action import ACTION_KINDS, PAPER, Action, ActionKind
 from rekv_jax.config import ModelConfig
 from rekv_jax.mode import Formula, Mode
 from rekv_jax.phases import Phases
@@ -231,14 +233,16 @@ class Profile:
         return dataclasses.replace(self, link_gbps=link_gbps,
                                    link=link or f"{self.link}, retargeted to {link_gbps:g} GB/s")
 
-    def beta(self, bits: int) -> float:
-        """β_b: per-layer prefix transfer plus restore."""
+    def beta(self, bits: int, fmt: str = PAPER) -> float:
+        """β_b: per-layer prefix transfer (in prefix format `fmt`) plus restore."""
         self._check_bits(bits)
-        return transfer_ms(self.kv_layer_bytes[bits], self.link_gbps) + self.restore_ms[bits]
+        nbytes = self.kv_layer_bytes[bits] if bits == 16 else sizes.format_layer_bytes(
+            self.kv_layer_bytes[bits], self.seq_len, fmt)
+        return transfer_ms(nbytes, self.link_gbps) + self.restore_ms[bits]
 
-    def prefix_ms(self, bits: int, cut: int) -> float:
+    def prefix_ms(self, bits: int, cut: int, fmt: str = PAPER) -> float:
         """X_b(c): the prefix message, its restore call, and `c` layers at β_b."""
-        return self.message_ms + self.restore_fixed_ms[bits] + cut * self.beta(bits)
+        return self.message_ms + self.restore_fixed_ms[bits] + cut * self.beta(bits, fmt)
 
     def balanced_cut(self, bits: int) -> tuple[float, tuple[int, ...]]:
         """Proposition 2 for precision `bits` under this profile."""
@@ -322,7 +326,7 @@ def phase_ms(profile: Profile, action: Action) -> Phases:
         quantize=(p.quantize_fixed_ms + c * p.quantize_ms[action.bits]
                   if action.bits < 16 else 0.0),
         boundary=boundary,
-        prefix=p.prefix_ms(action.bits, c),
+        prefix=p.prefix_ms(action.bits, c, action.format),
         suffix=p.suffix_fixed_ms + (L - c) * p.suffix_layer_ms if interior else 0.0,
         join=p.join_ms[action.kind],
     )
@@ -399,7 +403,7 @@ def pipelined_ms(profile: Profile, action: Action, chunks: int) -> float:
         return (tokens + p.embed_ms + sum(p.suffix_fixed_ms + L * p.chunk_layer(i, n)
                                           for i in range(n)) + p.join_ms[ActionKind.RECOMPUTE])
     quantize = p.quantize_fixed_ms + c * p.quantize_ms[b] / n if b < 16 else 0  # a
-    payload = p.message_ms + p.restore_fixed_ms[b] + c * p.beta(b) / n
+    payload = p.message_ms + p.restore_fixed_ms[b] + c * p.beta(b, action.format) / n
     piece = p.message_ms + (transfer_ms(p.boundary_bytes, p.link_gbps) / n if c < L else 0)
     link = p.boundary_fixed_ms + transfer_ms(p.token_bytes, p.link_gbps)  # τ: when it is free
     ready = suffix_done = 0  # P_{i-1}, F_{i-1}
@@ -431,7 +435,8 @@ def streamed_ms(profile: Profile, action: Action, sequential: bool = False) -> f
         return tokens + prompt_compute_ms(p, L) + p.join_ms[ActionKind.RECOMPUTE]
     g = p.suffix_fixed_ms + p.suffix_layer_ms
     a = p.quantize_fixed_ms + p.quantize_ms[action.bits] if action.bits < 16 else 0
-    link = p.message_ms + p.restore_fixed_ms[action.bits] + p.beta(action.bits)  # β'
+    link = (p.message_ms + p.restore_fixed_ms[action.bits]
+            + p.beta(action.bits, action.format))  # β'
     boundary = p.message_ms + (transfer_ms(p.boundary_bytes, W) if c < L else 0)  # H'
     done = tokens  # D_{l-1}: when the link is free again
     for layer in range(c - 1):

@@ -9,7 +9,10 @@ the final choice is made on measured latency.
 
 A plan ranks every (action, schedule, prefill mode, token chunks) for one interval. Output quality
 is not the cost model's: given the quality gate's results (`rekv quality --json`), a plan chooses
-among the eligible actions only; without them it marks every candidate's quality unchecked.
+among the eligible actions only; without them it marks every candidate's quality unchecked. The
+action space holds the paper's prefix format and, with gate results, every format they judged,
+so a format is chosen only where the gate passed it (ties go to the earlier format, the paper's
+first: a format's transforms are not in the profile).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rekv_jax import sizes
-from rekv_jax.action import Action, ActionKind, action_space
+from rekv_jax.action import PAPER, Action, ActionKind, action_space
 from rekv_jax.config import ModelConfig
 from rekv_jax.gate_result import GateResult
 from rekv_jax.mode import SCHEDULES, Interval, Mode, check_timing, prefills_for
@@ -128,7 +131,8 @@ class Candidate:
     def to_json(self) -> dict[str, Any]:
         a = self.action
         return {"action": str(a), "kind": a.kind, "bits": a.bits, "cut": a.cut,
-                "suffix_len": a.suffix_len, "schedule": self.schedule, "prefill": self.prefill,
+                "format": a.format, "suffix_len": a.suffix_len, "schedule": self.schedule,
+                "prefill": self.prefill,
                 "chunks": self.chunks, "predicted_ms": self.predicted_ms,
                 "phases_ms": self.phases_ms.to_json(PHASES), "payload_bytes": self.payload_bytes,
                 "quality": self.quality, "gated_chunks": self.gated_chunks}
@@ -185,11 +189,14 @@ def plan(cfg: ModelConfig, seq_len: int, profile: Profile | None = None,
          link_gbps: float | None = None, actions: Sequence[Action] | None = None,
          batch: int = 1, schedules: Sequence[str] = SCHEDULES, interval: str = Interval.READY,
          prefills: Sequence[str] | None = None, chunks: Sequence[int] = CHUNK_CHOICES,
-         gate: Sequence[GateResult] | None = None, gate_file: str | None = None) -> Plan:
+         gate: Sequence[GateResult] | None = None, gate_file: str | None = None,
+         bits: Sequence[int] | None = None, formats: Sequence[str] | None = None) -> Plan:
     """Predict every (action, schedule, prefill, chunks) and choose the fastest; with `gate`
     (the quality gate's results), the fastest eligible one. `link_gbps` re-targets the profile's
     transfer terms; `interval` chooses the timed interval, whose prefill modes are `prefills`
-    (default: all that suit it)."""
+    (default: all that suit it). Without `actions`, every action of `bits` (default: the
+    profile's precisions) in `formats` (default: the paper's prefix format and each format the
+    gate judged at this model and length)."""
     prefills = prefills_for(interval) if prefills is None else prefills
     for prefill in prefills:
         check_timing(interval, prefill)
@@ -198,10 +205,14 @@ def plan(cfg: ModelConfig, seq_len: int, profile: Profile | None = None,
                                    PAPER_LINK_GBPS if link_gbps is None else link_gbps)
     else:
         profile = select_profile([profile], cfg, seq_len, batch, link_gbps)
-    if actions is None:
-        actions = list(action_space(cfg.num_layers, sorted(profile.quantize_ms, reverse=True)))
-    chunks = sorted({n for n in chunks if 1 < n <= seq_len})
     verdicts = _verdicts(gate, cfg.name, seq_len) if gate is not None else None
+    if actions is None:
+        if formats is None:
+            formats = tuple(dict.fromkeys([PAPER, *(Action.parse(a, cfg.num_layers).format
+                                                    for a, _ in verdicts or {})]))
+        bits = sorted(profile.quantize_ms if bits is None else bits, reverse=True)
+        actions = list(action_space(cfg.num_layers, bits, formats))
+    chunks = sorted({n for n in chunks if 1 < n <= seq_len})
     candidates = []
     for a in actions:
         phases = phase_ms(profile, a)
@@ -337,10 +348,10 @@ def plan_text(result: Plan, top: int = 12) -> str:
     for c in ranked:  # fastest per (precision, kind), beyond the top rows
         best_of.setdefault((c.action.bits, c.action.kind), c)
     shown = sorted({id(c): c for c in (*ranked[:top], *best_of.values(), rows[
-        best.action, best.prefill, best.schedule])}.values(),
-        key=lambda c: c.predicted_ms)
-    lines += ["", f"{'action':<16}{'schedule':<28}{'predicted ms':>13}{'MiB':>10}  quality"]
-    lines += [f"{str(c.action):<16}{c.label.split(' ', 1)[1]:<28}{c.predicted_ms:>13.2f}"
+        best.action, best.prefill, best.schedule])}.values(), key=lambda c: c.predicted_ms)
+    width = max(16, *(len(str(c.action)) + 2 for c in shown))
+    lines += ["", f"{'action':<{width}}{'schedule':<28}{'predicted ms':>13}{'MiB':>10}  quality"]
+    lines += [f"{str(c.action):<{width}}{c.label.split(' ', 1)[1]:<28}{c.predicted_ms:>13.2f}"
               f"{c.payload_bytes / sizes.MIB:>10.2f}  {c.quality}" for c in shown]
     lines.append(f"({len(shown)} of {len(cands)} candidates: the {top} fastest action-schedule "
                  "pairs, each at its best chunk count, the fastest of each precision and kind, "

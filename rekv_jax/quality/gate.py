@@ -8,6 +8,8 @@ reconstructed cache and compared with the same continuation on the BF16 cache:
     teacher-forced continuation position of WikiText-2 `test.txt` windows (context of S tokens
     handed off, the next T tokens scored);
   * continuation perplexity over those T tokens, and its change relative to BF16;
+  * their measured noise: the standard errors over the windows of the mean KL and of the
+    log-perplexity change (per-window means; windows are independent text);
   * NIAH: the greedy passkey decoded on the reconstructed cache must equal the answer exactly.
 An action is eligible when every top-1 agrees, every NIAH prompt passes and the perplexity rises
 by at most `EPSILON` relative to BF16.
@@ -27,6 +29,7 @@ from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
 from rekv_jax.gate_result import GateMetrics, GateResult
 from rekv_jax.handoff.payload import round_trip
+from rekv_jax.handoff.prefix_format import PrefixCodec
 from rekv_jax.kv import KVCache
 from rekv_jax.model.transformer import (
     Params,
@@ -35,6 +38,7 @@ from rekv_jax.model.transformer import (
     prefill,
     run_prefix,
     run_suffix,
+    token_chunks,
 )
 from rekv_jax.quality import niah
 from rekv_jax.quality.data import windows
@@ -50,22 +54,27 @@ def reconstruct_cache(cfg: ModelConfig, params: Params, tokens: jax.Array, actio
                       chunks: int = 1, pipelined: bool = False) -> tuple[KVCache, jax.Array]:
     """The decode side's cache after `action`, computed in-process (no transport).
 
-    Prefix layers 0..c-1 are quantized and restored; layers c..L-1 are recomputed from the
-    exact boundary state h_c, whose suffix also gives the first token's logits [B, V]. With
-    `chunks` > 1: the chunked schedule's cache (the suffix in token chunks), or, `pipelined`,
-    the pipelined prefill's (every layer in token chunks).
+    Prefix layers 0..c-1 are quantized and restored in the action's format; layers c..L-1 are
+    recomputed from the exact boundary state h_c, whose suffix also gives the first token's
+    logits [B, V]. With `chunks` > 1: the chunked schedule's cache (the suffix in token chunks),
+    or, `pipelined`, the pipelined prefill's (every layer in token chunks, the prefix sent and
+    restored chunk by chunk).
     """
     if action.num_layers != cfg.num_layers:
         raise ValueError(f"action {action} is for {action.num_layers} layers, the model has "
                          f"{cfg.num_layers}")
     c, L = action.cut, cfg.num_layers
+    codec = PrefixCodec.of(cfg, params, action)
     if pipelined:
         kv, logits = prefill(cfg, params, tokens, chunks)
         prefix, suffix = kv.layers(0, c), kv.layers(c, L)
-    else:
-        h_c, prefix = run_prefix(cfg, params, tokens, c)  # [B, S, D], [c, B, S, K, H]
-        suffix, logits = run_suffix(cfg, params, h_c, c, chunks=chunks)  # [L - c, ...], [B, V]
-    return KVCache.concat(round_trip(prefix, action.bits), suffix), logits
+        if c > 0:
+            prefix = KVCache.join_spans(*(round_trip(prefix.span(a, b), codec, a)
+                                          for a, b in token_chunks(tokens.shape[1], chunks)))
+        return KVCache.concat(prefix, suffix), logits
+    h_c, prefix = run_prefix(cfg, params, tokens, c)  # [B, S, D], [c, B, S, K, H]
+    suffix, logits = run_suffix(cfg, params, h_c, c, chunks=chunks)  # [L - c, ...], [B, V]
+    return KVCache.concat(round_trip(prefix, codec), suffix), logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,11 +129,15 @@ def run_outputs(cfg: ModelConfig, params: Params, build: CacheBuilder, evals: Ev
     return Outputs(np.concatenate(logits), np.array(ok, dtype=bool))
 
 
+def token_nll(logp: jax.Array, targets: np.ndarray) -> jax.Array:
+    """Next-token NLL [N, T] of targets [N, T] under log-probabilities [N, T, V]."""
+    return -jnp.take_along_axis(logp, jnp.asarray(targets)[..., None], axis=-1)[..., 0]
+
+
 def perplexity(logits: np.ndarray, targets: np.ndarray) -> float:
     """exp(mean next-token NLL) of targets [N, T] under logits [N, T, V]."""
     logp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
-    nll = -jnp.take_along_axis(logp, jnp.asarray(targets)[..., None], axis=-1)
-    return float(jnp.exp(jnp.mean(nll)))
+    return float(jnp.exp(jnp.mean(token_nll(logp, targets))))
 
 
 def compare(ref: Outputs, out: Outputs, targets: np.ndarray) -> GateMetrics:
@@ -132,6 +145,7 @@ def compare(ref: Outputs, out: Outputs, targets: np.ndarray) -> GateMetrics:
     logp_ref = jax.nn.log_softmax(jnp.asarray(ref.logits, jnp.float32), axis=-1)
     logp = jax.nn.log_softmax(jnp.asarray(out.logits, jnp.float32), axis=-1)
     kl = jnp.sum(jnp.exp(logp_ref) * (logp_ref - logp), axis=-1)  # [N, T]
+    nll_change = token_nll(logp, targets) - token_nll(logp_ref, targets)  # [N, T]
     flips = np.asarray(jnp.argmax(logp_ref, -1) != jnp.argmax(logp, -1))  # [N, T]
     top2 = np.asarray(jax.lax.top_k(jnp.asarray(ref.logits), 2)[0])  # [N, T, 2]
     margin = top2[..., 0] - top2[..., 1]  # BF16 logit gap between its top-1 and top-2
@@ -147,7 +161,15 @@ def compare(ref: Outputs, out: Outputs, targets: np.ndarray) -> GateMetrics:
         ppl_rel_change=ppl / ppl_ref - 1.0,
         niah_pass=int(out.niah_ok.sum()),
         niah_total=int(out.niah_ok.size),
-        niah_pass_bf16=int(ref.niah_ok.sum()))
+        niah_pass_bf16=int(ref.niah_ok.sum()),
+        kl_se=window_se(np.asarray(kl)),
+        log_ppl_change_se=window_se(np.asarray(nll_change)))
+
+
+def window_se(x: np.ndarray) -> float | None:
+    """The standard error of the mean of x [N, T] over its N windows (None for one window)."""
+    means = x.mean(axis=1)
+    return float(means.std(ddof=1) / np.sqrt(means.size)) if means.size > 1 else None
 
 
 def eligible(m: GateMetrics, epsilon: float = EPSILON) -> bool:

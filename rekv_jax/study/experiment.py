@@ -32,6 +32,7 @@ from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
 from rekv_jax.handoff.check import HostReference, check_cache, reference, split_reference
 from rekv_jax.handoff.outcome import Handoff
+from rekv_jax.handoff.prefix_format import KeyBias
 from rekv_jax.handoff.receiver import receive_handoff
 from rekv_jax.handoff.sender import prepare, send_handoff, send_prompt
 from rekv_jax.launch.child import Side
@@ -163,7 +164,9 @@ class Weights:
         """(the loaded model, its `fingerprint`)."""
         if self._key != (spec, seed):
             self._key, self._held = None, None  # the old weights go before the new ones come
-            model = load_model(spec, seed)
+            # a trained-model folder from its safetensors: an orbax restore under
+            # jax.distributed refuses a checkpoint saved by one process
+            model = load_model(spec, seed, orbax=False)
             self._held = model, fingerprint(model.cfg, model.params)
             self._key = (spec, seed)
         return self._held
@@ -327,8 +330,8 @@ class References:
             args = self._cfg, self._params, self._tokens
             cache, logits = (split_reference(*args, cut, *self._devices) if self._sharded
                              else reference(*args, ref, cut))
-            self._cache[key] = (HostReference(cache), np.asarray(jnp.argmax(logits, axis=-1)),
-                                ref.name)
+            self._cache[key] = (HostReference(cache, KeyBias.of(self._cfg, self._params)),
+                                np.asarray(jnp.argmax(logits, axis=-1)), ref.name)
         return self._cache[key]
 
     def rep(self, exp: Experiment, mode: Mode, rep: int, result: Handoff,
