@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from rekv_jax.cli.analytic import cmd_bytes, cmd_info, cmd_plan
-from rekv_jax.cli.flags import PAPER_LINK, flag_groups
+from rekv_jax.cli.flags import FLAG_GROUPS, PAPER_LINK
 from rekv_jax.cli.quality import cmd_quality, cmd_select
 from rekv_jax.cli.run import cmd_calibrate, cmd_generate, cmd_handoff
 from rekv_jax.cli.study import cmd_doctor, cmd_profile, cmd_sweep
@@ -167,7 +167,7 @@ class OneLineParser(argparse.ArgumentParser):
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The `rekv` parser. With `only`, the other subcommands get no flags: their flag groups
     import the modules whose constants they offer, which a light command need not load."""
-    flags = flag_groups()
+    flags = FLAG_GROUPS
     parents: dict[str, argparse.ArgumentParser] = {}
 
     def parent(group: str) -> argparse.ArgumentParser:

@@ -47,6 +47,34 @@ def fit_profile(cfg: ModelConfig, records: Sequence[Measurement], hardware: str,
     gives only its quantize and suffix sums (its link phases interleave). `J` is the median join
     per action kind (over all records for a kind that has none).
     """
+    seq_len, batch = _one_setup(cfg, records)
+    low = sorted({r.action.bits for r in records if 0 < r.action.cut and r.action.bits < 16},
+                 reverse=True)
+    wire = _fit_link(cfg, records, seq_len, batch, low)
+    quant = [r for r in records if r.action.bits < 16 and r.action.cut > 0]
+    q0, *alpha = (_lstsq([[float(r.chunks)] + [float(r.action.cut) if r.action.bits == b else 0.0
+                                               for b in low] for r in quant],
+                         [r.phases_ms.quantize for r in quant], "quantize times")
+                  if low else [0.0])  # [q0 (per call: one per chunk), alpha_b for b in low]
+    share = sizes.attention_share(cfg, seq_len)
+    r0, gamma, embed, kappa = _fit_suffix(cfg, records, seq_len, share)
+    joins = {k: [r.phases_ms.join for r in records if r.action.kind == k] for k in ACTION_KINDS}
+    everything = [t for ts in joins.values() for t in ts]  # for a kind without records
+    return Profile.for_config(
+        cfg, seq_len, batch, hardware=hardware, link=link, link_gbps=1e-6 / wire.inv_w,
+        source="fitted",
+        quantize_ms={16: 0.0} | dict(zip(low, alpha, strict=True)),
+        restore_ms={16: 0.0} | dict(zip(low, wire.restore, strict=True)),
+        restore_fixed_ms=dict(zip(low, wire.restore_fixed, strict=True)),
+        suffix_layer_ms=gamma, join_ms={k: float(np.median(ts or everything))
+                                        for k, ts in joins.items()},
+        embed_ms=embed, quantize_fixed_ms=q0, boundary_fixed_ms=wire.h0, message_ms=wire.m,
+        suffix_fixed_ms=r0, chunk_layer_ms=kappa, attention_share=share)
+
+
+def _one_setup(cfg: ModelConfig, records: Sequence[Measurement]) -> tuple[int, int]:
+    """The (seq_len, batch) all `records` share; a ValueError where they are not one model's
+    records of one length and batch."""
     if not records:
         raise ValueError("fit_profile needs at least one record")
     models = {r.model for r in records}
@@ -57,22 +85,35 @@ def fit_profile(cfg: ModelConfig, records: Sequence[Measurement], hardware: str,
     keys = {(r.seq_len, r.batch) for r in records}
     if len(keys) != 1:
         raise ValueError(f"records span several (seq_len, batch): {sorted(keys)}")
-    (seq_len, batch), L = keys.pop(), cfg.num_layers
-    low = sorted({r.action.bits for r in records if 0 < r.action.cut and r.action.bits < 16},
-                 reverse=True)
-    # a restore's fixed cost is told apart from its per-layer one only over two prefix lengths
-    # (e.g. the cpu-paper grid runs Q4 transfer-only alone): else it is 0
+    return keys.pop()
+
+
+@dataclasses.dataclass(frozen=True)
+class _LinkFit:
+    """The transfer terms: `h0`, `m`, `1 / W`, per low precision its restore per layer and
+    fixed restore cost."""
+
+    h0: float
+    m: float
+    inv_w: float
+    restore: list[float]
+    restore_fixed: list[float]
+
+
+def _fit_link(cfg: ModelConfig, records: Sequence[Measurement], seq_len: int, batch: int,
+              low: list[int]) -> _LinkFit:
+    """Messages: unknowns [h0, m, 1/W, restore_b for b in low, x0_b for b in fixed]. The
+    boundary phase holds the token IDs, plus h_c for a joint action (in N messages); the prefix
+    phase the prefix and its restore. A restore's fixed cost is told apart from its per-layer
+    one only over two prefix lengths (e.g. a grid that runs Q4 transfer-only alone): else 0."""
+    L = cfg.num_layers
     fixed = [b for b in low
              if len({r.action.cut for r in records if r.action.bits == b and r.action.cut}) > 1]
     b_h, b_tok = sizes.boundary_bytes(cfg, seq_len, batch), sizes.token_bytes(seq_len, batch)
-    # Messages: unknowns [h0, m, 1/W, restore_b for b in low, x0_b for b in fixed]. The boundary
-    # phase holds the token IDs, plus h_c for a joint action (in N messages); the prefix phase
-    # the prefix and its restore.
     rows, ys = [], []
     for r in (r for r in records if not r.pipelined):
         c, bits, ph, n = r.action.cut, r.action.bits, r.phases_ms, r.chunks
-        joint = 0 < c < L
-        rows.append([1.0, n - 1.0, b_tok + joint * b_h] + [0.0] * (len(low) + len(fixed)))
+        rows.append([1.0, n - 1.0, b_tok + (0 < c < L) * b_h] + [0.0] * (len(low) + len(fixed)))
         ys.append(ph.boundary)
         if c > 0:
             rows.append([0.0, 1.0, c * sizes.kv_layer_bytes(cfg, seq_len, batch, bits)]
@@ -80,21 +121,18 @@ def fit_profile(cfg: ModelConfig, records: Sequence[Measurement], hardware: str,
                         + [float(bits == b) for b in fixed])
             ys.append(ph.prefix)
     h0, m, inv_w, *rest = _lstsq(rows, ys, "boundary and prefix times")
-    restore, fixed_of = rest[:len(low)], dict(zip(fixed, rest[len(low):], strict=True))
-    restore_fixed = [fixed_of.get(b, 0.0) for b in low]
     if not inv_w > 0:
         raise ValueError("cannot fit a link bandwidth: transfer time does not grow with bytes")
-    # Quantize: [q0 (per call: one per chunk), α_b for b in low].
-    quant = [r for r in records if r.action.bits < 16 and r.action.cut > 0]
-    q0, *alpha = (_lstsq([[float(r.chunks)] + [float(r.action.cut) if r.action.bits == b else 0.0
-                                               for b in low] for r in quant],
-                         [r.phases_ms.quantize for r in quant], "quantize times")
-                  if low else [0.0])
-    # Suffix: [r0 (per call), γ, embed, κ (per layer of each chunk after the first)].
-    suf = [r for r in records if r.action.cut < L]
+    fixed_of = dict(zip(fixed, rest[len(low):], strict=True))
+    return _LinkFit(h0, m, inv_w, rest[:len(low)], [fixed_of.get(b, 0.0) for b in low])
+
+
+def _fit_suffix(cfg: ModelConfig, records: Sequence[Measurement], seq_len: int, share: float
+                ) -> tuple[float, float, float, float]:
+    """Suffix: (r0 per call, gamma, embed, kappa per layer of each chunk after the first)."""
+    suf = [r for r in records if r.action.cut < cfg.num_layers]
     has_embed = any(r.action.cut == 0 for r in suf)
     has_chunks = any(r.chunks > 1 for r in suf)
-    share = sizes.attention_share(cfg, seq_len)
     r0, gamma, *extra = _lstsq(
         [[float(r.chunks), r.action.suffix_len * sum(chunk_share(seq_len, i, r.chunks, share)
                                                      for i in range(r.chunks))]
@@ -103,18 +141,7 @@ def fit_profile(cfg: ModelConfig, records: Sequence[Measurement], hardware: str,
         [r.phases_ms.suffix for r in suf], "suffix times")
     embed = extra.pop(0) if has_embed else 0.0
     kappa = extra.pop(0) if has_chunks else 0.0
-    joins = {k: [r.phases_ms.join for r in records if r.action.kind == k] for k in ACTION_KINDS}
-    everything = [t for ts in joins.values() for t in ts]  # for a kind without records
-    join = {k: float(np.median(ts or everything)) for k, ts in joins.items()}
-    return Profile.for_config(
-        cfg, seq_len, batch, hardware=hardware, link=link, link_gbps=1e-6 / inv_w,
-        source="fitted",
-        quantize_ms={16: 0.0} | dict(zip(low, alpha, strict=True)),
-        restore_ms={16: 0.0} | dict(zip(low, restore, strict=True)),
-        restore_fixed_ms=dict(zip(low, restore_fixed, strict=True)),
-        suffix_layer_ms=gamma, join_ms=join, embed_ms=embed, quantize_fixed_ms=q0,
-        boundary_fixed_ms=h0, message_ms=m, suffix_fixed_ms=r0, chunk_layer_ms=kappa,
-        attention_share=share)
+    return r0, gamma, embed, kappa
 
 
 def attention_shares(profiles: Sequence[Profile]) -> list[Profile]:

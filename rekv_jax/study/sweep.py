@@ -18,6 +18,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import TextIO
 
 from tqdm import tqdm
 
@@ -155,64 +156,96 @@ def sweep(preset: SweepPreset, out: Path, reps: int = 30, warmup: int = 3, pin: 
     predictions: the sweep goes on, writes every output and names what it could not fit, and
     why, in one line on stderr. On CPU each side runs on its own cores unless not `pin`."""
     out.mkdir(parents=True, exist_ok=True)
-    records, profiles, starts = [], [], []
-    no_start, unfitted, skipped = [], [], []
     models = preset.models
-    with (open(out / "sweep.jsonl", "w") as log, tempfile.TemporaryDirectory() as tmp):
+    with open(out / "sweep.jsonl", "w") as log_file, tempfile.TemporaryDirectory() as tmp:
+        log = _SweepLog(log_file)
         # the link first, uncontended (it times the suffix); then one pair for every model
         link = preset.link_gbps or calibrate_pair_link(
             models[0], preset.mid_length, preset.transport, pin, Path(tmp)).link_gbps
         with Pair(Path(tmp), pin=pin) as pair:
             for model in tqdm(models, desc="sweep", unit="model", file=sys.stderr):
-                cfg = load_config(model)
-                start = {}  # length -> start profile
-                for exp in start_experiments(preset, model, link):
-                    try:
-                        start[exp.seq_len] = fit(cfg, pair.run(exp))
-                    except ValueError as e:
-                        no_start.append(f"{_setup_text(model, exp.seq_len, link)} ({e})")
-                if len(start) > 1:  # attention's share of γ over the lengths: what chunks save
-                    start = dict(zip(start, profile_fit.attention_shares(list(start.values())),
-                                     strict=True))
-                starts += start.values()
-                fits, fitted = {}, []  # length -> the fit of its grid on the paced link; all fits
-                for exp in grid_experiments(preset, model, link, start, reps, warmup):
-                    got = _logged(pair.run(exp), log, records)  # every action, both schedules
-                    try:
-                        fitted.append(fit(cfg, got))
-                    except ValueError as e:
-                        unfitted.append(f"{_setup_text(model, exp.seq_len, exp.link_gbps)} ({e})")
-                        continue
-                    if exp.link_gbps == link:
-                        fits[exp.seq_len] = fitted[-1]
-                if len(fits) > 1:  # attention's share of γ, measured over the lengths
-                    shares = profile_fit.attention_shares(list(fits.values()))
-                    measured = dict(zip(map(id, fits.values()), shares, strict=True))
-                    fitted = [measured.get(id(p), p) for p in fitted]
-                    fits = {s: measured[id(p)] for s, p in fits.items()}
-                for prof in fitted:
-                    profiles.append(prof)
-                    log.write(json.dumps(prof.to_json()) + "\n")
-                # Fig. 3 and batch runs take their cut from the start profile, else the grid's fit
-                tail, missing = tail_experiments(preset, model, link, start, fits, reps, warmup)
-                skipped += missing
-                for exp in tail:
-                    _logged(pair.run(exp), log, records)
+                _sweep_model(pair, preset, model, link, reps, warmup, log)
     if preset.cut_spread is not None:
         (out / "start_profiles.jsonl").write_text(
-            "".join(json.dumps(p.to_json()) + "\n" for p in starts))
-    if no_start:
-        print("sweep: no start profile, so cuts L/3 and 2L/3 in place of the balanced ones, for "
-              + "; ".join(no_start), file=sys.stderr)
-    if unfitted:  # a skipped run's grid fit failed too
-        print("sweep: no cost-model fit, so no predictions, for " + "; ".join(unfitted)
-              + (f"; not run for want of a fitted cut: {', '.join(skipped)}" if skipped else ""),
-              file=sys.stderr)
-    records = [dataclasses.replace(r, predicted_ms=tables.record_prediction(r, profiles))
-               for r in records]
+            "".join(json.dumps(p.to_json()) + "\n" for p in log.starts))
+    log.say_what_is_missing()
+    records = [dataclasses.replace(r, predicted_ms=tables.record_prediction(r, log.profiles))
+               for r in log.records]
     write_csv(records, out / "sweep.csv")
-    report.write_report(records, out, profiles)
-    return records, profiles
+    report.write_report(records, out, log.profiles)
+    return records, log.profiles
+
+
+@dataclasses.dataclass
+class _SweepLog:
+    """What a sweep has measured and fitted so far, and what it could not (`sweep.jsonl`)."""
+
+    file: TextIO
+    records: list[Summary] = dataclasses.field(default_factory=list)
+    profiles: list[costmodel.Profile] = dataclasses.field(default_factory=list)
+    starts: list[costmodel.Profile] = dataclasses.field(default_factory=list)
+    no_start: list[str] = dataclasses.field(default_factory=list)
+    unfitted: list[str] = dataclasses.field(default_factory=list)
+    skipped: list[str] = dataclasses.field(default_factory=list)
+
+    def say_what_is_missing(self) -> None:
+        """One line on stderr for the start profiles and the fits that could not be made."""
+        if self.no_start:
+            print("sweep: no start profile, so cuts L/3 and 2L/3 in place of the balanced ones, "
+                  "for " + "; ".join(self.no_start), file=sys.stderr)
+        if self.unfitted:  # a skipped run's grid fit failed too
+            print("sweep: no cost-model fit, so no predictions, for " + "; ".join(self.unfitted)
+                  + (f"; not run for want of a fitted cut: {', '.join(self.skipped)}"
+                     if self.skipped else ""), file=sys.stderr)
+
+
+def _sweep_model(pair: Pair, preset: SweepPreset, model: str, link: float, reps: int,
+                 warmup: int, log: _SweepLog) -> None:
+    """One model's runs in the sweep's pair: its start profiles, its grid (each length's fit),
+    then Fig. 3 and batch runs, which take their cut from the start profile, else the grid's
+    fit."""
+    cfg = load_config(model)
+    start = {}  # length -> start profile
+    for exp in start_experiments(preset, model, link):
+        try:
+            start[exp.seq_len] = fit(cfg, pair.run(exp))
+        except ValueError as e:
+            log.no_start.append(f"{_setup_text(model, exp.seq_len, link)} ({e})")
+    if len(start) > 1:  # attention's share of γ over the lengths: what chunks save
+        start = dict(zip(start, profile_fit.attention_shares(list(start.values())),
+                         strict=True))
+    log.starts += start.values()
+    fits = _grid(pair, preset, cfg, model, link, start, reps, warmup, log)
+    tail, missing = tail_experiments(preset, model, link, start, fits, reps, warmup)
+    log.skipped += missing
+    for exp in tail:
+        _logged(pair.run(exp), log.file, log.records)
+
+
+def _grid(pair: Pair, preset: SweepPreset, cfg: ModelConfig, model: str, link: float,
+          start: dict[int, costmodel.Profile], reps: int, warmup: int, log: _SweepLog
+          ) -> dict[int, costmodel.Profile]:
+    """`model`'s grid runs, each fitted; the fits of the paced link by length (their attention
+    share measured over the lengths)."""
+    fits, fitted = {}, []  # length -> the fit of its grid on the paced link; all fits
+    for exp in grid_experiments(preset, model, link, start, reps, warmup):
+        got = _logged(pair.run(exp), log.file, log.records)  # every action, both schedules
+        try:
+            fitted.append(fit(cfg, got))
+        except ValueError as e:
+            log.unfitted.append(f"{_setup_text(model, exp.seq_len, exp.link_gbps)} ({e})")
+            continue
+        if exp.link_gbps == link:
+            fits[exp.seq_len] = fitted[-1]
+    if len(fits) > 1:  # attention's share of γ, measured over the lengths
+        shares = profile_fit.attention_shares(list(fits.values()))
+        measured = dict(zip(map(id, fits.values()), shares, strict=True))
+        fitted = [measured.get(id(p), p) for p in fitted]
+        fits = {s: measured[id(p)] for s, p in fits.items()}
+    for prof in fitted:
+        log.profiles.append(prof)
+        log.file.write(json.dumps(prof.to_json()) + "\n")
+    return fits
 
 
 def _logged(got: list[Summary], log, records: list[Summary]) -> list[Summary]:
