@@ -96,6 +96,18 @@ class KVCache:
         shape, dtype = self.empty
         return jnp.zeros((0, *shape), dtype)
 
+    def on_host(self) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values stacked `[L, B, S, K, H]` in host memory (numpy stacks: no program
+        per layer count)."""
+        shape, dtype = self._layer_shape
+        return tuple(np.stack([np.asarray(x) for x in xs]) if xs else np.zeros((0, *shape), dtype)
+                     for xs in (self.keys, self.values))
+
+    @property
+    def buffers(self) -> list[jax.Array]:
+        """The per-layer keys, then values: the arrays themselves, as transports checksum them."""
+        return [*self.keys, *self.values]
+
     def layers(self, start: int, stop: int) -> KVCache:
         """Layers `start..stop-1` (the same arrays, nothing copied)."""
         keys, values = self.keys[start:stop], self.values[start:stop]

@@ -69,8 +69,7 @@ class HostReference:
         None), or within the error bound of a `bits` round trip in prefix format `fmt`."""
         key = (start, stop, bits, fmt)
         if key not in self._memo:
-            part = self._cache.layers(start, stop)
-            k, v = np.asarray(part.k), np.asarray(part.v)
+            k, v = self._cache.layers(start, stop).on_host()
             if bits is None:
                 self._memo[key] = Expected.of(k), Expected.of(v)
             else:

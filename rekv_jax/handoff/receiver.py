@@ -142,7 +142,7 @@ class Reception:
         sent = PrefillTimes.from_json(self._link.recv_meta(f"{self.tag}/prefill", self._timeout))
         match = None  # compared after the interval: a device-to-host sync
         if sent.suffix_sums and self._suffix_kv is not None and not self.fell_back:
-            match = tuple(checksums([self._suffix_kv.k, self._suffix_kv.v])) == sent.suffix_sums
+            match = tuple(checksums(self._suffix_kv.buffers)) == sent.suffix_sums
         phases, timeline, total = phases_of(self.clock, sent)
         return Handoff(self._kv, self._first_token, total, phases, timeline, sent.sent_bytes,
                        self.fell_back, match)

@@ -72,7 +72,7 @@ def prepare(cfg: ModelConfig, params: Params, tokens: jax.Array, mode: Mode,
         return PrefillState(tokens, None, None, _argmax(logits), codec)
     h_c, prefix = run_prefix(cfg, params, tokens, action.cut)
     suffix, logits = run_suffix(cfg, params, h_c, action.cut, chunks=mode.suffix_chunks)
-    sums = tuple(checksums([suffix.k, suffix.v])) if mode.joint and check_suffix else ()
+    sums = tuple(checksums(suffix.buffers)) if mode.joint and check_suffix else ()
     return PrefillState(tokens, h_c if mode.joint else None, prefix, _argmax(logits), codec,
                         sums)
 

@@ -49,7 +49,10 @@ def _host_checksums(arrays: Sequence[jax.Array]) -> list[int]:
     return [_host_checksum(np.asarray(a)) for a in arrays]
 
 
-@jax.jit
+_checksum_one = jax.jit(_checksum)  # one program per buffer shape, whatever the count
+
+
+@jax.jit  # one program per list of buffer specs: one dispatch where a transfer is timed
 def _checksums_device(arrays: list[jax.Array]) -> jax.Array:
     return jnp.stack([_checksum(x) for x in arrays])  # [n] uint32
 
@@ -65,7 +68,15 @@ def spec_word(header: str) -> int:
     return int.from_bytes(hashlib.blake2b(header.encode(), digest_size=4).digest(), "big")
 
 
-def _checksums_dispatch(arrays: Sequence[jax.Array]
+def checksums(arrays: Sequence[jax.Array]) -> list[int]:
+    """One uint32 checksum per buffer, computed where it lives: one program per buffer shape (a
+    cache's layers share one, whatever the cut), the sums fetched together."""
+    if _on_host(arrays):
+        return _host_checksums(arrays)
+    return [int(s) for s in jax.device_get([_checksum_one(a) for a in arrays])]
+
+
+def _checksums_dispatch(arrays: list[jax.Array]
                         ) -> list[tuple[list[int], jax.Array | np.ndarray]]:
     """Start one jitted checksum call per device holding some of the buffers (one call when they
     share a device, as on a single-device side): (buffer indices, their checksums). In host
@@ -85,11 +96,6 @@ def _checksums_collect(pending: list[tuple[list[int], jax.Array | np.ndarray]]
     return [sums[i] for i in range(len(sums))]
 
 
-def checksums(arrays: Sequence[jax.Array]) -> list[int]:
-    """One uint32 checksum per buffer, computed on the buffers' devices."""
-    return _checksums_collect(_checksums_dispatch(list(arrays)))
-
-
 def _first_device(x: jax.Array | jax.sharding.Sharding) -> jax.Device:
     devices = x.devices() if isinstance(x, jax.Array) else x.device_set
     return min(devices, key=lambda d: d.id)
@@ -104,10 +110,8 @@ def checksums_buffer(arrays: list[jax.Array], word: int) -> jax.Array:
     if len({frozenset(a.devices()) for a in arrays}) == 1:  # one program for all
         return _checksums_and_word(arrays, word)
     device = _first_device(arrays[0])
-    pending = _checksums_dispatch(arrays)
-    order = np.argsort([i for idx, _ in pending for i in idx])
-    sums = jnp.concatenate([jax.device_put(sums, device) for _, sums in pending])[order]
-    return jnp.concatenate([sums, jax.device_put(np.asarray([word], np.uint32), device)])
+    sums = [jax.device_put(_checksum_one(a), device) for a in arrays]
+    return jnp.stack([*sums, jax.device_put(np.uint32(word), device)])  # [n + 1] uint32
 
 
 def checksums_spec(specs: Sequence[jax.ShapeDtypeStruct]) -> jax.ShapeDtypeStruct:
