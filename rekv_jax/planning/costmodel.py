@@ -24,6 +24,12 @@ runs the embedding and all `L` layers (the `suffix` phase). Byte counts come fro
 
 A handoff's `Mode` names its formula (`Mode.formula`, `predicted_ms`).
 
+Served among other requests (`Contention`, `handoff_ends`), each formula holds the handoff's
+first message until the link is free, starts its decode-side compute (suffix, each suffix chunk,
+or the recomputation) no earlier than the decode device is free, and stretches that compute by
+the running decodes it is interleaved with; an idle link and device give the formulas here.
+`planning.queueing` adds the queues' waits around them.
+
 Timed from the prompt's arrival at the prefill worker (`interval="prompt"`), the prefill's own
 compute joins the sum. It runs the same per-layer program as the decode side's suffix, on the
 same kind of device, so a prompt layer costs `γ` too and a call `r0`; `E` is the embedding.
@@ -403,12 +409,10 @@ class Ends:
 
     end_ms: float  # the complete cache and the first token: the predicted total
     link_ms: float  # its last message has crossed the link (and been restored)
-    decode_ms: float | None  # its decode-side compute has ended (None: it computes nothing)
 
     def shifted(self, ms: float) -> Ends:
         """The same ends in a frame that starts `ms` earlier."""
-        return Ends(ms + self.end_ms, ms + self.link_ms,
-                    None if self.decode_ms is None else ms + self.decode_ms)
+        return Ends(ms + self.end_ms, ms + self.link_ms)
 
 
 def predicted_ms(profile: Profile, mode: Mode) -> float:
@@ -453,10 +457,10 @@ def _ready(profile: Profile, action: Action, sequential: bool, contention: Conte
     at_boundary = max(ph.quantize, contention.link_free_ms) + ph.boundary
     at_prefix = at_boundary + ph.prefix
     if not ph.suffix:  # transfer-only: nothing to compute on the decode side
-        return Ends(at_prefix + ph.join, at_prefix, None)
+        return Ends(at_prefix + ph.join, at_prefix)
     begin = max(at_prefix if sequential else at_boundary, contention.decode_free_ms)
     done = begin + ph.suffix * k
-    return Ends(max(at_prefix, done) + ph.join, at_prefix, done)
+    return Ends(max(at_prefix, done) + ph.join, at_prefix)
 
 
 def chunked_ms(profile: Profile, action: Action, chunks: int) -> float:
@@ -479,7 +483,7 @@ def _chunked(profile: Profile, action: Action, chunks: int, contention: Contenti
     for i, at in enumerate(arrive):
         done = max(done, at) + (p.suffix_fixed_ms + (L - c) * p.chunk_layer(i, chunks)) * k
     at_prefix = arrive[-1] + ph.prefix
-    return Ends(max(at_prefix, done) + ph.join, at_prefix, done)
+    return Ends(max(at_prefix, done) + ph.join, at_prefix)
 
 
 def pipelined_ms(profile: Profile, action: Action, chunks: int) -> float:
@@ -497,7 +501,7 @@ def _pipelined(profile: Profile, action: Action, chunks: int, contention: Conten
     if c == 0:  # only the ids cross: the decode side's chunked prefill of all L layers
         done = (max(tokens, contention.decode_free_ms) + p.embed_ms * k
                 + sum(p.suffix_fixed_ms + L * p.chunk_layer(i, n) for i in range(n)) * k)
-        return Ends(done + p.join_ms[ActionKind.RECOMPUTE], tokens, done)
+        return Ends(done + p.join_ms[ActionKind.RECOMPUTE], tokens)
     quantize = p.quantize_fixed_ms + c * p.quantize_ms[b] / n if b < 16 else 0  # a
     payload = p.message_ms + p.restore_fixed_ms[b] + c * p.beta(b) / n
     piece = p.message_ms + (transfer_ms(p.boundary_bytes, p.link_gbps) / n if c < L else 0)
@@ -512,8 +516,8 @@ def _pipelined(profile: Profile, action: Action, chunks: int, contention: Conten
         ready = computed + quantize
         link = max(ready, link) + payload  # D^P_i
     if c == L:
-        return Ends(link + p.join_ms[action.kind], link, None)
-    return Ends(max(link, suffix_done) + p.join_ms[action.kind], link, suffix_done)
+        return Ends(link + p.join_ms[action.kind], link)
+    return Ends(max(link, suffix_done) + p.join_ms[action.kind], link)
 
 
 def prompt_compute_ms(profile: Profile, layers: int) -> float:
@@ -535,7 +539,7 @@ def _streamed(profile: Profile, action: Action, sequential: bool, contention: Co
     tokens = contention.link_free_ms + p.boundary_fixed_ms + transfer_ms(p.token_bytes, W)  # τ
     if c == 0:
         done = max(tokens, contention.decode_free_ms) + prompt_compute_ms(p, L) * k
-        return Ends(done + p.join_ms[ActionKind.RECOMPUTE], tokens, done)
+        return Ends(done + p.join_ms[ActionKind.RECOMPUTE], tokens)
     g = p.suffix_fixed_ms + p.suffix_layer_ms
     a = p.quantize_fixed_ms + p.quantize_ms[action.bits] if action.bits < 16 else 0
     link = p.message_ms + p.restore_fixed_ms[action.bits] + p.beta(action.bits)  # β'
@@ -547,10 +551,10 @@ def _streamed(profile: Profile, action: Action, sequential: bool, contention: Co
     at_boundary = max(computed, done) + boundary  # D_H
     at_prefix = max(computed + a, at_boundary) + link  # D_{c-1}
     if c == L:
-        return Ends(at_prefix + p.join_ms[action.kind], at_prefix, None)
+        return Ends(at_prefix + p.join_ms[action.kind], at_prefix)
     begin = max(at_prefix if sequential else at_boundary, contention.decode_free_ms)
     suffix_done = begin + (p.suffix_fixed_ms + (L - c) * p.suffix_layer_ms) * k  # R(c)
-    return Ends(max(at_prefix, suffix_done) + p.join_ms[action.kind], at_prefix, suffix_done)
+    return Ends(max(at_prefix, suffix_done) + p.join_ms[action.kind], at_prefix)
 
 
 def prefill_busy_ms(profile: Profile, mode: Mode) -> float:

@@ -18,10 +18,21 @@ so a suffix of R ms alone takes `k R` with the stretch
 
     k = 1 + d(B) / u   (B >= 1; k = 1 on an idle worker).
 
-What a choice costs the next request is in `ServedPrediction.after`: the prefill device is busy
-for the mode's prompt compute and quantize calls (`costmodel.prefill_busy_ms`: a split or
-pipelined prefill stops at the cut), the link until its last message has crossed, and the
-decode device until its suffix has run.
+What a choice costs the requests after it is in `ServedPrediction.after`: the prefill device is
+busy for the mode's prompt compute and quantize calls (`costmodel.prefill_busy_ms`: a split or
+pipelined prefill stops at the cut), the link until its last message has crossed (FIFO: the
+next request's messages follow), and the decode device for its suffix's stretched compute (a
+backlog of work, not a reservation: the device runs whatever suffix has arrived, so a suffix
+waiting for its boundary holds nothing up). Each ms a choice adds to a resource's busy time delays
+every request that arrives before that resource drains: at the recent arrival rate λ, about
+`λ F_r` of them, where `F_r` is when it drains after this request. The delay it imposes is
+
+    I = Σ_r Δ_r λ F_r        (Δ_r: how much later resource r is free because of it)
+
+and a policy that weighs it (`ServedPrediction.cost_ms = TTFT + I`) moves work off whichever
+resource has a queue: as the link's queue grows, toward fewer bytes; as the decode worker's
+grows, toward less recomputation. With no queues and a light load, I is small and the fastest
+handoff wins.
 """
 
 from __future__ import annotations
@@ -73,9 +84,11 @@ class Queues:
     link_free_ms: float = 0
     decode_free_ms: float = 0
     running: int = 0
+    arrival_rate: float = 0  # λ: requests per second arriving lately (0: unknown)
 
     def __post_init__(self) -> None:
-        if min(self.prefill_free_ms, self.link_free_ms, self.decode_free_ms, self.running) < 0:
+        if min(self.prefill_free_ms, self.link_free_ms, self.decode_free_ms, self.running,
+               self.arrival_rate) < 0:
             raise ValueError(f"queues cannot be negative, got {self}")
 
 
@@ -94,10 +107,16 @@ class ServedPrediction:
     prefill_busy_ms: float  # the prefill device time it takes
     decode_busy_ms: float  # the decode device compute it adds, unstretched
     after: Queues  # the queues a request arriving at the same moment would find after it
+    imposed_ms: float  # I: the delay it is expected to impose on the requests after it
+
+    @property
+    def cost_ms(self) -> float:
+        """What a policy minimizes: its own TTFT and the delay it imposes on others."""
+        return self.ttft_ms + self.imposed_ms
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        return d | {"after": dataclasses.asdict(self.after)}
+        return d | {"after": dataclasses.asdict(self.after), "cost_ms": self.cost_ms}
 
 
 def served(profile: Profile, mode: Mode, queues: Queues, decode: DecodeCosts
@@ -112,13 +131,23 @@ def served(profile: Profile, mode: Mode, queues: Queues, decode: DecodeCosts
     seen = Contention(max(0, queues.link_free_ms - wait), max(0, queues.decode_free_ms - wait), k)
     ends = handoff_ends(profile, mode, seen)
     busy = prefill_busy_ms(profile, mode)
+    decode_busy = decode_busy_ms(profile, mode)
     after = Queues(prefill_free_ms=wait + busy,
                    link_free_ms=max(queues.link_free_ms, wait + ends.link_ms),
-                   decode_free_ms=(queues.decode_free_ms if ends.decode_ms is None
-                                   else wait + ends.decode_ms),
-                   running=queues.running)
+                   decode_free_ms=queues.decode_free_ms + decode_busy * k,
+                   running=queues.running, arrival_rate=queues.arrival_rate)
     return ServedPrediction(
         ttft_ms=wait + ends.end_ms, prefill_wait_ms=wait, handoff_ms=ends.end_ms,
         idle_ms=predicted_ms(profile, mode), link_wait_ms=seen.link_free_ms,
         decode_wait_ms=seen.decode_free_ms, stretch=k, prefill_busy_ms=busy,
-        decode_busy_ms=decode_busy_ms(profile, mode), after=after)
+        decode_busy_ms=decode_busy, after=after,
+        imposed_ms=imposed_ms(queues, after))
+
+
+def imposed_ms(before: Queues, after: Queues) -> float:
+    """I = Σ_r Δ_r λ F_r over the prefill device, the link and the decode device (module
+    docstring), from the queues before and after a request."""
+    pairs = ((before.prefill_free_ms, after.prefill_free_ms),
+             (before.link_free_ms, after.link_free_ms),
+             (before.decode_free_ms, after.decode_free_ms))
+    return sum(max(0, f - b) * after.arrival_rate * f / 1e3 for b, f in pairs)

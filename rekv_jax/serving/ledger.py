@@ -6,7 +6,8 @@ Times are seconds of the router's clock (from the run's start). Each resource's 
 predicted when a request is assigned (`queueing.ServedPrediction.after`) and corrected by what
 the workers report: a prefill worker's queue restarts from each `PrefillDone` (the next prompt
 starts then), a decode worker's from each `Load`, and each link's bandwidth is re-estimated from
-the transfers just timed (`LinkEstimate`).
+the transfers just timed (`LinkEstimate`). The router notes each arrival (`arrived`) before
+its policy chooses, so the ledger knows the recent arrival rate.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from rekv_jax.planning.queueing import DecodeCosts, Queues
 from rekv_jax.serving.requests import Assignment, Load, PrefillDone
 
 WINDOW = 8  # transfers a link's bandwidth estimate is taken over
+ARRIVALS = 16  # arrivals the arrival rate is estimated over
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +83,7 @@ class Ledger:
     prefill: tuple[PrefillQueue, ...]
     decode: tuple[DecodeQueue, ...]
     links: tuple[LinkQueue, ...]  # prefill-major: the link (p, d) is links[p * D + d]
+    arrivals_s: tuple[float, ...] = ()  # the latest ARRIVALS arrival times, oldest first
 
     @classmethod
     def idle(cls, prefill_workers: int, decode_workers: int, link_gbps: float) -> Ledger:
@@ -95,13 +98,23 @@ class Ledger:
     def link(self, p: int, d: int) -> LinkQueue:
         return self.links[p * len(self.decode) + d]
 
+    @property
+    def arrival_rate(self) -> float:
+        """Requests per second over the latest arrivals (0 before two)."""
+        t = self.arrivals_s
+        return (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 and t[-1] > t[0] else 0.0
+
     def queues(self, p: int, d: int, now_s: float) -> Queues:
         """What a request arriving at `now_s` finds on prefill worker p, decode worker d and
         their link (ms from now)."""
         def wait(at_s: float) -> float:
             return max(0.0, (at_s - now_s) * 1e3)
         return Queues(wait(self.prefill[p].free_at()), wait(self.link(p, d).free_at_s),
-                      wait(self.decode[d].free_at_s), self.decode[d].running)
+                      wait(self.decode[d].free_at_s), self.decode[d].running, self.arrival_rate)
+
+    def arrived(self, now_s: float) -> Ledger:
+        """The ledger once a request has arrived at `now_s`."""
+        return dataclasses.replace(self, arrivals_s=(*self.arrivals_s, now_s)[-ARRIVALS:])
 
     def assigned(self, a: Assignment, now_s: float) -> Ledger:
         """The ledger once `a`, chosen at `now_s`, holds its resources as predicted."""
@@ -141,7 +154,7 @@ class Ledger:
         p, d = prefill_worker, decode_worker
         return Ledger(_put(self.prefill, p, prefill), _put(self.decode, d, decode),
                       _put(self.links, None if link is None else p * len(self.decode) + d,
-                           link))
+                           link), self.arrivals_s)
 
 
 def _put(items: Sequence, index: int | None, item: object) -> tuple:

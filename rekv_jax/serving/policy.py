@@ -1,10 +1,11 @@
 """How each request is handed off, and by which workers: the serving policies.
 
 A policy weighs modes (`Mode`, timed from the prompt) on every (prefill, decode) worker pair and
-picks the one with the least predicted time to first token under the load the `Ledger` shows:
-the prefill worker's queue, the link's queue at its live bandwidth estimate, and the decode
-worker's admitted suffix work and running batch (`planning.queueing.served`). They differ in the
-modes they weigh:
+picks the one of least predicted cost under the load the `Ledger` shows: its time to first
+token, given the prefill worker's queue, the link's queue at its live bandwidth estimate, and
+the decode worker's admitted suffix work and running batch, plus the delay it imposes on the
+requests arriving after it (`planning.queueing.served`, `ServedPrediction.cost_ms`). They differ
+in the modes they weigh:
 
 - a fixed action `PREC:CUT` (e.g. `bf16:full`, which is what vLLM and SGLang do; `q8:full`;
   `bf16:recompute`): that action after a full prefill, overlapped (the paper's setting);
@@ -121,8 +122,8 @@ class Policy(abc.ABC):
                        if self.context.quality(m.action, m.chunks, seq_len) == "unchecked"})
 
     def choose(self, request: ServeRequest, ledger: Ledger, now_s: float) -> Assignment:
-        """The fastest predicted (mode, prefill worker, decode worker) for `request`, arriving
-        at `now_s`, with why."""
+        """The (mode, prefill worker, decode worker) of least predicted cost for `request`,
+        arriving at `now_s` (the ledger has noted its arrival), with why."""
         ctx, n = self.context, request.prompt_len
         weighed = []
         for p, d in ledger.pairs():
@@ -130,9 +131,9 @@ class Policy(abc.ABC):
             profile, queues = self.profile(n).at_link(gbps), ledger.queues(p, d, now_s)
             weighed += [(served(profile, mode, queues, ctx.decode), i, mode, p, d, gbps)
                         for i, mode in enumerate(self.modes(n))]
-        weighed.sort(key=lambda w: (w[0].ttft_ms, w[1]))  # ties: the earlier mode
+        weighed.sort(key=lambda w: (w[0].cost_ms, w[1]))  # ties: the earlier mode
         pred, _, mode, p, d, gbps = weighed[0]
-        others = [Weighed(m.label, w.ttft_ms, wp, wd)
+        others = [Weighed(m.label, w.ttft_ms, w.cost_ms, wp, wd)
                   for w, _, m, wp, wd, _ in weighed[1:ctx.runners_up + 1]]
         why = Why(self.name, pred, gbps, ctx.quality(mode.action, mode.chunks, n),
                   tuple(others))

@@ -60,10 +60,12 @@ class ServeRequest:
 
 @dataclasses.dataclass(frozen=True)
 class Weighed:
-    """Another mode a policy weighed for a request, and its predicted time to first token."""
+    """Another mode a policy weighed for a request, and its predicted time to first token and
+    cost (`ServedPrediction.cost_ms`)."""
 
     label: str  # `Mode.label`
     ttft_ms: float
+    cost_ms: float
     prefill_worker: int
     decode_worker: int
 
