@@ -74,7 +74,8 @@ class Context:
         missing = sorted(set(self.adaptive_bits) - set.intersection(
             *(set(p.quantize_ms) for p in self.profiles)))
         if missing:
-            raise ValueError(f"the profiles hold no costs for {missing}-bit prefixes")
+            raise ValueError(f"the profiles hold no costs for "
+                             f"{', '.join(map(str, missing))}-bit prefixes")
 
     def profile(self, seq_len: int) -> Profile:
         """The profile of `seq_len`: the one measured at it, else the nearest length's, scaled."""
