@@ -259,17 +259,17 @@ def _ttft_cdf(served: Sequence[Served], rate: float, path: Path) -> Path:
 def _against_rate(summaries: Sequence[ServeSummary], path: Path, ttft: bool) -> Path:
     fig = _figure(6.0, 4.0)
     ax = fig.subplots()
-    for policy in dict.fromkeys(s.policy for s in summaries):
+    for k, policy in enumerate(dict.fromkeys(s.policy for s in summaries)):
         mine = sorted((s for s in summaries if s.policy == policy), key=lambda s: s.rate)
         rates = [s.rate for s in mine]
-        if ttft:
+        if ttft:  # one colour per policy: p50 solid, p90 dashed
             for q, style in ((0, "-o"), (1, "--s")):
                 est = [s.ttft_ms[q] for s in mine]
                 err = np.abs(np.array([e.ci for e in est]).T - [e.value for e in est])
                 ax.errorbar(rates, [e.value for e in est], yerr=err, fmt=style, capsize=3,
-                            label=f"{policy} p{round(TTFT_QUANTILES[q] * 100)}")
+                            color=f"C{k}", label=f"{policy} p{round(TTFT_QUANTILES[q] * 100)}")
         else:
-            ax.plot(rates, [s.goodput_rps for s in mine], "-o", label=policy)
+            ax.plot(rates, [s.goodput_rps for s in mine], "-o", color=f"C{k}", label=policy)
     what = "TTFT (ms), p50 and p90 with 95% CIs" if ttft else "goodput (req/s within the SLO)"
     ax.set(xlabel="arrival rate (req/s)", ylabel=what.split(",")[0],
            title=("TTFT" if ttft else "Goodput") + " against arrival rate")
