@@ -25,7 +25,8 @@ def _profile(L, gamma, alpha, gbps, fixed, share, seq_len=64) -> cm.Profile:
     return cm.Profile.for_config(
         cfg, seq_len, hardware="test", link="test", link_gbps=gbps, source="analytic",
         quantize_ms={16: 0, 8: alpha}, restore_ms={16: 0, 8: Fraction(1, 10)},
-        suffix_layer_ms=gamma, join_ms=dict.fromkeys(ACTION_KINDS, j), embed_ms=e, boundary_fixed_ms=h0, message_ms=m,
+        suffix_layer_ms=gamma, join_ms=dict.fromkeys(ACTION_KINDS, j), embed_ms=e,
+        boundary_fixed_ms=h0, message_ms=m,
         suffix_fixed_ms=r0, attention_share=share, chunk_layer_ms=Fraction(0),
         quantize_fixed_ms=Fraction(1, 2),
         restore_fixed_ms={16: Fraction(0), 8: Fraction(1, 4)})

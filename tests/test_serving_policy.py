@@ -22,8 +22,11 @@ def _context(profile: Profile, **kw) -> Context:
     return Context("tiny-7b", 28, (profile,), COSTS, **kw)
 
 
-def _ledger(gbps: float, link_s: float = 0.0, decode: DecodeQueue = DecodeQueue(),
-            prefill: PrefillQueue = PrefillQueue()) -> Ledger:
+IDLE_DECODE, IDLE_PREFILL = DecodeQueue(), PrefillQueue()
+
+
+def _ledger(gbps: float, link_s: float = 0.0, decode: DecodeQueue = IDLE_DECODE,
+            prefill: PrefillQueue = IDLE_PREFILL) -> Ledger:
     return Ledger((prefill,), (decode,), (LinkQueue(LinkEstimate(gbps), link_s),), ARRIVALS)
 
 
