@@ -63,6 +63,36 @@ plan --prefill full,pipelined           | pipelined prefill streams; 'prompt'
 plan --quality /missing.jsonl           | /missing.jsonl; cannot read
 plan --quality {tmp}/empty.json         | empty.json; not a quality gate result
 plan --quality {tmp}/gate.jsonl         | none for model 'tiny' at 8192; other
+serve --rate 0                          | --rate; positive
+serve --rates 1,x                       | --rates; '1,x'
+serve --rate 1 --rates 2                | --rates; not allowed with argument --rate
+serve --requests 0 --rate 1             | --requests; positive
+serve --rate 1 --requests 5 --duration 2  | --duration; not allowed with argument --requests
+serve --rate 1 --max-new-tokens 0       | --max-new-tokens; positive
+serve --rate 1 --prompt-lens 100..50    | 100..50; LO <= HI
+serve --rate 1 --prompt-lens 256,x      | --prompt-lens; 256,x
+serve --rate 1 --prompt-lens 5000       | 5000; 4096
+serve --rate 1 --prompts wikitext       | 2048; 512; --prompts synthetic
+serve --rate 1 --policy q8:full,fast    | policy 'fast'; adaptive
+serve --rate 1 --policy bf16:full,bf16:full | name one twice
+serve --rate 1 --policy q8:r=9          | q8:r=9; 0..6
+serve --rate 1 --adaptive-bits 8        | --adaptive-bits; holding 16
+serve --rate 1 --slo-ttft-ms 0          | --slo-ttft-ms; positive
+serve --rate 1 --slo-tpot-ms -5         | --slo-tpot-ms; positive
+serve --rate 1 --profile /missing.json  | /missing.json; cannot read
+serve --rate 1 --quality {tmp}/gate.jsonl | no results for tiny; other
+serve --link-gbps 0 --rate 1            | --link-gbps; positive
+serve --rate 1 --timeout 0              | --timeout; positive
+serve --requests 5                      | --rate R; --http
+serve --http 0.0.0.0:8000               | beyond loopback; --api-key
+serve --http 8000                       | --http; HOST:PORT
+serve --http 127.0.0.1:99999            | 99999; 0..65535
+serve --http 127.0.0.1:8000 --rate 1    | --rate; generated load
+serve --http 127.0.0.1:8000 --policy adaptive,q8:full | one policy
+serve --http 127.0.0.1:8000 --plot {tmp}/p | --plot; --http
+serve --rate 1 --api-key k              | --api-key; --http
+serve --rate 1 --prefill-workers 0      | --prefill-workers; positive
+serve --rate 1 --decode-workers x       | --decode-workers; 'x'
 """
 CASES = [(argv.split(), words.split("; ")) for argv, words in
          (line.split(" | ") for line in TABLE.strip().splitlines())]

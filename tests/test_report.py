@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from rekv_jax import sizes
+from rekv_jax import sizes, stats
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
 from rekv_jax.mode import Mode
@@ -14,7 +14,7 @@ from rekv_jax.phases import Phases
 from rekv_jax.planning.costmodel import predicted_ms as mode_predicted_ms
 from rekv_jax.planning.costmodel import t_ov
 from rekv_jax.planning.planner import analytic_profile
-from rekv_jax.study import chunked_table, report, stats
+from rekv_jax.study import chunked_table, report
 from rekv_jax.study import tables as study_tables
 from rekv_jax.study.records import Summary, read_summaries
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from rekv_jax.study import stats
+from rekv_jax import stats
 
 
 def _lognormal(rng, n=30, scale=1.0):
@@ -81,3 +81,24 @@ def test_coverage_near_95_percent(kind):
 def test_bad_input_raises(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_the_middle_quantile_is_the_median_with_the_same_interval():
+    xs = _lognormal(np.random.default_rng(4), n=41)
+    assert stats.quantile(xs, 0.5) == stats.median(xs)
+    assert stats.quantile_ci(xs, 0.5, seed=3) == stats.median_ci(xs, seed=3)
+
+
+def test_quantile_ci_covers_the_true_p90_about_95_percent_of_the_time():
+    """An exponential's p90 is ln 10; 200 samples of 200 draws, 1,000 resamples each."""
+    rng, truth, hits = np.random.default_rng(5), np.log(10.0), 0
+    for seed in range(200):
+        lo, hi = stats.quantile_ci(rng.exponential(1.0, 200), 0.9, n_boot=1000, seed=seed)
+        hits += lo <= truth <= hi
+    assert 0.88 <= hits / 200 <= 0.99, hits
+
+
+@pytest.mark.parametrize("q", [-0.1, 1.5])
+def test_a_quantile_outside_0_1_is_refused(q):
+    with pytest.raises(ValueError, match="quantile must be in"):
+        stats.quantile_ci([1.0, 2.0], q)

@@ -17,6 +17,7 @@ from rekv_jax.cli.analytic import cmd_bytes, cmd_info, cmd_plan
 from rekv_jax.cli.flags import FLAG_GROUPS, PAPER_LINK
 from rekv_jax.cli.quality import cmd_quality, cmd_select
 from rekv_jax.cli.run import cmd_calibrate, cmd_generate, cmd_handoff
+from rekv_jax.cli.serve import cmd_serve
 from rekv_jax.cli.study import cmd_doctor, cmd_profile, cmd_sweep
 
 # absl/glog lines of the XLA runtime and of jax.distributed's coordination service are for
@@ -149,6 +150,15 @@ def _generate_flags(p: argparse.ArgumentParser) -> None:
                    help="token chunks of the chunked schedule / pipelined prefill (default 4)")
     p.add_argument("--compare", action="store_true",
                    help="also decode on a single-process cache; report first_divergence")
+
+
+@command("serve", cmd_serve, "serve a request stream (or OpenAI API clients) under policies",
+         ("model", "link", "transport", "failure", "attention", "pin", "json"))
+def _serve_flags(p: argparse.ArgumentParser) -> None:
+    from rekv_jax.cli.serve import add_flags
+
+    p.set_defaults(link_gbps=PAPER_LINK)
+    add_flags(p)
 
 
 @command("doctor", cmd_doctor, "self-check of this machine: kernels, exactness, speed, a handoff",

@@ -26,6 +26,12 @@ runs the embedding and all `L` layers (the `suffix` phase). Byte counts come fro
 
 A handoff's `Mode` names its formula (`Mode.formula`, `predicted_ms`).
 
+Served among other requests (`Contention`, `handoff_ends`), each formula holds the handoff's
+first message until the link is free, starts its decode-side compute (suffix, each suffix chunk,
+or the recomputation) no earlier than the decode device is free, and stretches that compute by
+the running decodes it is interleaved with; an idle link and device give the formulas here.
+`planning.queueing` adds the queues' waits around them.
+
 Timed from the prompt's arrival at the prefill worker (`interval="prompt"`), the prefill's own
 compute joins the sum. It runs the same per-layer program as the decode side's suffix, on the
 same kind of device, so a prompt layer costs `γ` too and a call `r0`; `E` is the embedding.
@@ -87,17 +93,17 @@ plus its layers; each extra message costs `m`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from fractions import Fraction
-from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
 from rekv_jax import sizes
 from rekv_jax.action import ACTION_KINDS, PAPER, Action, ActionKind
 from rekv_jax.config import ModelConfig
-from rekv_jax.mode import Formula, Mode
+from rekv_jax.mode import Formula, Mode, PrefillMode
 from rekv_jax.phases import Phases
 
 _BITS_FIELDS = ("kv_layer_bytes", "quantize_ms", "restore_ms")  # dicts keyed by bits
@@ -233,6 +239,31 @@ class Profile:
         return dataclasses.replace(self, link_gbps=link_gbps,
                                    link=link or f"{self.link}, retargeted to {link_gbps:g} GB/s")
 
+    def at_length(self, seq_len: int) -> Profile:
+        """An estimate of the same model and machine at prompt length `seq_len`: bytes, the
+        embedding and the per-layer quantize and restore costs scale with the tokens, a layer's
+        γ as `(1 - s) f + s f²` with `f = seq_len / S` (its attention share s grows with the
+        length), and per-call, per-message, per-chunk and join costs stay. A profile measured at
+        the length is better; this one fills the lengths between."""
+        if seq_len == self.seq_len:
+            return self
+        if seq_len < 1:
+            raise ValueError(f"a prompt length must be positive, got {seq_len}")
+        f, s = seq_len / self.seq_len, self.attention_share
+        grow = (1 - s) + s * f  # γ(S') / (γ(S) f)
+
+        def scaled(nbytes: int) -> int:  # every byte count is a whole number per token
+            return nbytes // self.seq_len * seq_len
+
+        return dataclasses.replace(
+            self, seq_len=seq_len, kv_layer_bytes={b: scaled(n) for b, n in
+                                                   self.kv_layer_bytes.items()},
+            boundary_bytes=scaled(self.boundary_bytes), token_bytes=scaled(self.token_bytes),
+            quantize_ms={b: v * f for b, v in self.quantize_ms.items()},
+            restore_ms={b: v * f for b, v in self.restore_ms.items()},
+            suffix_layer_ms=self.suffix_layer_ms * f * grow, embed_ms=self.embed_ms * f,
+            attention_share=s * f / grow, source=f"{self.source}, scaled from {self.seq_len}")
+
     def beta(self, bits: int, fmt: str = PAPER) -> float:
         """β_b: per-layer prefix transfer (in prefix format `fmt`) plus restore."""
         self._check_bits(bits)
@@ -349,25 +380,70 @@ def predict(profile: Profile, action: Action) -> Prediction:
     return Prediction(action, ph, t_seq(*ph.ready), t_ov(*ph.ready), saved(ph.prefix, ph.suffix))
 
 
+@dataclasses.dataclass(frozen=True)
+class Contention:
+    """Other requests' work on the two resources a handoff shares when it is served among
+    others, as its formula sees them (ms after its interval starts): nothing of this handoff
+    crosses the link before `link_free_ms`, and its decode-side compute (suffix or
+    recomputation) starts no earlier than `decode_free_ms` and runs `stretch` times its own
+    cost, interleaved with the decode steps of the requests already running
+    (`queueing.DecodeCosts.stretch`). The default, an idle link and device, gives the paper's
+    formulas exactly (its values are ints, so exact rationals stay exact)."""
+
+    link_free_ms: float = 0
+    decode_free_ms: float = 0
+    stretch: float = 1
+
+    def __post_init__(self) -> None:
+        if not (self.link_free_ms >= 0 and self.decode_free_ms >= 0 and self.stretch >= 1):
+            raise ValueError(f"contention needs free times >= 0 and a stretch >= 1, got {self}")
+
+    def after(self, ms: float) -> Contention:
+        """The same contention seen from `ms` later (what is left of each wait)."""
+        return dataclasses.replace(self, link_free_ms=max(0, self.link_free_ms - ms),
+                                   decode_free_ms=max(0, self.decode_free_ms - ms))
+
+
+IDLE = Contention()
+
+
+@dataclasses.dataclass(frozen=True)
+class Ends:
+    """When the parts of one handoff end, ms after its interval starts."""
+
+    end_ms: float  # the complete cache and the first token: the predicted total
+    link_ms: float  # its last message has crossed the link (and been restored)
+
+    def shifted(self, ms: float) -> Ends:
+        """The same ends in a frame that starts `ms` earlier."""
+        return Ends(ms + self.end_ms, ms + self.link_ms)
+
+
 def predicted_ms(profile: Profile, mode: Mode) -> float:
     """The predicted total of a handoff run as `mode`, timed from its interval, by the formula
     the mode names (`Mode.formula`; see the module docstring)."""
+    return handoff_ends(profile, mode).end_ms
+
+
+def handoff_ends(profile: Profile, mode: Mode, contention: Contention = IDLE) -> Ends:
+    """When a handoff run as `mode` ends (and its link and decode-side parts do), timed from its
+    interval, on a link and decode device that `contention` shares with other requests."""
     if mode.chunks > profile.seq_len:
         raise ValueError(f"{mode.chunks} chunks need at least as many tokens, the profile has "
                          f"{profile.seq_len}")
     action, formula = mode.action, mode.formula
     if formula == Formula.PIPELINED:
-        return pipelined_ms(profile, action, mode.chunks)
+        return _pipelined(profile, action, mode.chunks, contention)
     if formula == Formula.SPLIT:
-        return streamed_ms(profile, action, mode.suffix_waits_for_prefix)
+        return _streamed(profile, action, mode.suffix_waits_for_prefix, contention)
+    lead = prompt_compute_ms(profile, profile.num_layers) if mode.from_prompt else 0
+    seen = contention.after(lead)  # the full prefill runs before anything is sent
     if formula == Formula.CHUNKED:
-        ready = chunked_ms(profile, action, mode.chunks)
-    else:
-        pred = predict(profile, action)
-        ready = pred.t_seq_ms if formula == Formula.SEQUENTIAL else pred.t_ov_ms
-    return ready + (prompt_compute_ms(profile, profile.num_layers) if mode.from_prompt else 0)
+        return _chunked(profile, action, mode.chunks, seen).shifted(lead)
+    return _ready(profile, action, formula == Formula.SEQUENTIAL, seen).shifted(lead)
 
 
+@functools.lru_cache(maxsize=4096)  # pure, and called per chunk of every mode a policy weighs
 def chunk_share(seq_len: int, chunk: int, chunks: int, attention_share: float) -> float:
     """Chunk `chunk`'s share of a prompt layer's γ: its T_i of S tokens, and its attention over
     the w_i cache positions of its bucket (`sizes.attention_width`) where the prompt program's
@@ -377,46 +453,75 @@ def chunk_share(seq_len: int, chunk: int, chunks: int, attention_share: float) -
     return Fraction(tokens, seq_len**2) * (seq_len * (1 - s) + s * width)  # exact for rational s
 
 
+def _ready(profile: Profile, action: Action, sequential: bool, contention: Contention) -> Ends:
+    """Eq. 8 (`sequential`) or Eq. 9 (ready interval) under `contention`: the boundary leaves
+    once quantized and the link is free; the suffix starts once it has arrived (Eq. 8: the
+    prefix too) and the decode device is free."""
+    ph, k = phase_ms(profile, action), contention.stretch
+    at_boundary = max(ph.quantize, contention.link_free_ms) + ph.boundary
+    at_prefix = at_boundary + ph.prefix
+    if not ph.suffix:  # transfer-only: nothing to compute on the decode side
+        return Ends(at_prefix + ph.join, at_prefix)
+    begin = max(at_prefix if sequential else at_boundary, contention.decode_free_ms)
+    done = begin + ph.suffix * k
+    return Ends(max(at_prefix, done) + ph.join, at_prefix)
+
+
 def chunked_ms(profile: Profile, action: Action, chunks: int) -> float:
     """T_chunked of `action` (ready interval): the flow line of the module docstring."""
+    return _chunked(profile, action, chunks, IDLE).end_ms
+
+
+def _chunked(profile: Profile, action: Action, chunks: int, contention: Contention) -> Ends:
+    """The chunked boundary's flow line: chunk i's suffix runs once its piece has arrived and
+    chunk i-1 is done (the first once the decode device is free)."""
     p, ph = profile, phase_ms(profile, action)
-    c, L = action.cut, p.num_layers
+    c, L, k = action.cut, p.num_layers, contention.stretch
     if not 0 < c < L:  # no boundary to chunk
-        return t_ov(*ph.ready)
-    start = ph.quantize + p.boundary_fixed_ms + transfer_ms(p.token_bytes, p.link_gbps)
+        return _ready(p, action, False, contention)
+    start = (max(ph.quantize, contention.link_free_ms) + p.boundary_fixed_ms
+             + transfer_ms(p.token_bytes, p.link_gbps))
     piece = transfer_ms(p.boundary_bytes, p.link_gbps) / chunks
     arrive = [start + (i + 1) * piece + i * p.message_ms for i in range(chunks)]  # A_i
-    run = [p.suffix_fixed_ms + (L - c) * p.chunk_layer(i, chunks) for i in range(chunks)]  # R_i
-    tails = list(accumulate(reversed(run)))[::-1]  # Σ_{i>=k} R_i
-    suffix_done = max(a + t for a, t in zip(arrive, tails, strict=True))  # F
-    return max(arrive[-1] + ph.prefix, suffix_done) + ph.join
+    done = contention.decode_free_ms  # F_{i-1}
+    for i, at in enumerate(arrive):
+        done = max(done, at) + (p.suffix_fixed_ms + (L - c) * p.chunk_layer(i, chunks)) * k
+    at_prefix = arrive[-1] + ph.prefix
+    return Ends(max(at_prefix, done) + ph.join, at_prefix)
 
 
 def pipelined_ms(profile: Profile, action: Action, chunks: int) -> float:
     """T_pipelined of `action` (ms from the prompt's arrival): the recursion of the module
     docstring (the decode side runs each chunk as it arrives)."""
-    p = profile
+    return _pipelined(profile, action, chunks, IDLE).end_ms
+
+
+def _pipelined(profile: Profile, action: Action, chunks: int, contention: Contention) -> Ends:
+    p, k = profile, contention.stretch
     phase_ms(p, action)  # validates the action against the profile
     c, L, b, n = action.cut, p.num_layers, action.bits, chunks
+    tokens = contention.link_free_ms + p.boundary_fixed_ms + transfer_ms(p.token_bytes,
+                                                                         p.link_gbps)  # τ
     if c == 0:  # only the ids cross: the decode side's chunked prefill of all L layers
-        tokens = p.boundary_fixed_ms + transfer_ms(p.token_bytes, p.link_gbps)
-        return (tokens + p.embed_ms + sum(p.suffix_fixed_ms + L * p.chunk_layer(i, n)
-                                          for i in range(n)) + p.join_ms[ActionKind.RECOMPUTE])
+        done = (max(tokens, contention.decode_free_ms) + p.embed_ms * k
+                + sum(p.suffix_fixed_ms + L * p.chunk_layer(i, n) for i in range(n)) * k)
+        return Ends(done + p.join_ms[ActionKind.RECOMPUTE], tokens)
     quantize = p.quantize_fixed_ms + c * p.quantize_ms[b] / n if b < 16 else 0  # a
     payload = p.message_ms + p.restore_fixed_ms[b] + c * p.beta(b, action.format) / n
     piece = p.message_ms + (transfer_ms(p.boundary_bytes, p.link_gbps) / n if c < L else 0)
-    link = p.boundary_fixed_ms + transfer_ms(p.token_bytes, p.link_gbps)  # τ: when it is free
-    ready = suffix_done = 0  # P_{i-1}, F_{i-1}
+    link, ready, suffix_done = tokens, 0, contention.decode_free_ms  # D^P_{-1}, P_{-1}, F_{-1}
     for i in range(n):
         computed = ready + p.embed_ms / n + p.suffix_fixed_ms + c * p.chunk_layer(i, n)  # C_i
         if c < L or i == n - 1:  # the piece of h_c (transfer-only: the first token, once)
             link = max(computed, link) + piece  # D^H_i
         if c < L:
             run = p.suffix_fixed_ms + (L - c) * p.chunk_layer(i, n)  # R_i
-            suffix_done = max(suffix_done, link) + run
+            suffix_done = max(suffix_done, link) + run * k
         ready = computed + quantize
         link = max(ready, link) + payload  # D^P_i
-    return max(link, suffix_done) + p.join_ms[action.kind]
+    if c == L:
+        return Ends(link + p.join_ms[action.kind], link)
+    return Ends(max(link, suffix_done) + p.join_ms[action.kind], link)
 
 
 def prompt_compute_ms(profile: Profile, layers: int) -> float:
@@ -427,12 +532,18 @@ def prompt_compute_ms(profile: Profile, layers: int) -> float:
 def streamed_ms(profile: Profile, action: Action, sequential: bool = False) -> float:
     """T_split of `action` (ms from the prompt's arrival): the recursion of the module
     docstring; `sequential`: the suffix waits for the whole prefix."""
-    p = profile
+    return _streamed(profile, action, sequential, IDLE).end_ms
+
+
+def _streamed(profile: Profile, action: Action, sequential: bool, contention: Contention
+              ) -> Ends:
+    p, k = profile, contention.stretch
     phase_ms(p, action)  # validates the action against the profile
     c, L, W = action.cut, p.num_layers, p.link_gbps
-    tokens = p.boundary_fixed_ms + transfer_ms(p.token_bytes, W)  # τ
+    tokens = contention.link_free_ms + p.boundary_fixed_ms + transfer_ms(p.token_bytes, W)  # τ
     if c == 0:
-        return tokens + prompt_compute_ms(p, L) + p.join_ms[ActionKind.RECOMPUTE]
+        done = max(tokens, contention.decode_free_ms) + prompt_compute_ms(p, L) * k
+        return Ends(done + p.join_ms[ActionKind.RECOMPUTE], tokens)
     g = p.suffix_fixed_ms + p.suffix_layer_ms
     a = p.quantize_fixed_ms + p.quantize_ms[action.bits] if action.bits < 16 else 0
     link = (p.message_ms + p.restore_fixed_ms[action.bits]
@@ -444,7 +555,37 @@ def streamed_ms(profile: Profile, action: Action, sequential: bool = False) -> f
     computed = p.embed_ms + c * g + (c - 1) * a  # C_{c-1}
     at_boundary = max(computed, done) + boundary  # D_H
     at_prefix = max(computed + a, at_boundary) + link  # D_{c-1}
-    suffix = p.suffix_fixed_ms + (L - c) * p.suffix_layer_ms if c < L else 0  # R(c)
-    if sequential:
-        return at_prefix + suffix + p.join_ms[action.kind]
-    return max(at_prefix, at_boundary + suffix) + p.join_ms[action.kind]
+    if c == L:
+        return Ends(at_prefix + p.join_ms[action.kind], at_prefix)
+    begin = max(at_prefix if sequential else at_boundary, contention.decode_free_ms)
+    suffix_done = begin + (p.suffix_fixed_ms + (L - c) * p.suffix_layer_ms) * k  # R(c)
+    return Ends(max(at_prefix, suffix_done) + p.join_ms[action.kind], at_prefix)
+
+
+def prefill_busy_ms(profile: Profile, mode: Mode) -> float:
+    """How long a handoff run as `mode` occupies the prefill worker's device: its prompt compute
+    and its quantize calls (a full prefill runs all L layers; a split or pipelined one stops at
+    the cut, and sends only the ids at c = 0)."""
+    p, action = profile, mode.action
+    c, b, n = action.cut, action.bits, mode.chunks
+    if mode.prefill == PrefillMode.FULL:
+        return prompt_compute_ms(p, p.num_layers) + phase_ms(p, action).quantize
+    if c == 0:
+        return 0
+    if mode.prefill == PrefillMode.SPLIT:  # C_{c-1} + a
+        return (p.embed_ms + c * (p.suffix_fixed_ms + p.suffix_layer_ms)
+                + c * (p.quantize_fixed_ms + p.quantize_ms[b] if b < 16 else 0))
+    quantize = p.quantize_fixed_ms + c * p.quantize_ms[b] / n if b < 16 else 0
+    return sum(p.embed_ms / n + p.suffix_fixed_ms + c * p.chunk_layer(i, n) + quantize
+               for i in range(n))
+
+
+def decode_busy_ms(profile: Profile, mode: Mode) -> float:
+    """The decode device's compute of a handoff run as `mode`, alone: its suffix (in its token
+    chunks) or, at c = 0, the embedding and all L layers; nothing for transfer-only."""
+    p, c, n = profile, mode.action.cut, mode.suffix_chunks
+    if c == p.num_layers:
+        return 0
+    layers = p.num_layers - c
+    calls = sum(p.suffix_fixed_ms + layers * p.chunk_layer(i, n) for i in range(n))
+    return calls + (p.embed_ms if c == 0 else 0)

@@ -218,7 +218,7 @@ def plan(cfg: ModelConfig, seq_len: int, profile: Profile | None = None,
         phases = phase_ms(profile, a)
         payload = sizes.action_bytes(cfg, a, seq_len, batch).total_bytes
         for mode in Mode.candidates(a, schedules, prefills, chunks, interval):
-            quality, gated = _standing(verdicts, a, mode.chunks)
+            quality, gated = standing(verdicts, a, mode.chunks)
             candidates.append(Candidate(mode, predicted_ms(profile, mode), phases, payload,
                                         quality, gated))
     if not candidates:
@@ -234,11 +234,18 @@ def plan(cfg: ModelConfig, seq_len: int, profile: Profile | None = None,
                 gate_file if gate is not None else None)
 
 
+def gate_verdicts(gate: Sequence[GateResult], model: str, seq_len: int
+                  ) -> dict[tuple[str, int], bool]:
+    """(action text, chunks) -> eligible, from the gate results of this model and length (empty
+    where it has none)."""
+    return {(g.action, g.chunks): g.eligible for g in gate
+            if (g.model, g.seq_len) == (model, seq_len)}
+
+
 def _verdicts(gate: Sequence[GateResult], model: str, seq_len: int
               ) -> dict[tuple[str, int], bool]:
-    """(action text, chunks) -> eligible, from the gate results of this model and length."""
-    mine = {(g.action, g.chunks): g.eligible for g in gate
-            if (g.model, g.seq_len) == (model, seq_len)}
+    """`gate_verdicts`, which must hold some."""
+    mine = gate_verdicts(gate, model, seq_len)
     if not mine:
         have = sorted({(g.model, g.seq_len) for g in gate})
         raise ValueError(f"the quality gate results have none for model {model!r} at {seq_len} "
@@ -246,7 +253,7 @@ def _verdicts(gate: Sequence[GateResult], model: str, seq_len: int
     return mine
 
 
-def _standing(verdicts: dict[tuple[str, int], bool] | None, action: Action, chunks: int
+def standing(verdicts: dict[tuple[str, int], bool] | None, action: Action, chunks: int
               ) -> tuple[str, int | None]:
     """A candidate's quality and the chunks of the gate result it rests on: its own chunking's,
     else the unchunked cache's (chunking reorders only the suffix's sums; the gate judges the

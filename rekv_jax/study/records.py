@@ -13,11 +13,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from rekv_jax import stats
 from rekv_jax.action import Action, ActionKind
 from rekv_jax.jsonl import read_jsonl
 from rekv_jax.mode import NO_SCHEDULE, SCHEDULES, Interval, Mode, PrefillMode
 from rekv_jax.phases import Phases, Timeline
-from rekv_jax.study import stats
 
 FIDELITY_LIMIT = 1.10  # a suffix phase past this many times its standalone time is warned of
 

@@ -8,11 +8,10 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from rekv_jax import sizes
+from rekv_jax import sizes, stats
 from rekv_jax.mode import Formula, paper_timing, timed_from_prompt
 from rekv_jax.planning.costmodel import Profile, predicted_ms, t_ov
 from rekv_jax.planning.planner import LinkChoice, crossovers, find_profile, preferred_by_link
-from rekv_jax.study import stats
 from rekv_jax.study.records import (
     BatchRow,
     CrossoverRow,

@@ -1,4 +1,5 @@
-"""Medians and 95% percentile-bootstrap confidence intervals for timed repetitions (paper §3).
+"""Medians, quantiles and their 95% percentile-bootstrap confidence intervals for timed
+repetitions (paper §3) and served requests.
 
 Separately executed baselines are compared by resampling each sample independently; paired reps
 (the same rep index measured under two conditions) are resampled with one shared index set, so a
@@ -46,6 +47,26 @@ def median_ci(xs: Sequence[float], level: float = LEVEL, n_boot: int = N_BOOT, s
               ) -> tuple[float, float]:
     """Bootstrap CI of the median of one sample."""
     return _interval(_boot_medians(_sample(xs), np.random.default_rng(seed), n_boot), level)
+
+
+def quantile(xs: Sequence[float], q: float) -> float:
+    """The sample's `q` quantile (0 <= q <= 1; linear interpolation, numpy's default)."""
+    return float(np.quantile(_sample(xs), _level(q)))
+
+
+def quantile_ci(xs: Sequence[float], q: float, level: float = LEVEL, n_boot: int = N_BOOT,
+                seed: int = 0) -> tuple[float, float]:
+    """Bootstrap CI of the `q` quantile of one sample (a tail quantile of a small sample has a
+    wide interval: the resamples rarely reach past its largest values)."""
+    a, rng = _sample(xs), np.random.default_rng(seed)
+    boot = np.quantile(a[rng.integers(0, a.size, size=(n_boot, a.size))], _level(q), axis=1)
+    return _interval(boot, level)
+
+
+def _level(q: float) -> float:
+    if not 0 <= q <= 1:
+        raise ValueError(f"a quantile must be in [0, 1], got {q}")
+    return q
 
 
 def ratio_ci(num: Sequence[float], den: Sequence[float], paired: bool = False,

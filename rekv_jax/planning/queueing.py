@@ -1,0 +1,153 @@
+"""The cost model of a handoff served among other requests: the wait at each shared resource and
+the stretch of a suffix interleaved with running decodes.
+
+A served request shares three resources with the requests before it: the prefill worker's device
+(first come, first served), the link (FIFO) and the decode worker's device. `Queues` says when
+each has finished the work already assigned to it, in ms after the request arrives, and how many
+requests the decode worker is running (B). Then, for a handoff run as `mode` (timed from its
+prompt, `costmodel.handoff_ends`):
+
+    W_p = when the prefill device is free: the prompt waits that long, then its interval starts
+    TTFT = W_p + T(mode | link free at max(0, L - W_p), decode device free at max(0, D - W_p), k)
+
+where `T` is the mode's formula with its link messages held until the link is free and its
+decode-side compute started no earlier than the device is free (`costmodel.Contention`). The
+decode worker runs a suffix in chunks of at most `u` ms of compute per iteration, each beside one
+batched decode step of the B running requests, `d(B) = d0 + B d1` (Sarathi-style interleaving),
+so a suffix of R ms alone takes `k R` with the stretch
+
+    k = 1 + d(B) / u   (B >= 1; k = 1 on an idle worker).
+
+What a choice costs the requests after it is in `ServedPrediction.after`: the prefill device is
+busy for the mode's prompt compute and quantize calls (`costmodel.prefill_busy_ms`: a split or
+pipelined prefill stops at the cut), the link until its last message has crossed (FIFO: the
+next request's messages follow), and the decode device for its suffix's stretched compute (a
+backlog of work, not a reservation: the device runs whatever suffix has arrived, so a suffix
+waiting for its boundary holds nothing up). Each ms a choice adds to a resource's busy time delays
+every request that arrives before that resource drains: at the recent arrival rate λ, about
+`λ F_r` of them, where `F_r` is when it drains after this request. The delay it imposes is
+
+    I = Σ_r Δ_r λ F_r        (Δ_r: how much later resource r is free because of it)
+
+and a policy that weighs it (`ServedPrediction.cost_ms = TTFT + I`) moves work off whichever
+resource has a queue: as the link's queue grows, toward fewer bytes; as the decode worker's
+grows, toward less recomputation. With no queues and a light load, I is small and the fastest
+handoff wins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from rekv_jax.mode import Mode
+from rekv_jax.planning.costmodel import (
+    Contention,
+    Profile,
+    decode_busy_ms,
+    handoff_ends,
+    predicted_ms,
+    prefill_busy_ms,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCosts:
+    """What one iteration of a decode worker costs: a batched decode step of B running requests
+    takes `step_fixed_ms + B * step_per_request_ms`, and beside it the iteration runs at most
+    `suffix_budget_ms` of admitted suffix compute."""
+
+    step_fixed_ms: float  # d0: the part of a step every batch size pays
+    step_per_request_ms: float  # d1: what each running request adds
+    suffix_budget_ms: float  # u: suffix compute per iteration
+
+    def __post_init__(self) -> None:
+        if self.step_fixed_ms < 0 or self.step_per_request_ms < 0 or not self.suffix_budget_ms > 0:
+            raise ValueError(f"decode costs need step costs >= 0 and a positive suffix budget, "
+                             f"got {self}")
+
+    def step_ms(self, running: int) -> float:
+        """d(B): one batched decode step of `running` requests (0: no step)."""
+        return self.step_fixed_ms + running * self.step_per_request_ms if running else 0
+
+    def stretch(self, running: int) -> float:
+        """k: wall time per ms of suffix compute beside `running` decoding requests."""
+        return 1 + self.step_ms(running) / self.suffix_budget_ms
+
+
+@dataclasses.dataclass(frozen=True)
+class Queues:
+    """When each shared resource has finished the work assigned before a request, ms after its
+    arrival (0: free now), and the requests running on its decode worker."""
+
+    prefill_free_ms: float = 0
+    link_free_ms: float = 0
+    decode_free_ms: float = 0
+    running: int = 0
+    arrival_rate: float = 0  # λ: requests per second arriving lately (0: unknown)
+
+    def __post_init__(self) -> None:
+        if min(self.prefill_free_ms, self.link_free_ms, self.decode_free_ms, self.running,
+               self.arrival_rate) < 0:
+            raise ValueError(f"queues cannot be negative, got {self}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedPrediction:
+    """The predicted time to first token of one request handed off as a mode among others, and
+    its parts (ms): why a policy chose what it chose."""
+
+    ttft_ms: float  # arrival to first token: prefill_wait_ms + handoff_ms
+    prefill_wait_ms: float  # W_p: the prompt waits for the prefill device
+    handoff_ms: float  # the handoff from its prompt's start, under the contention
+    idle_ms: float  # the same handoff on an idle link and decode device (the paper's model)
+    link_wait_ms: float  # what is left of the link's queue when its interval starts
+    decode_wait_ms: float  # ... and of the decode device's
+    stretch: float  # k: its decode-side compute beside the running decodes
+    prefill_busy_ms: float  # the prefill device time it takes
+    decode_busy_ms: float  # the decode device compute it adds, unstretched
+    after: Queues  # the queues a request arriving at the same moment would find after it
+    imposed_ms: float  # I: the delay it is expected to impose on the requests after it
+
+    @property
+    def cost_ms(self) -> float:
+        """What a policy minimizes: its own TTFT and the delay it imposes on others."""
+        return self.ttft_ms + self.imposed_ms
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        return d | {"after": dataclasses.asdict(self.after), "cost_ms": self.cost_ms}
+
+
+def served(profile: Profile, mode: Mode, queues: Queues, decode: DecodeCosts
+           ) -> ServedPrediction:
+    """The prediction of the module docstring for a request handed off as `mode` (timed from its
+    prompt) that finds `queues`."""
+    if not mode.from_prompt:
+        raise ValueError(f"a served request is timed from its prompt's arrival; {mode} is timed "
+                         "from the ready prefill state")
+    k = decode.stretch(queues.running)
+    wait = queues.prefill_free_ms
+    seen = Contention(max(0, queues.link_free_ms - wait), max(0, queues.decode_free_ms - wait), k)
+    ends = handoff_ends(profile, mode, seen)
+    busy = prefill_busy_ms(profile, mode)
+    decode_busy = decode_busy_ms(profile, mode)
+    after = Queues(prefill_free_ms=wait + busy,
+                   link_free_ms=max(queues.link_free_ms, wait + ends.link_ms),
+                   decode_free_ms=queues.decode_free_ms + decode_busy * k,
+                   running=queues.running, arrival_rate=queues.arrival_rate)
+    return ServedPrediction(
+        ttft_ms=wait + ends.end_ms, prefill_wait_ms=wait, handoff_ms=ends.end_ms,
+        idle_ms=predicted_ms(profile, mode), link_wait_ms=seen.link_free_ms,
+        decode_wait_ms=seen.decode_free_ms, stretch=k, prefill_busy_ms=busy,
+        decode_busy_ms=decode_busy, after=after,
+        imposed_ms=imposed_ms(queues, after))
+
+
+def imposed_ms(before: Queues, after: Queues) -> float:
+    """I = Σ_r Δ_r λ F_r over the prefill device, the link and the decode device (module
+    docstring), from the queues before and after a request."""
+    pairs = ((before.prefill_free_ms, after.prefill_free_ms),
+             (before.link_free_ms, after.link_free_ms),
+             (before.decode_free_ms, after.decode_free_ms))
+    return sum(max(0, f - b) * after.arrival_rate * f / 1e3 for b, f in pairs)

@@ -1,0 +1,163 @@
+"""What the router knows of its workers' queues: the `Ledger` a policy reads (`queues`) and the
+router updates as it assigns requests and hears from the workers. Every record is frozen; an
+update returns a new ledger.
+
+Times are seconds of the router's clock (from the run's start). Each resource's "free at" is
+predicted when a request is assigned (`queueing.ServedPrediction.after`) and corrected by what
+the workers report: a prefill worker's queue restarts from each `PrefillDone` (the next prompt
+starts then), a decode worker's from each `Load`, and each link's bandwidth is re-estimated from
+the transfers just timed (`LinkEstimate`). The router notes each arrival (`arrived`) before
+its policy chooses, so the ledger knows the recent arrival rate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from rekv_jax.planning.queueing import DecodeCosts, Queues
+from rekv_jax.serving.requests import Assignment, Load, PrefillDone
+
+WINDOW = 8  # transfers a link's bandwidth estimate is taken over
+ARRIVALS = 16  # arrivals the arrival rate is estimated over
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkEstimate:
+    """A link's bandwidth: the bytes of its latest `window` timed transfers over their time
+    (each transfer's fixed per-message costs count as transfer time, a slight underestimate for
+    small transfers), or `prior_gbps` until one is timed."""
+
+    prior_gbps: float
+    samples: tuple[tuple[int, float], ...] = ()  # (bytes, ms) of the latest transfers, oldest first
+    window: int = WINDOW
+
+    def __post_init__(self) -> None:
+        if not self.prior_gbps > 0 or self.window < 1:
+            raise ValueError(f"a link estimate needs a positive prior and window, got {self}")
+
+    @property
+    def gbps(self) -> float:
+        ms = sum(t for _, t in self.samples)
+        return sum(b for b, _ in self.samples) / (ms * 1e6) if ms > 0 else self.prior_gbps
+
+    def observed(self, nbytes: int, ms: float) -> LinkEstimate:
+        """The estimate after a transfer of `nbytes` took `ms` (an empty one tells nothing)."""
+        if nbytes <= 0 or not ms > 0:
+            return self
+        return dataclasses.replace(self, samples=(*self.samples, (nbytes, ms))[-self.window:])
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillQueue:
+    """One prefill worker: the predicted device time of each request assigned and not done, in
+    the order it serves them, and when the first of them started."""
+
+    busy_ms: tuple[float, ...] = ()
+    started_s: float = 0.0
+
+    def free_at(self) -> float:
+        return self.started_s + sum(self.busy_ms) / 1e3
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeQueue:
+    """One decode worker: when its admitted suffix work ends, and its running requests."""
+
+    free_at_s: float = 0.0
+    running: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkQueue:
+    """The link from one prefill worker to one decode worker."""
+
+    estimate: LinkEstimate
+    free_at_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Ledger:
+    """The router's view of P prefill workers, D decode workers and the P x D links."""
+
+    prefill: tuple[PrefillQueue, ...]
+    decode: tuple[DecodeQueue, ...]
+    links: tuple[LinkQueue, ...]  # prefill-major: the link (p, d) is links[p * D + d]
+    arrivals_s: tuple[float, ...] = ()  # the latest ARRIVALS arrival times, oldest first
+
+    @classmethod
+    def idle(cls, prefill_workers: int, decode_workers: int, link_gbps: float) -> Ledger:
+        if prefill_workers < 1 or decode_workers < 1:
+            raise ValueError("a ledger needs at least one prefill and one decode worker")
+        return cls((PrefillQueue(),) * prefill_workers, (DecodeQueue(),) * decode_workers,
+                   (LinkQueue(LinkEstimate(link_gbps)),) * (prefill_workers * decode_workers))
+
+    def pairs(self) -> list[tuple[int, int]]:
+        return [(p, d) for p in range(len(self.prefill)) for d in range(len(self.decode))]
+
+    def link(self, p: int, d: int) -> LinkQueue:
+        return self.links[p * len(self.decode) + d]
+
+    @property
+    def arrival_rate(self) -> float:
+        """Requests per second over the latest arrivals (0 before two)."""
+        t = self.arrivals_s
+        return (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 and t[-1] > t[0] else 0.0
+
+    def queues(self, p: int, d: int, now_s: float) -> Queues:
+        """What a request arriving at `now_s` finds on prefill worker p, decode worker d and
+        their link (ms from now)."""
+        def wait(at_s: float) -> float:
+            return max(0.0, (at_s - now_s) * 1e3)
+        return Queues(wait(self.prefill[p].free_at()), wait(self.link(p, d).free_at_s),
+                      wait(self.decode[d].free_at_s), self.decode[d].running, self.arrival_rate)
+
+    def arrived(self, now_s: float) -> Ledger:
+        """The ledger once a request has arrived at `now_s`."""
+        return dataclasses.replace(self, arrivals_s=(*self.arrivals_s, now_s)[-ARRIVALS:])
+
+    def assigned(self, a: Assignment, now_s: float) -> Ledger:
+        """The ledger once `a`, chosen at `now_s`, holds its resources as predicted."""
+        p, d, after = a.prefill_worker, a.decode_worker, a.why.predicted.after
+        queue = self.prefill[p]
+        if not queue.busy_ms:  # an idle worker starts the prompt now
+            queue = PrefillQueue(started_s=now_s)
+        queue = dataclasses.replace(queue, busy_ms=(*queue.busy_ms,
+                                                    a.why.predicted.prefill_busy_ms))
+        link = dataclasses.replace(self.link(p, d), free_at_s=now_s + after.link_free_ms / 1e3)
+        decode = dataclasses.replace(self.decode[d], free_at_s=now_s + after.decode_free_ms / 1e3)
+        return self._with(p, d, queue, link, decode)
+
+    def prefill_done(self, done: PrefillDone, now_s: float) -> Ledger:
+        """A prefill worker finished its oldest request at `now_s`: the next one starts now."""
+        queue = self.prefill[done.worker]
+        return self._with(prefill_worker=done.worker, prefill=PrefillQueue(
+            queue.busy_ms[1:], now_s) if queue.busy_ms else queue)
+
+    def loaded(self, load: Load, now_s: float, costs: DecodeCosts) -> Ledger:
+        """A decode worker's report at `now_s`: its suffix work left, stretched by its batch."""
+        free = now_s + load.queued_suffix_ms * costs.stretch(load.running) / 1e3
+        return self._with(decode_worker=load.worker,
+                          decode=DecodeQueue(free, load.running))
+
+    def link_timed(self, p: int, d: int, nbytes: int, ms: float) -> Ledger:
+        """A transfer of `nbytes` from prefill worker p to decode worker d took `ms`."""
+        link = self.link(p, d)
+        return self._with(p, d, link=dataclasses.replace(link,
+                                                         estimate=link.estimate.observed(nbytes,
+                                                                                         ms)))
+
+    def _with(self, prefill_worker: int | None = None, decode_worker: int | None = None,
+              prefill: PrefillQueue | None = None, link: LinkQueue | None = None,
+              decode: DecodeQueue | None = None) -> Ledger:
+        """This ledger with the given worker's (and pair's link's) records replaced."""
+        p, d = prefill_worker, decode_worker
+        return Ledger(_put(self.prefill, p, prefill), _put(self.decode, d, decode),
+                      _put(self.links, None if link is None else p * len(self.decode) + d,
+                           link), self.arrivals_s)
+
+
+def _put(items: Sequence, index: int | None, item: object) -> tuple:
+    if item is None or index is None:
+        return tuple(items)
+    return (*items[:index], item, *items[index + 1:])

@@ -1,0 +1,223 @@
+"""How each request is handed off, and by which workers: the serving policies.
+
+A policy weighs modes (`Mode`, timed from the prompt) on every (prefill, decode) worker pair and
+picks the one of least predicted cost under the load the `Ledger` shows: its time to first
+token, given the prefill worker's queue, the link's queue at its live bandwidth estimate, and
+the decode worker's admitted suffix work and running batch, plus the delay it imposes on the
+requests arriving after it (`planning.queueing.served`, `ServedPrediction.cost_ms`). They differ
+in the modes they weigh:
+
+- a fixed action `PREC:CUT` (e.g. `bf16:full`, which is what vLLM and SGLang do; `q8:full`;
+  `bf16:recompute`): that action after a full prefill, overlapped (the paper's setting);
+- `PREC:balanced`: the paper's balanced joint cut at that precision (Proposition 2 under the
+  profile of the request's length, the better of its adjacent cuts), the same way;
+- `adaptive`: every action of the precisions it is given, each under the overlapped and chunked
+  schedules after a full, split or pipelined prefill, among the actions the quality gate allows.
+  A split or pipelined prefill stops at the cut, so a cut moves prompt compute from the prefill
+  worker to the decode worker; the queues decide whether that pays.
+
+Quality: a BF16 action's cache equals the single-process prefill's bit for bit, so it is
+lossless; a Q8/Q4 action is allowed under a gate (`--quality FILE`) only where the gate judged
+it eligible at the request's length (`planner.standing`), and without a gate it is unchecked
+(`Policy.unchecked` names them). A fixed policy runs its action whatever the gate says and
+records its standing.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from rekv_jax.action import Action, action_space
+from rekv_jax.gate_result import GateResult
+from rekv_jax.mode import PREFILL_MODES, Interval, Mode, PrefillMode, Schedule
+from rekv_jax.planning.costmodel import Profile, predicted_ms
+from rekv_jax.planning.planner import gate_verdicts, standing
+from rekv_jax.planning.queueing import DecodeCosts, served
+from rekv_jax.serving.ledger import Ledger
+from rekv_jax.serving.requests import Assignment, ServeRequest, Weighed, Why
+
+ADAPTIVE = "adaptive"
+BALANCED = "balanced"  # the cut of `PREC:balanced`
+ADAPTIVE_BITS = (16, 8)  # the precisions `adaptive` weighs unless told
+ADAPTIVE_CHUNKS = (2, 4)  # the token chunks it weighs for the chunked schedule and prefill
+ADAPTIVE_SCHEDULES = (Schedule.OVERLAPPED.value, Schedule.CHUNKED.value)
+LOSSLESS = "lossless"  # a BF16 action's standing: nothing for a gate to judge
+ALLOWED = (LOSSLESS, "eligible")  # the standings adaptive may choose under a gate
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What every policy of a run predicts with: the model, its profiles (one per measured prompt
+    length; other lengths scale the nearest, `Profile.at_length`), the decode worker's iteration
+    costs, and the quality gate's results (None: no gate)."""
+
+    model: str  # the config's name (gate results are per model)
+    num_layers: int
+    profiles: tuple[Profile, ...]
+    decode: DecodeCosts
+    gate: tuple[GateResult, ...] | None = None
+    adaptive_bits: tuple[int, ...] = ADAPTIVE_BITS
+    adaptive_chunks: tuple[int, ...] = ADAPTIVE_CHUNKS
+    runners_up: int = 3  # modes recorded beside each choice
+
+    def __post_init__(self) -> None:
+        if not self.profiles:
+            raise ValueError("a policy needs at least one profile")
+        other = sorted({(p.model, p.num_layers) for p in self.profiles}
+                       - {(self.model, self.num_layers)})
+        if other:
+            raise ValueError(f"profiles of {other} cannot predict {self.model} "
+                             f"({self.num_layers} layers)")
+        missing = sorted(set(self.adaptive_bits) - set.intersection(
+            *(set(p.quantize_ms) for p in self.profiles)))
+        if missing:
+            raise ValueError(f"the profiles hold no costs for "
+                             f"{', '.join(map(str, missing))}-bit prefixes")
+
+    def profile(self, seq_len: int) -> Profile:
+        """The profile of `seq_len`: the one measured at it, else the nearest length's, scaled."""
+        nearest = min(self.profiles, key=lambda p: (abs(math.log(p.seq_len / seq_len)),
+                                                   p.seq_len))
+        return nearest.at_length(seq_len)
+
+    def quality(self, action: Action, chunks: int, seq_len: int) -> str:
+        """An action's standing at the gate for a prompt of `seq_len` tokens."""
+        if action.bits == 16:
+            return LOSSLESS
+        if self.gate is None:
+            return "unchecked"
+        return standing(gate_verdicts(self.gate, self.model, seq_len), action, chunks)[0]
+
+
+class Policy(abc.ABC):
+    """Chooses each request's mode and workers: the fastest of `modes(seq_len)` on the
+    ledger's pairs. A policy keeps what depends only on the prompt length (its modes, its
+    profile) from one request to the next."""
+
+    def __init__(self, name: str, context: Context):
+        self.name, self.context = name, context
+        self._modes: dict[int, tuple[Mode, ...]] = {}
+        self._profiles: dict[int, Profile] = {}
+
+    def modes(self, seq_len: int) -> tuple[Mode, ...]:
+        """The modes it weighs for a prompt of `seq_len` tokens (at least one)."""
+        if seq_len not in self._modes:
+            self._modes[seq_len] = self._weighed(seq_len)
+        return self._modes[seq_len]
+
+    @abc.abstractmethod
+    def _weighed(self, seq_len: int) -> tuple[Mode, ...]:
+        """The modes this policy weighs at `seq_len` (computed once per length)."""
+
+    def profile(self, seq_len: int) -> Profile:
+        if seq_len not in self._profiles:
+            self._profiles[seq_len] = self.context.profile(seq_len)
+        return self._profiles[seq_len]
+
+    def unchecked(self, seq_len: int) -> list[str]:
+        """The actions it may run at `seq_len` that no gate has judged."""
+        return sorted({str(m.action) for m in self.modes(seq_len)
+                       if self.context.quality(m.action, m.chunks, seq_len) == "unchecked"})
+
+    def choose(self, request: ServeRequest, ledger: Ledger, now_s: float) -> Assignment:
+        """The (mode, prefill worker, decode worker) of least predicted cost for `request`,
+        arriving at `now_s` (the ledger has noted its arrival), with why."""
+        ctx, n = self.context, request.prompt_len
+        weighed = []
+        for p, d in ledger.pairs():
+            gbps = ledger.link(p, d).estimate.gbps
+            profile, queues = self.profile(n).at_link(gbps), ledger.queues(p, d, now_s)
+            weighed += [(served(profile, mode, queues, ctx.decode), i, mode, p, d, gbps)
+                        for i, mode in enumerate(self.modes(n))]
+        weighed.sort(key=lambda w: (w[0].cost_ms, w[1]))  # ties: the earlier mode
+        pred, _, mode, p, d, gbps = weighed[0]
+        others = [Weighed(m.label, w.ttft_ms, w.cost_ms, wp, wd)
+                  for w, _, m, wp, wd, _ in weighed[1:ctx.runners_up + 1]]
+        why = Why(self.name, pred, gbps, ctx.quality(mode.action, mode.chunks, n),
+                  tuple(others))
+        return Assignment(request.id, mode, p, d, why)
+
+
+class Fixed(Policy):
+    """One action, after a full prefill, overlapped where it is joint."""
+
+    def __init__(self, name: str, context: Context):
+        super().__init__(name, context)
+        self.action = Action.parse(name, context.num_layers)
+
+    def _weighed(self, seq_len: int) -> tuple[Mode, ...]:
+        return (served_mode(self.action),)
+
+
+class Balanced(Policy):
+    """Proposition 2's cut at one precision for each prompt length, run as `Fixed` runs."""
+
+    def __init__(self, name: str, context: Context, bits: int):
+        super().__init__(name, context)
+        self.bits = bits
+
+    def _weighed(self, seq_len: int) -> tuple[Mode, ...]:
+        profile, L = self.profile(seq_len), self.context.num_layers
+        _, cuts = profile.balanced_cut(self.bits)
+        modes = [served_mode(Action(self.bits, c, L)) for c in cuts]
+        return (min(modes, key=lambda m: predicted_ms(profile, m)),)
+
+
+class Adaptive(Policy):
+    """Every allowed action of the context's precisions, under each schedule and prefill."""
+
+    def _weighed(self, seq_len: int) -> tuple[Mode, ...]:
+        ctx = self.context
+        chunks = [n for n in ctx.adaptive_chunks if n <= seq_len]
+        modes = []
+        for action in dict.fromkeys(a for b in ctx.adaptive_bits
+                                    for a in action_space(ctx.num_layers, (b,))):
+            for mode in Mode.candidates(action, ADAPTIVE_SCHEDULES, PREFILL_MODES, chunks,
+                                        Interval.PROMPT):
+                quality = ctx.quality(action, mode.chunks, seq_len)
+                if ctx.gate is None or quality in ALLOWED:
+                    modes.append(mode)
+        if not modes:
+            raise ValueError(f"adaptive: the gate allows no action for {ctx.model} at "
+                             f"{seq_len} tokens")
+        return tuple(modes)
+
+
+def served_mode(action: Action) -> Mode:
+    """How a fixed action is served: after a full prefill, overlapped, timed from the prompt."""
+    return Mode.of(action, Schedule.OVERLAPPED, PrefillMode.FULL, 1, Interval.PROMPT)
+
+
+def check_policy_names(text: str, num_layers: int) -> tuple[str, ...]:
+    """The policy names of a comma list, each checked: `adaptive`, `PREC:balanced` or an action
+    `PREC:CUT`; a ValueError names a bad one."""
+    names = tuple(n.strip() for n in text.split(","))
+    for name in names:
+        prec, _, cut = name.partition(":")
+        if name == ADAPTIVE or (cut == BALANCED and prec in ("q8", "q4")):
+            continue
+        try:
+            Action.parse(name, num_layers)
+        except ValueError as e:
+            raise ValueError(f"policy {name!r}: expected {ADAPTIVE}, q8:{BALANCED}, "
+                             f"q4:{BALANCED} or an action PREC:CUT ({e})") from None
+    if len(set(names)) < len(names):
+        raise ValueError(f"policies {text!r} name one twice")
+    return names
+
+
+def make_policies(names: Sequence[str], context: Context) -> list[Policy]:
+    """The policies `check_policy_names` accepted, over one context."""
+    out: list[Policy] = []
+    for name in check_policy_names(",".join(names), context.num_layers):
+        prec, _, cut = name.partition(":")
+        if name == ADAPTIVE:
+            out.append(Adaptive(name, context))
+        elif cut == BALANCED:
+            out.append(Balanced(name, context, Action.parse(f"{prec}:full", 2).bits))
+        else:
+            out.append(Fixed(name, context))
+    return out

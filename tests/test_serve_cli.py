@@ -1,0 +1,43 @@
+"""`rekv serve`: flags that pass their checks become one ServeConfig, handed to `serve`."""
+
+import pytest
+
+from rekv_jax.cli import main as cli
+from rekv_jax.cli.serve import serve_config
+from rekv_jax.serving import serve as serving
+
+
+def _config(argv: list[str]) -> serving.ServeConfig:
+    return serve_config(cli.build_parser("serve").parse_args(["serve", *argv]))
+
+
+def test_a_sweep_serves_the_same_streams_under_every_policy():
+    c = _config(["--model", "tiny-7b", "--rates", "0.5,1", "--requests", "12", "--seed", "3",
+                 "--prompt-lens", "256,512", "--max-new-tokens", "8", "--policy",
+                 "bf16:full,adaptive", "--slo-ttft-ms", "900", "--link-gbps", "0.01"])
+    assert [s.rate for s in c.streams] == [0.5, 1.0] and c.policies == ("bf16:full", "adaptive")
+    assert all(len(s.requests) == 12 for s in c.streams)
+    assert {r.prompt_len for s in c.streams for r in s.requests} <= {256, 512}
+    assert c.slo.ttft_ms == 900 and c.http is None and c.workers.link_gbps == 0.01
+    assert c == _config(["--model", "tiny-7b", "--rates", "0.5,1", "--requests", "12", "--seed",
+                         "3", "--max-new-tokens", "8", "--policy", "bf16:full,adaptive",
+                         "--slo-ttft-ms", "900", "--link-gbps", "0.01"])  # deterministic
+    default = _config(["--rate", "2"])
+    assert len(default.streams[0].requests) == 100
+    assert default.policies == ("bf16:full", "q8:full", "q8:balanced", "adaptive")
+
+
+def test_wikitext_prompts_with_the_shipped_tokenizer():
+    from rekv_jax.model.loader import SHIPPED_MODEL
+
+    c = _config(["--model", str(SHIPPED_MODEL), "--rate", "1", "--requests", "3",
+                 "--prompts", "wikitext", "--prompt-lens", "64"])
+    assert all(r.prompt_len == 64 and max(r.tokens) < 2048 for r in c.streams[0].requests)
+
+
+def test_http_serves_one_policy_and_the_command_reaches_serve(capsys):
+    c = _config(["--http", "0.0.0.0:8080", "--api-key", "k"])
+    assert c.http == serving.HttpBind("0.0.0.0", 8080, "k") and c.policies == ("adaptive",)
+    assert c.streams == ()
+    with pytest.raises(NotImplementedError, match="serving engine is not merged yet"):
+        cli.main(["serve", "--rate", "1", "--requests", "2"])

@@ -1,0 +1,153 @@
+"""The router's ledger and the serving policies, on synthetic loads and profiles (pure Python)."""
+
+import dataclasses
+
+import pytest
+
+from rekv_jax.action import Action
+from rekv_jax.gate_result import GateResult
+from rekv_jax.planning.costmodel import Profile
+from rekv_jax.planning.queueing import DecodeCosts
+from rekv_jax.serving.ledger import DecodeQueue, Ledger, LinkEstimate, LinkQueue, PrefillQueue
+from rekv_jax.serving.policy import Context, check_policy_names, make_policies
+from rekv_jax.serving.requests import Load, PrefillDone, ServeRequest
+from tests.test_queueing import TINY7B, _tiny7b_profile
+
+COSTS = DecodeCosts(step_fixed_ms=6.0, step_per_request_ms=4.0, suffix_budget_ms=20.0)
+ARRIVALS = tuple(float(i) for i in range(8))  # one request a second lately
+REQUEST = ServeRequest(0, (1,) * 256, 32)
+
+
+def _context(profile: Profile, **kw) -> Context:
+    return Context("tiny-7b", 28, (profile,), COSTS, **kw)
+
+
+IDLE_DECODE, IDLE_PREFILL = DecodeQueue(), PrefillQueue()
+
+
+def _ledger(gbps: float, link_s: float = 0.0, decode: DecodeQueue = IDLE_DECODE,
+            prefill: PrefillQueue = IDLE_PREFILL) -> Ledger:
+    return Ledger((prefill,), (decode,), (LinkQueue(LinkEstimate(gbps), link_s),), ARRIVALS)
+
+
+def _link_bytes(profile: Profile, a: Action) -> int:
+    c, L = a.cut, a.num_layers
+    return (c * profile.kv_layer_bytes[a.bits]
+            + (0 < c < L) * profile.boundary_bytes + profile.token_bytes)
+
+
+def test_the_link_estimate_is_the_latest_transfers_bytes_over_their_time():
+    e = LinkEstimate(1.0, window=2)
+    assert e.gbps == 1.0 and e.observed(0, 5.0) is e
+    e = e.observed(2_000_000, 1000.0).observed(1_000_000, 1000.0)
+    assert e.gbps == pytest.approx(3e6 / 2e9)
+    assert e.observed(4_000_000, 1000.0).gbps == pytest.approx(5e6 / 2e9)  # the oldest left
+
+
+def test_the_ledger_books_and_corrects_each_resource():
+    profile, ledger = _tiny7b_profile(), Ledger.idle(1, 1, 0.01).arrived(0.0)
+    policy, = make_policies(["q8:full"], _context(profile))
+    assert ledger.queues(0, 0, 0.0).prefill_free_ms == 0
+    first = policy.choose(REQUEST, ledger, 0.0)
+    ledger = ledger.assigned(first, 0.0).arrived(0.1)
+    q = ledger.queues(0, 0, 0.1)
+    assert q.prefill_free_ms == pytest.approx(first.why.predicted.prefill_busy_ms - 100)
+    assert q.link_free_ms == pytest.approx(first.why.predicted.after.link_free_ms - 100)
+    second = policy.choose(REQUEST, ledger, 0.1)
+    assert second.why.predicted.prefill_wait_ms == pytest.approx(q.prefill_free_ms)
+    ledger = ledger.assigned(second, 0.1)
+    done = ledger.prefill_done(PrefillDone(0, 0, 1.0, 1.0, 10), 0.2)  # the first ends early
+    assert done.queues(0, 0, 0.2).prefill_free_ms == pytest.approx(
+        second.why.predicted.prefill_busy_ms)
+    loaded = done.loaded(Load(0, running=3, queued_suffix_ms=50.0, free_pages=9,
+                              link_gbps_estimate=None), 0.2, COSTS)
+    assert loaded.queues(0, 0, 0.2).decode_free_ms == pytest.approx(50 * COSTS.stretch(3))
+    assert loaded.queues(0, 0, 0.2).running == 3
+    timed = loaded.link_timed(0, 0, 1_000_000, 100.0)
+    assert timed.link(0, 0).estimate.gbps == pytest.approx(0.01)
+    assert timed.arrival_rate == pytest.approx(10.0)  # arrivals at 0 and 0.1 s
+
+
+def test_fixed_and_balanced_policies_run_one_action_after_a_full_prefill():
+    profile = _tiny7b_profile()
+    policies = make_policies(["bf16:full", "q8:balanced", "bf16:recompute"], _context(profile))
+    modes = [p.choose(REQUEST, _ledger(profile.link_gbps), 0.0).mode for p in policies]
+    assert [str(m.action) for m in modes][::2] == ["bf16:full", "bf16:recompute"]
+    _, cuts = profile.balanced_cut(8)
+    assert modes[1].action.bits == 8 and modes[1].action.cut in cuts
+    assert all(m.prefill == "full" and m.from_prompt for m in modes)
+
+
+def test_light_load_on_a_fast_link_chooses_bf16_and_a_growing_link_queue_moves_off_it():
+    """The link 20x the paper's: idle, a BF16 action; with seconds queued on the link, a
+    quantized one that sends fewer bytes (a short queue may first move compute to the prefill
+    worker, which would otherwise wait for the link too)."""
+    profile = _tiny7b_profile()
+    fast = profile.link_gbps * 20
+    policy, = make_policies(["adaptive"], _context(profile))
+    chosen = [policy.choose(REQUEST, _ledger(fast, link_s), 0.0) for link_s in (0, 3, 10)]
+    sent = [_link_bytes(profile, a.mode.action) for a in chosen]
+    assert chosen[0].mode.action.bits == 16 and chosen[0].why.predicted.link_wait_ms == 0
+    assert [a.mode.action.bits for a in chosen[1:]] == [8, 8]
+    assert sent[1] < sent[0] and sent[2] <= sent[1]
+    assert chosen[-1].why.predicted.link_wait_ms > 0
+
+
+def test_a_growing_decode_load_moves_toward_less_recomputation():
+    profile = _tiny7b_profile()
+    policy, = make_policies(["adaptive"], _context(profile))
+    suffix = [policy.choose(REQUEST, _ledger(profile.link_gbps,
+                                             decode=DecodeQueue(backlog, running)), 0.0)
+              .mode.action.suffix_len for backlog, running in ((0, 0), (0.2, 2), (1, 8))]
+    assert suffix == sorted(suffix, reverse=True) and suffix[0] > 0 and suffix[-1] == 0
+
+
+def test_a_prefill_queue_moves_prompt_compute_to_the_decode_worker():
+    profile = _tiny7b_profile()
+    policy, = make_policies(["adaptive"], _context(profile))
+    busy = [policy.choose(REQUEST, _ledger(profile.link_gbps, prefill=PrefillQueue((w,), 0.0)),
+                          0.0).why.predicted.prefill_busy_ms for w in (0, 1000, 3000)]
+    assert busy == sorted(busy, reverse=True) and busy[-1] < busy[0]
+
+
+def test_adaptive_picks_the_cheapest_pair_of_workers():
+    profile = _tiny7b_profile()
+    policy, = make_policies(["bf16:full"], _context(profile))
+    est = LinkEstimate(profile.link_gbps)
+    ledger = Ledger((PrefillQueue((5000.0,), 0.0), PrefillQueue()), (DecodeQueue(),),
+                    (LinkQueue(est), LinkQueue(est)))
+    assert policy.choose(REQUEST, ledger, 0.0).prefill_worker == 1
+
+
+def test_the_gate_limits_adaptive_and_unchecked_actions_are_named():
+    profile = _tiny7b_profile()
+    no_gate, = make_policies(["adaptive"], _context(profile))
+    assert "q8:r=12" in no_gate.unchecked(256) and "bf16:full" not in no_gate.unchecked(256)
+    gate = (GateResult("tiny-7b", 256, "q8:r=18", True),
+            GateResult("tiny-7b", 256, "q8:full", False))
+    gated, = make_policies(["adaptive"], _context(profile, gate=gate))
+    allowed = {str(m.action) for m in gated.modes(256)}
+    assert "q8:r=18" in allowed and "q8:full" not in allowed and "q8:r=12" not in allowed
+    assert "bf16:full" in allowed and gated.unchecked(256) == []
+    choice = gated.choose(REQUEST, _ledger(profile.link_gbps), 0.0)
+    assert choice.why.quality in ("lossless", "eligible")
+    assert {str(m.action) for m in gated.modes(512)} == {  # no results at 512: BF16 only
+        str(Action(16, c, 28)) for c in range(29)}
+
+
+def test_profiles_of_other_lengths_are_scaled_from_the_nearest():
+    profile = _tiny7b_profile()
+    ctx = _context(dataclasses.replace(profile), adaptive_bits=(16,))
+    assert ctx.profile(512) == profile.at_length(512) and ctx.profile(256) == profile
+    with pytest.raises(ValueError, match="cannot predict"):
+        Context("tiny", 6, (profile,), COSTS)
+    with pytest.raises(ValueError, match="4-bit"):
+        _context(profile, adaptive_bits=(16, 4))
+
+
+@pytest.mark.parametrize("text, match", [
+    ("adaptive,adaptive", "name one twice"), ("fast", "policy 'fast'"),
+    ("bf16:balanced", "policy 'bf16:balanced'"), ("q8:r=40", "0..28")])
+def test_bad_policy_names(text, match):
+    with pytest.raises(ValueError, match=match):
+        check_policy_names(text, TINY7B.num_layers)
