@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+from test_queueing import TINY7B, _tiny7b_profile
 
 from rekv_jax.action import Action
 from rekv_jax.gate_result import GateResult
@@ -11,7 +12,6 @@ from rekv_jax.planning.queueing import DecodeCosts
 from rekv_jax.serving.ledger import DecodeQueue, Ledger, LinkEstimate, LinkQueue, PrefillQueue
 from rekv_jax.serving.policy import Context, check_policy_names, make_policies
 from rekv_jax.serving.requests import Load, PrefillDone, ServeRequest
-from tests.test_queueing import TINY7B, _tiny7b_profile
 
 COSTS = DecodeCosts(step_fixed_ms=6.0, step_per_request_ms=4.0, suffix_budget_ms=20.0)
 ARRIVALS = tuple(float(i) for i in range(8))  # one request a second lately

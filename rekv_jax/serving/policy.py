@@ -122,12 +122,14 @@ class Policy(abc.ABC):
         return sorted({str(m.action) for m in self.modes(seq_len)
                        if self.context.quality(m.action, m.chunks, seq_len) == "unchecked"})
 
-    def choose(self, request: ServeRequest, ledger: Ledger, now_s: float) -> Assignment:
+    def choose(self, request: ServeRequest, ledger: Ledger, now_s: float,
+               pairs: Sequence[tuple[int, int]] | None = None) -> Assignment:
         """The (mode, prefill worker, decode worker) of least predicted cost for `request`,
-        arriving at `now_s` (the ledger has noted its arrival), with why."""
+        arriving at `now_s` (the ledger has noted its arrival), with why; among `pairs` of
+        workers (default: all the ledger's)."""
         ctx, n = self.context, request.prompt_len
         weighed = []
-        for p, d in ledger.pairs():
+        for p, d in ledger.pairs() if pairs is None else pairs:
             gbps = ledger.link(p, d).estimate.gbps
             profile, queues = self.profile(n).at_link(gbps), ledger.queues(p, d, now_s)
             weighed += [(served(profile, mode, queues, ctx.decode), i, mode, p, d, gbps)

@@ -1,0 +1,209 @@
+"""The router of a serving run: it owns the requests from arrival to their last token, asks its
+policy how to hand each off, and tells the workers (the launching process; no JAX work here).
+
+A request that arrives waits in one first-come-first-served queue until a decode worker has the
+pages it will ever need (its prompt plus its new tokens, `PoolConfig.pages_for`); the router
+counts each decode worker's free pages itself (taken at assignment, given back when the worker
+reports the request `Finished`, after the worker has freed them), so it never sends an `Admit`
+the worker cannot take and nothing waits on a round trip. The policy then chooses the mode and
+the worker pair among the live pairs whose decode worker has the pages, and the router sends the
+decode worker its `Admit` and the prefill worker its `Prefill` at once.
+
+Faults stay with their requests: a decode worker that ends fails the requests it held, one line
+each; a prefill worker that ends takes no new requests (the decode worker reports the ones it
+was handing off, which fail or fall back to recomputation); a request that hears nothing for
+`timeout` s fails (no run waits forever). Nothing is dropped: every request ends `Served`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable
+
+from rekv_jax.planning.queueing import DecodeCosts
+from rekv_jax.serving.ledger import Ledger
+from rekv_jax.serving.metrics import Served
+from rekv_jax.serving.pages import PoolConfig
+from rekv_jax.serving.policy import Policy
+from rekv_jax.serving.requests import (
+    Admit,
+    Assignment,
+    Finished,
+    Held,
+    Load,
+    Prefill,
+    PrefillDone,
+    ServeRequest,
+    Token,
+)
+
+PREFILL, DECODE = "prefill", "decode"
+
+
+def worker_name(role: str, index: int) -> str:
+    """The launcher's name of a worker process, e.g. `prefill-0`, `decode-1`."""
+    return f"{role}-{index}"
+
+
+def parse_worker(name: str) -> tuple[str, int]:
+    """(role, index) of a worker's name."""
+    role, _, index = name.rpartition("-")
+    if role not in (PREFILL, DECODE) or not index.isdigit():
+        raise ValueError(f"not a worker's name: {name!r}")
+    return role, int(index)
+
+
+@dataclasses.dataclass
+class _Open:
+    """A request the router holds: arrived, perhaps assigned, not yet ended."""
+
+    request: ServeRequest
+    pages: int
+    token_times_s: list[float] = dataclasses.field(default_factory=list)
+    assignment: Assignment | None = None  # once chosen
+    heard_s: float = 0.0  # when the router last heard of it (run clock)
+
+
+class Router:
+    """One stream of requests under one policy, on the workers `send` reaches (`worker_name`s).
+
+    The caller feeds it arrivals (`arrive`), what workers emit (`on_item`) and workers' ends
+    (`on_ended`), each with the run clock's `now_s`, and calls `expire` now and then; `done`
+    once every arrived request ended, each in `served` (in the order they ended)."""
+
+    def __init__(self, policy: Policy, ledger: Ledger, pool: PoolConfig, costs: DecodeCosts,
+                 send: Callable[[str, object], None], rate: float, timeout: float) -> None:
+        self._policy, self._ledger, self._pool, self._costs = policy, ledger, pool, costs
+        self._send, self._rate, self._timeout = send, rate, timeout
+        self._free = [pool.usable_pages] * len(ledger.decode)  # per decode worker
+        self._live = {PREFILL: set(range(len(ledger.prefill))),
+                      DECODE: set(range(len(ledger.decode)))}
+        self._waiting: collections.deque[_Open] = collections.deque()  # FCFS, unassigned
+        self._open: dict[int, _Open] = {}  # every request held, by id
+        # requests the router ended before their worker did: (decode worker, pages) by id
+        self._ended: dict[int, tuple[int, int]] = {}
+        self.served: list[Served] = []
+
+    @property
+    def done(self) -> bool:
+        return not self._open
+
+    @property
+    def ledger(self) -> Ledger:
+        return self._ledger
+
+    def arrive(self, request: ServeRequest, now_s: float) -> None:
+        """A request arrived: queue it, then assign what the workers can take."""
+        if request.id in self._open:
+            raise ValueError(f"request {request.id} arrived twice")
+        held = _Open(request, self._pool.pages_for(request.prompt_len + request.max_new_tokens),
+                     heard_s=now_s)
+        self._open[request.id] = held
+        self._ledger = self._ledger.arrived(now_s)
+        if held.pages > self._pool.usable_pages:
+            return self._end(held, f"needs {held.pages} pages of {self._pool.page_size} "
+                                   f"positions; a decode worker has {self._pool.usable_pages}")
+        self._waiting.append(held)
+        self._assign(now_s)
+
+    def _assign(self, now_s: float) -> None:
+        """Assign queued requests, first come first served, while a live pair has the pages."""
+        while self._waiting:
+            if not self._live[PREFILL] or not self._live[DECODE]:
+                side = PREFILL if not self._live[PREFILL] else DECODE
+                return self._end(self._waiting.popleft(), f"no {side} worker is left")
+            held = self._waiting[0]
+            pairs = [(p, d) for p, d in self._ledger.pairs() if p in self._live[PREFILL]
+                     and d in self._live[DECODE] and self._free[d] >= held.pages]
+            if not pairs:
+                return  # it waits for pages (a `Finished` calls again)
+            self._waiting.popleft()
+            self._start(held, pairs, now_s)
+
+    def _start(self, held: _Open, pairs: list[tuple[int, int]], now_s: float) -> None:
+        r = held.request
+        a = self._policy.choose(r, self._ledger, now_s, pairs)
+        held.assignment, held.heard_s = a, now_s
+        self._ledger = self._ledger.assigned(a, now_s)
+        self._free[a.decode_worker] -= held.pages
+        self._send(worker_name(DECODE, a.decode_worker),
+                   Admit(r.id, r.prompt_len, r.max_new_tokens, a.mode, a.prefill_worker,
+                         a.why.predicted.decode_busy_ms))
+        self._send(worker_name(PREFILL, a.prefill_worker),
+                   Prefill(r.id, r.tokens, a.mode, a.decode_worker))
+
+    def on_item(self, name: str, item: object, now_s: float) -> None:
+        """What worker `name` emitted, as it reached the router at `now_s`."""
+        _, index = parse_worker(name)
+        if isinstance(item, Token | Finished | Held) and item.request_id not in self._open:
+            return self._late(name, item, now_s)
+        if isinstance(item, Token):
+            held = self._open[item.request_id]
+            if item.index != len(held.token_times_s):
+                raise ValueError(f"{name}: token {item.index} of request {item.request_id} "
+                                 f"came after {len(held.token_times_s)}")
+            held.token_times_s.append(now_s)
+            held.heard_s = now_s
+        elif isinstance(item, Finished):
+            self._finished(index, item, now_s)
+        elif isinstance(item, PrefillDone):
+            self._prefill_done(item, now_s)
+        elif isinstance(item, Load):
+            self._ledger = self._ledger.loaded(item, now_s, self._costs)
+        elif isinstance(item, Held):  # the worker has fewer pages than counted: wait for them
+            held = self._open[item.request_id]
+            self._free[index] = min(self._free[index] + held.pages, item.free_pages)
+            self._waiting.appendleft(held)
+        else:
+            raise ValueError(f"{name} emitted {type(item).__name__}, which a router does not "
+                             "take")
+
+    def _late(self, name: str, item: Token | Finished | Held, now_s: float) -> None:
+        """A report of a request the router already ended: a `Finished` gives its pages back;
+        one of a request it never held is an error."""
+        if item.request_id not in self._ended:
+            raise ValueError(f"{name} reported request {item.request_id}, which is not open")
+        if isinstance(item, Finished | Held):
+            decode, pages = self._ended.pop(item.request_id)
+            self._free[decode] += pages
+            self._assign(now_s)
+
+    def _finished(self, decode: int, item: Finished, now_s: float) -> None:
+        held = self._open[item.request_id]
+        self._free[decode] += held.pages
+        self._end(held, None, item)
+        self._assign(now_s)
+
+    def _prefill_done(self, item: PrefillDone, now_s: float) -> None:
+        self._ledger = self._ledger.prefill_done(item, now_s)
+        held = self._open.get(item.request_id)
+        if held is None or item.error is not None:
+            return  # the decode worker reports the request's end either way
+        held.heard_s = now_s
+        d = held.assignment.decode_worker
+        self._ledger = self._ledger.link_timed(item.worker, d, item.sent_bytes, item.link_ms)
+
+    def on_ended(self, name: str, how: str, now_s: float) -> None:
+        """Worker `name` ended (`how`: one line): a decode worker's requests fail; a prefill
+        worker takes no more (its requests end as their decode worker reports)."""
+        role, index = parse_worker(name)
+        self._live[role].discard(index)
+        if role == DECODE:
+            for held in [h for h in self._open.values() if h.assignment is not None
+                         and h.assignment.decode_worker == index]:
+                self._end(held, f"decode worker {index} ended: {how}")
+        self._assign(now_s)
+
+    def expire(self, now_s: float) -> None:
+        """Fail the assigned requests nothing was heard of for `timeout` s."""
+        for held in [h for h in self._open.values() if h.assignment is not None
+                     and now_s - h.heard_s > self._timeout]:
+            self._end(held, f"nothing heard of it for {self._timeout:g} s")
+
+    def _end(self, held: _Open, error: str | None, finished: Finished | None = None) -> None:
+        del self._open[held.request.id]
+        if held.assignment is not None and finished is None:  # its worker may still report it
+            self._ended[held.request.id] = (held.assignment.decode_worker, held.pages)
+        self.served.append(Served(held.request, self._policy.name, self._rate,
+                                  tuple(held.token_times_s), held.assignment, finished, error))

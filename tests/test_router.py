@@ -1,0 +1,156 @@
+"""The router's bookkeeping (pure Python, workers faked): pages counted before each Admit, first
+come first served, every request ends served, faults stay with their requests."""
+
+import pytest
+from test_queueing import _tiny7b_profile
+from test_serving_policy import COSTS
+
+from rekv_jax.serving.ledger import Ledger
+from rekv_jax.serving.pages import PoolConfig
+from rekv_jax.serving.policy import Context, make_policies
+from rekv_jax.serving.requests import (
+    Admit,
+    Finished,
+    Held,
+    Load,
+    Prefill,
+    PrefillDone,
+    ServeRequest,
+    Token,
+)
+from rekv_jax.serving.router import Router, parse_worker, worker_name
+
+POOL = PoolConfig(num_pages=1 + 2 * 18)  # two requests of 256 + 32 tokens (18 pages each)
+
+
+class Workers:
+    """What the router sent, per worker."""
+
+    def __init__(self):
+        self.sent: list[tuple[str, object]] = []
+
+    def send(self, name, message):
+        self.sent.append((name, message))
+
+    def to(self, name, kind):
+        return [m for n, m in self.sent if n == name and isinstance(m, kind)]
+
+
+def router(policy="q8:full", prefill=1, decode=1, timeout=10.0):
+    ctx = Context("tiny-7b", 28, (_tiny7b_profile(),), COSTS)
+    (p,) = make_policies([policy], ctx)
+    workers = Workers()
+    r = Router(p, Ledger.idle(prefill, decode, 0.01), POOL, COSTS, workers.send, 1.0, timeout)
+    return r, workers
+
+
+def request(i, n=256, new=32, at=0.0):
+    return ServeRequest(i, (1,) * n, new, at)
+
+
+def finish(r, i, decode=0, n=32, now=1.0):
+    for k in range(n):
+        r.on_item(worker_name("decode", decode), Token(i, k, 7, now), now)
+    r.on_item(worker_name("decode", decode), Finished(i, (7,) * n, 0.1, 0.01, 50.0, None,
+                                                      "bitwise", False), now)
+
+
+def test_admits_what_the_pages_hold_and_the_rest_waits_in_order():
+    r, w = router()
+    for i in range(4):
+        r.arrive(request(i, at=0.1 * i), 0.1 * i)
+    admitted = [m.request_id for m in w.to("decode-0", Admit)]
+    assert admitted == [0, 1]  # 2 x 18 pages fill the pool
+    assert [m.request_id for m in w.to("prefill-0", Prefill)] == [0, 1]
+    assert w.to("prefill-0", Prefill)[0].tokens == request(0).tokens
+    finish(r, 1)
+    assert [m.request_id for m in w.to("decode-0", Admit)] == [0, 1, 2]
+    finish(r, 0)
+    finish(r, 2)
+    finish(r, 3)
+    assert r.done and sorted(s.request.id for s in r.served) == [0, 1, 2, 3]
+    assert all(s.completed and s.ttft_ms is not None for s in r.served)
+
+
+def test_a_request_larger_than_a_pool_fails_alone_at_once():
+    r, w = router()
+    r.arrive(request(0, n=600), 0.0)
+    r.arrive(request(1), 0.0)
+    (big,) = [s for s in r.served if s.request.id == 0]
+    assert "pages" in big.error and not w.to("decode-0", Admit)[1:]
+    assert [m.request_id for m in w.to("decode-0", Admit)] == [1]
+
+
+def test_a_dead_decode_worker_fails_its_requests_and_the_other_takes_the_rest():
+    r, w = router(decode=2)
+    for i in range(3):
+        r.arrive(request(i), 0.0)
+    on = {m.request_id: d for d in (0, 1) for m in w.to(f"decode-{d}", Admit)}
+    assert len(on) == 3
+    dead = on[0]
+    r.on_ended(worker_name("decode", dead), "killed by SIGKILL", 0.5)
+    failed = {s.request.id for s in r.served if s.error and "killed" in s.error}
+    assert failed == {i for i, d in on.items() if d == dead}
+    r.arrive(request(3), 0.6)
+    assert w.to(f"decode-{1 - dead}", Admit)[-1].request_id == 3
+    for i, d in on.items():
+        if d != dead:
+            finish(r, i, decode=d)
+    finish(r, 3, decode=1 - dead)
+    assert r.done and len(r.served) == 4
+
+
+def test_with_no_prefill_worker_left_waiting_requests_fail_and_running_ones_end():
+    r, w = router()
+    for i in range(3):
+        r.arrive(request(i), 0.0)
+    r.on_ended("prefill-0", "exit 1: boom", 0.2)
+    assert [s.request.id for s in r.served] == [2]  # the one that waited for pages
+    assert "no prefill worker" in r.served[0].error
+    r.on_item("decode-0", Finished(0, (), 0.0, 0.0, 0.0, None, "", False, "peer gone"), 0.3)
+    finish(r, 1, now=0.4)
+    assert r.done and [s.completed for s in r.served] == [False, False, True]
+
+
+def test_silence_past_the_timeout_fails_a_request_and_its_late_finish_frees_its_pages():
+    r, w = router(timeout=1.0)
+    for i in range(3):
+        r.arrive(request(i), 0.0)
+    r.on_item("decode-0", Token(1, 0, 7, 0.5), 0.5)
+    r.expire(1.2)
+    assert [s.request.id for s in r.served] == [0]
+    assert "nothing heard" in r.served[0].error
+    assert len(w.to("decode-0", Admit)) == 2  # request 0's pages are still the worker's
+    r.on_item("decode-0", Finished(0, (7,) * 32, 0.1, 0.1, 1.0, None, "", False), 1.3)
+    assert [m.request_id for m in w.to("decode-0", Admit)] == [0, 1, 2]
+    with pytest.raises(ValueError, match="not open"):
+        r.on_item("decode-0", Token(9, 0, 7, 1.4), 1.4)
+
+
+def test_a_held_admit_waits_for_the_pages_the_worker_reports():
+    r, w = router()
+    r.arrive(request(0), 0.0)
+    r.arrive(request(1), 0.0)
+    r.on_item("decode-0", Held(1, free_pages=2, needed_pages=18), 0.1)
+    assert len(w.to("decode-0", Admit)) == 2
+    finish(r, 0)
+    assert [m.request_id for m in w.to("decode-0", Admit)] == [0, 1, 1]
+
+
+def test_reports_move_the_ledger():
+    r, w = router()
+    r.arrive(request(0), 0.0)
+    before = r.ledger
+    r.on_item("prefill-0", PrefillDone(0, 0, 20.0, 100.0, 1_000_000), 0.2)
+    assert r.ledger.link(0, 0).estimate.gbps == pytest.approx(0.01)
+    assert r.ledger.prefill[0] != before.prefill[0]
+    r.on_item("decode-0", Load(0, 1, 40.0, 5, None), 0.3)
+    assert r.ledger.queues(0, 0, 0.3).running == 1
+    with pytest.raises(ValueError, match="not a worker"):
+        r.on_item("router", Load(0, 1, 40.0, 5, None), 0.3)
+    with pytest.raises(ValueError, match="does not take"):
+        r.on_item("decode-0", "hello", 0.3)
+
+
+def test_worker_names_round_trip():
+    assert parse_worker(worker_name("prefill", 3)) == ("prefill", 3)
