@@ -48,7 +48,7 @@ from rekv_jax.launch.group import Emitted, Event, Group, MemberEnded
 from rekv_jax.launch.pair import run_child
 from rekv_jax.launch.processes import Ended
 from rekv_jax.mode import Mode
-from rekv_jax.transport import JobKey, TransportError, control, secret
+from rekv_jax.transport import JobKey, TransportError, control, distributed, secret
 from rekv_jax.transport.cores import CPUS_ENV, HOST_CPUS_ENV, PINNING_ENV, usable_cpus
 from rekv_jax.transport.transfer_server import pull_key
 
@@ -301,8 +301,6 @@ def attacked_member(member, folder: str) -> bool | None:
     """A member of a group with a stranger about: prefill-0 joins jax.distributed, then lets the
     stranger try to join its pair's control connection first (`joined`); each prefill member
     sends decode-0 one buffer, and decode-0 says whether both arrived intact."""
-    from rekv_jax.transport import distributed
-
     if member.name == "prefill-0":  # the backends start together: theirs exchange topologies
         distributed.initialize(member.coordinator, member.process_id, init_timeout_s=int(WAIT_S),
                                num_processes=len(member.members))
@@ -325,6 +323,7 @@ def stranger_joins(coordinator: str, key: JobKey) -> tuple[dict[str, bytes], lis
     """The store as a stranger reads it once decode-0 listens for prefill-0, and how each attempt
     to join that pair's control connection ended: with a key made of each value it read, by
     hand, and with the job's own key under another pair's purpose (a proof is its pair's)."""
+    distributed.wait_for_port(coordinator, WAIT_S)  # the coordinator may not be up yet
     deadline = time.monotonic() + WAIT_S
     while ATTACKED not in (store := read_dir(coordinator, "rekv")):
         if time.monotonic() > deadline:
