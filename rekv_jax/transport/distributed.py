@@ -12,7 +12,7 @@ aborts process 1. Hence the decode side (whose result matters, and which may fal
 recomputation) is process 0 by default, recoverability is on, and a leaving process 0 waits for
 process 1 to disconnect first. `get_live_nodes` is a barrier (it returns once every live task has
 called it), so it serves that wait but not as a liveness probe: the channel keeps its own beat.
-With N processes (seen here, jax 0.10.2, recoverability on): a process other than 0 that dies
+With N processes (jax 0.10.2, recoverability on): a process other than 0 that dies
 or leaves disturbs nobody else, and no leave waits for the others (there is no shutdown
 barrier); so any process may leave once its own channels are closed, and process 0 leaves last,
 after waiting (bounded) until every other one disconnected.
