@@ -62,6 +62,7 @@ def attacked_side(side, folder: str) -> bool | None:
 def stranger_joins(coordinator: str) -> tuple[dict[str, bytes], list[str]]:
     """The store as a stranger reads it once the decode side listens, and how each attempt to
     join the control connection ended: with a key made of each value it read, and by hand."""
+    distributed.wait_for_port(coordinator, WAIT_S)  # the coordinator may not be up yet
     deadline = time.monotonic() + WAIT_S
     while "rekv/control" not in (store := read_dir(coordinator, "rekv")):
         if time.monotonic() > deadline:

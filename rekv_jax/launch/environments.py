@@ -1,6 +1,7 @@
-"""What each side of a pair gets on one machine, set before JAX starts in its process: its own
-GPU(s) or a fair share of the visible ones, or on CPU its own cores (`pair_environments`); and
-what a side started by a scheduler adds on a GPU (`scheduled_environment`)."""
+"""What each side of a pair (`pair_environments`), or each member of a group
+(`group_environments`), gets on one machine, set before JAX starts in its process: its own GPU(s)
+or a fair share of the visible ones, or on CPU its own cores; and what a side started by a
+scheduler adds on a GPU (`scheduled_environment`)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from rekv_jax.launch.child import member_names
 from rekv_jax.transport.base import ROLES, Role
-from rekv_jax.transport.cores import cpu_environments
+from rekv_jax.transport.cores import cpu_environments, split_cpus
 
 HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count="
 
@@ -31,10 +33,11 @@ HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count="
 # XLA of jaxlib 0.10.2 (their help strings are in libjax_common.so). Their cost in speed on a GPU
 # is not measured here.
 GPU_XLA_FLAGS = ("--xla_gpu_autotune_level=0", "--xla_gpu_shard_autotuning=false")
-# Device-memory fraction of each side when both share one GPU: each reserves its own share as it
-# starts, so neither takes JAX's default 75% before the other starts; 10% stays free for the two
-# CUDA contexts and cuDNN/cuBLAS workspaces outside JAX's pool.
-PAIR_SHARE = 0.45
+# Device memory that the processes sharing one GPU take in all, split evenly: each reserves its
+# own share as it starts, so none takes JAX's default 75% before the others start; 10% stays free
+# for their CUDA contexts and cuDNN/cuBLAS workspaces outside JAX's pool.
+SHARED_MEMORY = 0.9
+PAIR_SHARE = SHARED_MEMORY / 2  # each side of a pair on one GPU
 
 
 def visible_gpus(env: Mapping[str, str] = os.environ) -> list[str]:
@@ -101,6 +104,30 @@ def pair_environments(gpus: Sequence[str], env: Mapping[str, str],
     shared = {**base, "CUDA_VISIBLE_DEVICES": ",".join(gpus),
               "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{share:g}"}
     return {role: dict(shared) for role in ROLES}
+
+
+def group_environments(gpus: Sequence[str], env: Mapping[str, str], prefill: int, decode: int,
+                       cpus: Sequence[int] | None = None) -> dict[str, dict[str, str]]:
+    """The environment of each member of a group of `prefill` + `decode` processes on one
+    machine, by name in process-id order (`child.member_names`), from the `gpus` visible there
+    and the parent's environment `env`. No GPU: each its own run of `cpus` where there is a core
+    each (`cores.split_cpus`, the prefill members' first), else all share them. A GPU each:
+    each its own, whole, in process-id order (decode-0 the first). Fewer: all see every GPU and
+    take SHARED_MEMORY / (prefill + decode) of their memory each. On a GPU all get
+    GPU_XLA_FLAGS."""
+    names = member_names(prefill, decode)
+    if not prefill or not decode:
+        raise ValueError(f"a group needs a prefill and a decode member, got {prefill} + {decode}")
+    if not gpus:
+        pinned = split_cpus(env, (*names[decode:], *names[:decode]), cpus)  # prefill first
+        return {name: pinned[name] for name in names}
+    base = {**env, "XLA_FLAGS": with_gpu_flags(env.get("XLA_FLAGS", ""))}
+    if len(names) <= len(gpus):
+        return {name: {**base, "CUDA_VISIBLE_DEVICES": gpu}
+                for name, gpu in zip(names, gpus, strict=False)}
+    shared = {**base, "CUDA_VISIBLE_DEVICES": ",".join(gpus),
+              "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{SHARED_MEMORY / len(names):.3g}"}
+    return {name: dict(shared) for name in names}
 
 
 def scheduled_environment(env: Mapping[str, str]) -> dict[str, str]:

@@ -68,7 +68,7 @@ class Pair(Generic[T]):
             for role, env in envs.items():
                 self._children[role] = Child(
                     f"the {role} side", job, args, env, Path(self._logs.name),
-                    (role, coordinator, key), own_words=role == self._answering)
+                    (child.Side, (role, coordinator, key)), own_words=role == self._answering)
         except BaseException:
             self.kill()
             raise

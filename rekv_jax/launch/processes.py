@@ -59,17 +59,19 @@ class Ended:
 class Child:
     """A job in a process of its own, spawned (a fresh interpreter) in the environment `env`:
     its variables from the start, so JAX reads the GPUs, memory share and flags of `env`; on
-    CPU its cores (`cores.children_on`). `side`: (role, coordinator, key) of a pair's side, whose
-    job is handed a `child.Side` first. Its output goes to a log file in `logs`."""
+    CPU its cores (`cores.children_on`). `handed`: (make, fields) of what its job is handed
+    first, `make(*fields, connection)` (a pair's `child.Side`, a group's `child.Member`). Its
+    output goes to a log file in `logs`."""
 
     def __init__(self, name: str, job: Callable, args: tuple, env: Mapping[str, str],
-                 logs: Path, side: tuple | None = None, own_words: bool = False) -> None:
+                 logs: Path, handed: tuple[Callable, tuple] | None = None,
+                 own_words: bool = False) -> None:
         self.name, self._own_words = name, own_words
         self._log = logs / f"{name.replace(' ', '-')}.log"
         self.conn, theirs = _SPAWN.Pipe()
         payload = pickle.dumps((job, args))  # unpickled there once its output is set up
         self._process = _SPAWN.Process(target=child.enter, args=(theirs, str(self._log), payload,
-                                                                  side), name=name, daemon=True)
+                                                                  handed), name=name, daemon=True)
         with _environment(env), children_on(env):
             self._process.start()
         theirs.close()

@@ -29,6 +29,7 @@ program, not beside it (records say `serialized`).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import jax
 
@@ -72,11 +73,50 @@ def connect(kind: str, role: Role, coordinator: str | None = None,
         distributed.initialize(coordinator, process_id, init_timeout_s=int(timeout),
                                heartbeat_s=heartbeat_s)
     cores.start_device(os.environ)  # on a pinned CPU side, its host threads leave its cores
-    distributed.check_two_processes()
+    distributed.check_processes(2)
     channel = distributed.PeerChannel(key, heartbeat_s, timeout)
     if kind == "collective":
         return paced(CollectiveTransport(role, channel), link_gbps)
     return paced(TransferServerTransport(role, channel, key, timeout), link_gbps)
+
+
+def connect_peers(kind: str, role: Role, coordinator: str | None, process_id: int,
+                  num_processes: int, peers: Mapping[str, int], *, key: JobKey | None,
+                  link_gbps: float | None = None, timeout: float = 60.0, heartbeat_s: int = 10
+                  ) -> dict[str, Transport]:
+    """This process's links to `peers` (name -> process id: the processes of the other side) in
+    a cluster of `num_processes`, one `Transport` each, in process-id order.
+
+    Two processes are the pair's link (`connect`, any kind). More: only `transfer-server`
+    (ValueError otherwise), each link over a control connection of its own (`PeerChannel` of
+    that pair, authenticated by `key`) and a transfer server of its own. Invariants that make
+    the links deadlock-free: every process opens its links one at a time in process-id order
+    of its peers (so the lowest unfinished pair always has both ends at it), and should close
+    them in that order too (each close waits, bounded, for the peer's). A peer that dies before
+    its link opened fails this call (TransportError naming it); one that dies later fails its
+    own link only. Initializes jax.distributed unless it already is."""
+    peer_of(role)
+    if kind not in TRANSPORTS:
+        raise ValueError(f"unknown transport {kind!r}; expected one of {TRANSPORTS}")
+    if num_processes == 2:
+        (name,) = peers
+        return {name: connect(kind, role, coordinator, process_id, key=key, link_gbps=link_gbps,
+                              timeout=timeout, heartbeat_s=heartbeat_s)}
+    if kind != TransferServerTransport.kind:
+        why = ("it runs one program over a mesh of exactly two processes"
+               if kind == CollectiveTransport.kind else "its two ends live in one process")
+        raise ValueError(f"--transport {kind} cannot link a group of {num_processes} processes "
+                         f"({why}); use --transport {TransferServerTransport.kind}")
+    if not jax.distributed.is_initialized():
+        distributed.initialize(coordinator, process_id, init_timeout_s=int(timeout),
+                               heartbeat_s=heartbeat_s, num_processes=num_processes)
+    cores.start_device(os.environ)
+    distributed.check_processes(num_processes)
+    links: dict[str, Transport] = {}
+    for name, peer in sorted(peers.items(), key=lambda p: p[1]):
+        channel = distributed.PeerChannel(key, heartbeat_s, timeout, peer_id=peer)
+        links[name] = paced(TransferServerTransport(role, channel, key, timeout), link_gbps)
+    return links
 
 
 __all__ = [
@@ -94,5 +134,6 @@ __all__ = [
     "TransportTimeout",
     "checksums",
     "connect",
+    "connect_peers",
     "paced",
 ]

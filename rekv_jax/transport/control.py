@@ -131,10 +131,12 @@ def listen(host: str) -> tuple[socket.socket, str]:
 
 
 def accept(listener: socket.socket, key: secret.JobKey | None, timeout: float,
-           peer_alive: Callable[[], bool] = lambda: True) -> socket.socket:
+           peer_alive: Callable[[], bool] = lambda: True, purpose: str = PURPOSE
+           ) -> socket.socket:
     """The first connection to `listener` that proves it holds `key` (others are closed; None:
     the first connection); TransportTimeout after `timeout` s, TransportError once
-    `peer_alive()` says the peer is gone (asked every `LIVENESS_S`)."""
+    `peer_alive()` says the peer is gone (asked every `LIVENESS_S`). The proofs are keyed by
+    `key.derive(purpose)`: a connection of another purpose (another pair of a group) fails."""
     deadline = time.monotonic() + timeout
     while (left := deadline - time.monotonic()) > 0:
         listener.settimeout(min(left, LIVENESS_S))
@@ -147,7 +149,7 @@ def accept(listener: socket.socket, key: secret.JobKey | None, timeout: float,
             continue
         try:
             sock.settimeout(min(_HELLO_S, max(0.1, deadline - time.monotonic())))
-            if key is None or _listener_exchange(sock, key.derive(PURPOSE)):
+            if key is None or _listener_exchange(sock, key.derive(purpose)):
                 return sock
         except (OSError, EOFError):
             pass
@@ -164,14 +166,16 @@ def _listener_exchange(sock: socket.socket, key: bytes) -> bool:
     return secret.check(key, "connector", nonces, _read_exactly(sock, secret.PROOF_BYTES))
 
 
-def connect(address: str, key: secret.JobKey | None, timeout: float) -> socket.socket:
+def connect(address: str, key: secret.JobKey | None, timeout: float, purpose: str = PURPOSE
+            ) -> socket.socket:
     """Open the control connection to `address` ("host:port") and prove this side holds `key`
-    once the listener proved it does (None: no exchange). TransportError if it cannot, or if
-    the listener does not hold the key."""
+    once the listener proved it does (None: no exchange), both proofs keyed by
+    `key.derive(purpose)`. TransportError if it cannot, or if the listener does not hold the
+    key (or listens for another purpose)."""
     host, port = address.rsplit(":", 1)
     try:
         sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
-        if key is not None and not _connector_exchange(sock, key.derive(PURPOSE)):
+        if key is not None and not _connector_exchange(sock, key.derive(purpose)):
             sock.close()
             raise TransportError(f"the control listener at {address} does not hold the job's "
                                  "key (another job's, or not the peer)")

@@ -1,8 +1,8 @@
-"""Each side of a CPU pair on one machine on its own cores, so that both compute at once, as two
-GPUs do. `launch.environments.pair_environments` splits the cores; environment variables carry
-the split; the launcher starts each side's process on its side's cores (`children_on`: Linux CPU
-affinity, which a child inherits). Where affinity cannot be set, or there is one core, the sides
-share the cores and say so.
+"""Each side of a CPU pair (each process of a group) on one machine on its own cores, so that
+all compute at once, as GPUs do. `launch.environments` splits the cores (`split_cpus`);
+environment variables carry the split; the launcher starts each side's process on its side's
+cores (`children_on`: Linux CPU affinity, which a child inherits). Where affinity cannot be set,
+or there is less than a core each, the processes share the cores and say so.
 
 A side's cores are its *device*: only the threads of JAX's CPU backend, which run its programs,
 stay on them (`start_device`). Every other thread (Python's, the transport's, the coordination
@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from rekv_jax.transport.base import ROLES, Role
 
 CPUS_ENV = "REKV_CPUS"  # the CPU ids this side computes on (its device), a comma list
-HOST_CPUS_ENV = "REKV_HOST_CPUS"  # the CPU ids its host threads may use: the pair's
+HOST_CPUS_ENV = "REKV_HOST_CPUS"  # the CPU ids its host threads may use: every process's
 PINNING_ENV = "REKV_PINNING"  # the pair's split in words, for the header and the records
 SHARED = "cores shared"
 
@@ -45,16 +45,31 @@ def cpu_environments(env: Mapping[str, str], cpus: Sequence[int] | None
     """Each CPU side's environment: `env` with its own half of `cpus` (the prefill side the
     first half, the decode side the rest, which runs the receive thread too) in CPUS_ENV, and
     the split in PINNING_ENV. `cpus` None (`--no-pin`) or fewer than two: both share the cores."""
+    return split_cpus(env, ROLES, cpus)
+
+
+def split_cpus(env: Mapping[str, str], names: Sequence[str], cpus: Sequence[int] | None
+               ) -> dict[str, dict[str, str]]:
+    """Each process's environment, by name: `env` with its own run of `cpus` in CPUS_ENV, runs
+    in the order of `names` (q = len(cpus) // n cores each, the last len(cpus) % n processes
+    one more: a decode process, named last, runs the receive thread too), every core in
+    HOST_CPUS_ENV, the split in words in PINNING_ENV. `cpus` None (`--no-pin`) or fewer than
+    one core each: all share the cores."""
     base = {k: v for k, v in env.items() if k not in (CPUS_ENV, HOST_CPUS_ENV)}
-    if cpus is None or len(cpus) < 2:
-        why = " (one core: nothing to pin)" if cpus is not None and len(cpus) == 1 else ""
-        return {role: {**base, PINNING_ENV: SHARED + why} for role in ROLES}
-    half = len(cpus) // 2
-    mine = {"prefill": list(cpus[:half]), "decode": list(cpus[half:])}
-    split = f"pinned: prefill {cpu_text(mine['prefill'])}, decode {cpu_text(mine['decode'])}"
-    return {role: {**base, CPUS_ENV: ",".join(map(str, mine[role])),
+    n = len(names)
+    if cpus is None or len(cpus) < max(n, 2):
+        why = (" (one core: nothing to pin)" if cpus is not None and len(cpus) == 1 else
+               f" ({len(cpus)} cores for {n} processes)" if cpus else "")
+        return {name: {**base, PINNING_ENV: SHARED + why} for name in names}
+    q, extra = divmod(len(cpus), n)
+    mine, start = {}, 0
+    for i, name in enumerate(names):
+        stop = start + q + (i >= n - extra)
+        mine[name], start = list(cpus[start:stop]), stop
+    split = "pinned: " + ", ".join(f"{name} {cpu_text(mine[name])}" for name in names)
+    return {name: {**base, CPUS_ENV: ",".join(map(str, mine[name])),
                    HOST_CPUS_ENV: ",".join(map(str, cpus)), PINNING_ENV: split}
-            for role in ROLES}
+            for name in names}
 
 
 def _cpus(env: Mapping[str, str], name: str = CPUS_ENV) -> set[int] | None:

@@ -1,6 +1,7 @@
-"""jax.distributed for the two-process handoff: bounded-failure setup, the control channel between
-the two processes (`PeerChannel`), and an ordered shutdown. JAX's private modules are reached
-through `rekv_jax.jax_private` only.
+"""jax.distributed for the handoff's processes: bounded-failure setup, the control channel between
+two processes (`PeerChannel`), and an ordered shutdown. JAX's private modules are reached
+through `rekv_jax.jax_private` only. A pair is two processes; a group (`launch.group`) is N, where
+each (prefill, decode) pair of processes has a channel of its own.
 
 What JAX does when a peer dies (jax 0.10, seen here): the coordination service lives in process 0.
 If process 0 dies, the JAX client in process 1 aborts its process at once ("Terminating process
@@ -11,14 +12,19 @@ aborts process 1. Hence the decode side (whose result matters, and which may fal
 recomputation) is process 0 by default, recoverability is on, and a leaving process 0 waits for
 process 1 to disconnect first. `get_live_nodes` is a barrier (it returns once every live task has
 called it), so it serves that wait but not as a liveness probe: the channel keeps its own beat.
+With N processes (jax 0.10.2, recoverability on): a process other than 0 that dies
+or leaves disturbs nobody else, and no leave waits for the others (there is no shutdown
+barrier); so any process may leave once its own channels are closed, and process 0 leaves last,
+after waiting (bounded) until every other one disconnected.
 
 JAX's client aborts its process (a C++ fatal error and stack) on any error it detects: a
 coordinator that never answers, or one that went away. `initialize` hands the client an error
 callback instead (`jax_private.client_errors_recorded`), which records the error: connecting then
 fails with a TransportError, and a peer lost later is reported by `PeerChannel` like any other
 dead peer. A prefill side first waits (bounded) for the coordinator's port to open, so an
-unreachable coordinator is a one-line error. What the coordinator's store holds is public: the
-control connection's address and the two heartbeats; the job's key never enters it (`control`).
+unreachable coordinator is a one-line error. What the coordinator's store holds is public: each
+control connection's address and each process's heartbeat; the job's key never enters it
+(`control`).
 """
 
 from __future__ import annotations
@@ -67,10 +73,11 @@ def wait_for_port(address: str, timeout: float) -> None:
 
 
 def initialize(coordinator: str | None, process_id: int | None, *, init_timeout_s: int = 60,
-               heartbeat_s: int = 10) -> None:
-    """`jax.distributed.initialize` for exactly two processes, with gloo CPU collectives and
-    recoverability on. `coordinator=None` lets JAX detect the cluster (SLURM, Open MPI, ...).
-    TransportError (not an abort) if the peer or the coordinator is not there in time."""
+               heartbeat_s: int = 10, num_processes: int = 2) -> None:
+    """`jax.distributed.initialize` for `num_processes` processes (a pair: two), with gloo CPU
+    collectives and recoverability on. `coordinator=None` lets JAX detect the cluster (SLURM,
+    Open MPI, ...). TransportError (not an abort) if a peer or the coordinator is not there in
+    time."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_enable_recoverability", True)
     start = time.monotonic()
@@ -84,7 +91,7 @@ def initialize(coordinator: str | None, process_id: int | None, *, init_timeout_
     try:
         with jax_private.client_errors_recorded(_record_client_error):
             jax.distributed.initialize(
-                coordinator, 2 if coordinator else None, process_id,
+                coordinator, num_processes if coordinator else None, process_id,
                 initialization_timeout=init_timeout_s, heartbeat_timeout_seconds=heartbeat_s,
                 shutdown_timeout_seconds=heartbeat_s, coordinator_bind_address=bind,
             )
@@ -96,16 +103,20 @@ def initialize(coordinator: str | None, process_id: int | None, *, init_timeout_
             if state.service is not None:
                 state.service.shutdown()
         state.client = state.service = None  # nothing left for JAX's exit hook to shut down
-        peer = "prefill" if process_id == 0 else "decode"
-        raise TransportError(f"the {peer} side did not join {coordinator or 'the cluster'} "
+        if num_processes == 2:
+            who = f"the {'prefill' if process_id == 0 else 'decode'} side"
+        else:
+            who = f"not all {num_processes} processes of the group"
+        raise TransportError(f"{who} did not join {coordinator or 'the cluster'} "
                              f"within {init_timeout_s}s") from e
 
 
-def check_two_processes() -> None:
-    """ValueError unless the cluster is the two processes of a handoff (this starts JAX's
-    backend: `cores.start_device` first)."""
-    if jax.process_count() != 2:
-        raise ValueError(f"a handoff needs exactly 2 processes, JAX reports {jax.process_count()}")
+def check_processes(n: int = 2) -> None:
+    """ValueError unless the cluster is the `n` processes of a handoff (a pair: 2) or of a
+    group (this starts JAX's backend: `cores.start_device` first)."""
+    if jax.process_count() != n:
+        what = "a handoff" if n == 2 else "this group"
+        raise ValueError(f"{what} needs exactly {n} processes, JAX reports {jax.process_count()}")
 
 
 def local_ip() -> str:
@@ -117,51 +128,107 @@ def local_ip() -> str:
         return s.getsockname()[0]
 
 
+class _Beat:
+    """This process's heartbeat (`rekv/beat/<process id>` in the store), bumped every
+    `interval` s from one daemon thread while any channel of this process is open: the first
+    channel starts it, the last one to stop stops it. Each peer reads it (`PeerChannel.peer_alive`),
+    so a process beats once whatever its number of channels."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open = 0  # the channels of this process that have not stopped
+        self._stop = threading.Event()
+
+    def join(self, client: object, process_id: int, interval: float) -> None:
+        with self._lock:
+            self._open += 1
+            if self._open == 1:
+                self._stop = threading.Event()
+                threading.Thread(target=_beat, args=(client, process_id, interval, self._stop),
+                                 name="rekv-beat", daemon=True).start()
+
+    def leave(self) -> bool:
+        """One channel stopped; whether it was this process's last (the beat then stops)."""
+        with self._lock:
+            self._open -= 1
+            if self._open == 0:
+                self._stop.set()
+            return self._open == 0
+
+
+def _beat(client: object, process_id: int, interval: float, stop: threading.Event) -> None:
+    n = 0
+    while True:
+        n += 1
+        try:
+            client.key_value_set(f"{_PREFIX}beat/{process_id}", str(n), allow_overwrite=True)
+        except jax.errors.JaxRuntimeError:
+            return  # the service is gone (JAX ends this process) or shutting down
+        if stop.wait(interval):
+            return
+
+
+_beat_of_process = _Beat()
+
+
 class PeerChannel:
-    """The control channel between the two processes: messages over one direct connection
-    (`control.PeerSocket`), which the coordinator's key-value store only helps set up; liveness
-    and the ordered leave (`shutdown`) through the store.
+    """The control channel between this process and `peer_id` (None: the other of exactly two):
+    messages over one direct connection (`control.PeerSocket`), which the coordinator's
+    key-value store only helps set up; liveness and the ordered leave (`shutdown`) through the
+    store.
 
-    Liveness: each side bumps its own `beat` key every `stale_s / 5` s from a daemon thread; the
-    peer counts as gone once its beat has not changed for `stale_s`, or at once when its end of
-    the connection closed (a process that died). (`get_live_nodes` cannot serve: it is a barrier
-    that returns only once every live task has called it.) Waits are sliced so that a dead peer
-    is reported instead of waited out."""
+    Of a pair, the lower process id listens and posts its address; the connector reads it and
+    connects; both prove they hold the job's key. The two-process link uses the store key
+    `rekv/control` and the proofs' purpose `control.PURPOSE`; a pair of a group
+    (`peer_id` given) uses its own, `rekv/control/<low>-<high>` and that purpose with the pair
+    appended, so a connection proves it is of that pair.
 
-    def __init__(self, key: JobKey | None, stale_s: float = 10.0, timeout: float = 60.0
-                 ) -> None:
+    Liveness: this process beats (`_Beat`); the peer counts as gone once its beat has not
+    changed for `stale_s`, or at once when its end of the connection closed (a process that
+    died). A dead peer is this channel's only: other channels of the process keep working.
+    (`get_live_nodes` cannot serve: it is a barrier that returns only once every live task has
+    called it.) Waits are sliced so that a dead peer is reported instead of waited out."""
+
+    def __init__(self, key: JobKey | None, stale_s: float = 10.0, timeout: float = 60.0,
+                 peer_id: int | None = None) -> None:
         self._client = jax_private.distributed_state().client
         if self._client is None:
             raise ValueError("jax.distributed is not initialized")
         self.process_id = jax.process_index()
-        self.peer_id = 1 - self.process_id
+        self.peer_id = 1 - self.process_id if peer_id is None else peer_id
+        low, high = sorted((self.process_id, self.peer_id))
+        pair = "" if peer_id is None else f"{low}-{high}"
+        self._store_key = f"{_PREFIX}control" + (pair and f"/{pair}")
+        self._purpose = control.PURPOSE + (pair and f" {pair}")
         self._stale_s = stale_s
         self._peer_beat: str | None = None
         self._peer_beat_at = time.monotonic()
-        self._stop = threading.Event()
-        self._beater = threading.Thread(target=self._beat, name="rekv-beat", daemon=True)
-        self._beater.start()
+        _beat_of_process.join(self._client, self.process_id, stale_s / 5)
         self._board = control.Board()
-        self._socket = control.PeerSocket(self._open(key, timeout), self._board,
-                                          f"the peer process {self.peer_id} is gone "
-                                          "(its control connection closed)")
+        try:
+            sock = self._open(key, timeout)
+        except BaseException:
+            _beat_of_process.leave()
+            raise
+        self._socket = control.PeerSocket(sock, self._board, f"the peer process {self.peer_id} "
+                                          "is gone (its control connection closed)")
 
     def _open(self, key: JobKey | None, timeout: float) -> socket.socket:
-        """Process 0 listens where the coordinator routes (loopback on one machine) and posts
-        its address, and nothing else, in the store; process 1 reads it and connects. Both
-        prove they hold `key` (`control`)."""
-        name = _PREFIX + "control"
-        if self.process_id == 0:
+        """The listener (the lower process id) listens where the coordinator routes (loopback
+        on one machine) and posts its address, and nothing else, in the store; the connector
+        reads it and connects. Both prove they hold `key` (`control`)."""
+        if self.process_id < self.peer_id:
             listener, address = control.listen(local_ip())
             with listener:
-                self._client.key_value_set(name, address)
-                return control.accept(listener, key, timeout, self.peer_alive)
+                self._client.key_value_set(self._store_key, address)
+                return control.accept(listener, key, timeout, self.peer_alive, self._purpose)
         deadline = time.monotonic() + timeout
         while True:  # the store's own wait, in slices that check the peer's beat
             try:
                 address = self._client.blocking_key_value_get(
-                    name, max(1, int(1000 * min(LIVENESS_S, deadline - time.monotonic()))))
-                return control.connect(address, key, timeout)
+                    self._store_key,
+                    max(1, int(1000 * min(LIVENESS_S, deadline - time.monotonic()))))
+                return control.connect(address, key, timeout, self._purpose)
             except jax.errors.JaxRuntimeError as e:
                 if "DEADLINE_EXCEEDED" not in str(e) or time.monotonic() >= deadline:
                     raise TransportError(f"the peer process {self.peer_id} did not open the "
@@ -206,46 +273,42 @@ class PeerChannel:
             self._peer_beat, self._peer_beat_at = beat, now
         return now - self._peer_beat_at < self._stale_s
 
-    def wait_peer_disconnected(self, timeout: float) -> None:
-        """Process 0: return once the peer has shut its JAX client down (or died), or after
-        `timeout`. `get_live_nodes` blocks until then; a daemon thread keeps the wait bounded."""
-
-        def wait() -> None:
-            with contextlib.suppress(jax.errors.JaxRuntimeError):
-                self._client.get_live_nodes([0, 1])
-
-        waiter = threading.Thread(target=wait, name="rekv-leave", daemon=True)
-        waiter.start()
-        waiter.join(timeout)
-
-    def stop(self) -> None:
-        """Stop beating and end the connection (after the ordered leave's messages)."""
-        self._stop.set()
+    def stop(self) -> bool:
+        """End the connection (after the ordered leave's messages); whether this was the
+        process's last open channel (its beat then stops)."""
         self._socket.close()
+        return _beat_of_process.leave()
 
-    def _beat(self) -> None:
-        n = 0
-        while True:
-            n += 1
-            try:
-                self._client.key_value_set(f"{_PREFIX}beat/{self.process_id}", str(n),
-                                           allow_overwrite=True)
-            except jax.errors.JaxRuntimeError:
-                return  # the service is gone (JAX ends this process) or shutting down
-            if self._stop.wait(self._stale_s / 5):
-                return
+
+def wait_others_left(timeout: float) -> None:
+    """Process 0: return once every other process has shut its JAX client down (or died), or
+    after `timeout`. `get_live_nodes` blocks until then; a daemon thread keeps the wait
+    bounded."""
+    client = jax_private.distributed_state().client
+    everyone = list(range(jax.process_count()))
+
+    def wait() -> None:
+        with contextlib.suppress(jax.errors.JaxRuntimeError):
+            client.get_live_nodes(everyone)
+
+    waiter = threading.Thread(target=wait, name="rekv-leave", daemon=True)
+    waiter.start()
+    waiter.join(timeout)
 
 
 def shutdown(channel: PeerChannel, timeout: float) -> None:
-    """Leave in order: both send 'close'; process 1 disconnects first, process 0 waits (bounded)
-    until it has, since a JAX client whose coordinator vanishes aborts its process."""
+    """Leave in order: both ends send 'close' and wait (bounded) for the other's, then end the
+    connection. The last channel of a process then leaves jax.distributed: process 0 after
+    waiting (bounded) until every other process has, since a JAX client whose coordinator
+    vanishes aborts its process."""
     deadline = time.monotonic() + timeout
     try:
         channel.put(f"close/{channel.process_id}", "1")
         channel.get(f"close/{channel.peer_id}", max(0.0, deadline - time.monotonic()))
     except TransportError:
         pass  # the peer is gone or stuck: leave anyway
-    channel.stop()
+    if not channel.stop():
+        return
     if channel.process_id == 0:
-        channel.wait_peer_disconnected(max(0.0, deadline - time.monotonic()))
+        wait_others_left(max(0.0, deadline - time.monotonic()))
     jax.distributed.shutdown()
