@@ -31,6 +31,7 @@ class Workers:
 
     def send(self, name, message):
         self.sent.append((name, message))
+        return True
 
     def to(self, name, kind):
         return [m for n, m in self.sent if n == name and isinstance(m, kind)]
@@ -154,3 +155,79 @@ def test_reports_move_the_ledger():
 
 def test_worker_names_round_trip():
     assert parse_worker(worker_name("prefill", 3)) == ("prefill", 3)
+
+
+class SimulatedWorkers:
+    """Workers on a simulated clock: each request's prefill ends `prefill_s` after its Prefill
+    came, its tokens follow every `token_s`; `poll` moves the clock to the next event (or by its
+    timeout). `dead` ends a worker at a time."""
+
+    def __init__(self, prefill_s=0.2, token_s=0.01, dead=None):
+        self.now, self.prefill_s, self.token_s = 0.0, prefill_s, token_s
+        self.due: list[tuple[float, int, object]] = []  # (time, order, event)
+        self.dead = dict(dead or {})
+        self.sent: list[tuple[str, object]] = []
+        self.told: set[str] = set()  # the workers whose end is among the events
+
+    def clock(self):
+        return self.now
+
+    def _at(self, t, event):
+        self.due.append((t, len(self.due), event))
+
+    def send(self, name, message):
+        from rekv_jax.launch.group import Emitted
+
+        if name in self.dead and self.dead[name] <= self.now:
+            return False
+        self.sent.append((name, message))
+        if isinstance(message, Prefill):
+            done = self.now + self.prefill_s
+            self._at(done, Emitted(name, PrefillDone(message.request_id, 0, 1.0, 1.0, 1000)))
+            for k in range(32):
+                self._at(done + k * self.token_s,
+                         Emitted("decode-0", Token(message.request_id, k, 7, 0.0)))
+            self._at(done + 32 * self.token_s, Emitted("decode-0", Finished(
+                message.request_id, (7,) * 32, 0.1, 0.01, 50.0, None, "bitwise", False)))
+        return True
+
+    def poll(self, timeout=0.0):
+        from rekv_jax.launch.group import MemberEnded
+
+        for name, t in self.dead.items():
+            if name not in self.told:
+                self.told.add(name)
+                self._at(t, MemberEnded(name, None, f"{name} exited with status 1"))
+        nxt = min((t for t, _, _ in self.due), default=self.now + timeout)
+        self.now = max(self.now, min(nxt, self.now + timeout))
+        ready = sorted(e for e in self.due if e[0] <= self.now)
+        self.due = [e for e in self.due if e[0] > self.now]
+        return [event for _, _, event in ready]
+
+
+def test_drive_serves_every_request_on_time_and_ends_when_all_ended():
+    from rekv_jax.serving.router import drive
+
+    w = SimulatedWorkers()
+    r, _ = router()
+    r._send = w.send
+    requests = [request(i, at=0.5 * i) for i in range(5)]
+    served = drive(w, r, requests, clock=w.clock)
+    assert sorted(s.request.id for s in served) == list(range(5))
+    assert all(s.completed for s in served)
+    # nothing queues at these rates: the first token comes prefill_s after arrival
+    assert [round(s.ttft_ms) for s in sorted(served, key=lambda s: s.request.id)] == [200] * 5
+    with pytest.raises(ValueError, match="arrival order"):
+        drive(w, r, requests[::-1], clock=w.clock)
+
+
+def test_drive_with_its_only_prefill_worker_dead_fails_the_rest_at_once():
+    from rekv_jax.serving.router import drive
+
+    w = SimulatedWorkers()
+    w.dead = {"prefill-0": 0.0}
+    r, _ = router()
+    r._send = w.send
+    served = drive(w, r, [request(i, at=100.0 * i) for i in range(3)], clock=w.clock)
+    assert len(served) == 3 and all("no prefill worker" in s.error for s in served)
+    assert w.now < 1.0  # it did not wait for the later arrivals

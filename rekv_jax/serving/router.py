@@ -7,7 +7,7 @@ counts each decode worker's free pages itself (taken at assignment, given back w
 reports the request `Finished`, after the worker has freed them), so it never sends an `Admit`
 the worker cannot take and nothing waits on a round trip. The policy then chooses the mode and
 the worker pair among the live pairs whose decode worker has the pages, and the router sends the
-decode worker its `Admit` and the prefill worker its `Prefill` at once.
+prefill worker its `Prefill` and the decode worker its `Admit` at once.
 
 Faults stay with their requests: a decode worker that ends fails the requests it held, one line
 each; a prefill worker that ends takes no new requests (the decode worker reports the ones it
@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
+from rekv_jax.launch.group import Emitted, Event, MemberEnded
 from rekv_jax.planning.queueing import DecodeCosts
 from rekv_jax.serving.ledger import Ledger
 from rekv_jax.serving.metrics import Served
@@ -39,6 +42,7 @@ from rekv_jax.serving.requests import (
 )
 
 PREFILL, DECODE = "prefill", "decode"
+POLL_S = 0.5  # the longest the loop waits for a worker before it looks at the clock again
 
 
 def worker_name(role: str, index: int) -> str:
@@ -73,7 +77,7 @@ class Router:
     once every arrived request ended, each in `served` (in the order they ended)."""
 
     def __init__(self, policy: Policy, ledger: Ledger, pool: PoolConfig, costs: DecodeCosts,
-                 send: Callable[[str, object], None], rate: float, timeout: float) -> None:
+                 send: Callable[[str, object], bool], rate: float, timeout: float) -> None:
         self._policy, self._ledger, self._pool, self._costs = policy, ledger, pool, costs
         self._send, self._rate, self._timeout = send, rate, timeout
         self._free = [pool.usable_pages] * len(ledger.decode)  # per decode worker
@@ -88,6 +92,11 @@ class Router:
     @property
     def done(self) -> bool:
         return not self._open
+
+    @property
+    def serving(self) -> bool:
+        """Whether a prefill and a decode worker are left (else every request fails at once)."""
+        return bool(self._live[PREFILL] and self._live[DECODE])
 
     @property
     def ledger(self) -> Ledger:
@@ -122,16 +131,23 @@ class Router:
             self._start(held, pairs, now_s)
 
     def _start(self, held: _Open, pairs: list[tuple[int, int]], now_s: float) -> None:
+        """Choose the request's mode and pair, take its pages and send its `Prefill`, then its
+        `Admit`. A worker that has ended (its send fails) is no longer chosen: the request is
+        queued again first, or fails if its decode worker was the one."""
         r = held.request
         a = self._policy.choose(r, self._ledger, now_s, pairs)
+        p, d = a.prefill_worker, a.decode_worker
+        if not self._send(worker_name(PREFILL, p), Prefill(r.id, r.tokens, a.mode, d)):
+            self._live[PREFILL].discard(p)
+            return self._waiting.appendleft(held)
         held.assignment, held.heard_s = a, now_s
         self._ledger = self._ledger.assigned(a, now_s)
-        self._free[a.decode_worker] -= held.pages
-        self._send(worker_name(DECODE, a.decode_worker),
-                   Admit(r.id, r.prompt_len, r.max_new_tokens, a.mode, a.prefill_worker,
-                         a.why.predicted.decode_busy_ms))
-        self._send(worker_name(PREFILL, a.prefill_worker),
-                   Prefill(r.id, r.tokens, a.mode, a.decode_worker))
+        self._free[d] -= held.pages
+        if not self._send(worker_name(DECODE, d), Admit(r.id, r.prompt_len, r.max_new_tokens,
+                                                       a.mode, p,
+                                                       a.why.predicted.decode_busy_ms)):
+            self._live[DECODE].discard(d)
+            self._end(held, f"decode worker {d} has ended")
 
     def on_item(self, name: str, item: object, now_s: float) -> None:
         """What worker `name` emitted, as it reached the router at `now_s`."""
@@ -207,3 +223,39 @@ class Router:
             self._ended[held.request.id] = (held.assignment.decode_worker, held.pages)
         self.served.append(Served(held.request, self._policy.name, self._rate,
                                   tuple(held.token_times_s), held.assignment, finished, error))
+
+
+class Workers(Protocol):
+    """What the loop drives: a `launch.group.Group` (or its stand-in in a test)."""
+
+    def send(self, name: str, message: object) -> bool: ...
+
+    def poll(self, timeout: float | None = 0.0) -> list[Event]: ...
+
+
+def drive(workers: Workers, router: Router, requests: Sequence[ServeRequest],
+          on_item: Callable[[Event], None] | None = None,
+          clock: Callable[[], float] = time.monotonic) -> list[Served]:
+    """Serve `requests` (in arrival order) through `router` to their ends: each arrives at its
+    `arrival_s` after the start on `clock`, the workers' events reach the router as they come
+    (each first shown to `on_item`: progress, records), and silent requests expire. Every
+    request ends `Served`, in the order they ended."""
+    if any(b.arrival_s < a.arrival_s for a, b in zip(requests, requests[1:], strict=False)):
+        raise ValueError("requests must come in arrival order")
+    start, i = clock(), 0
+    while i < len(requests) or not router.done:
+        now = clock() - start
+        while i < len(requests) and (requests[i].arrival_s <= now or not router.serving):
+            router.arrive(requests[i], now)
+            i += 1
+        wait = requests[i].arrival_s - now if i < len(requests) else POLL_S
+        for event in workers.poll(max(0.0, min(wait, POLL_S))):
+            if on_item is not None:
+                on_item(event)
+            now = clock() - start
+            if isinstance(event, MemberEnded):
+                router.on_ended(event.name, event.failure or f"{event.name} ended", now)
+            elif isinstance(event, Emitted):
+                router.on_item(event.name, event.item, now)
+        router.expire(clock() - start)
+    return router.served
