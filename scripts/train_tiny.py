@@ -1,6 +1,6 @@
 """Train the small shipped model: Qwen2 architecture, WikiText-2 `valid.txt` + passkey sequences.
 
-Reproduces `rekv_jax/assets/wt2-tiny/` on a 2-core CPU in under 30 minutes:
+Reproduces `rekv_jax/assets/wt2-tiny/` (its training time: `train_seconds` in its train_log.json):
   python scripts/train_tiny.py [--out DIR] [--wikitext DIR]
 It fits a byte-level BPE on valid.txt, trains with optax (AdamW, warmup + cosine) through the
 project's own `forward`, first on short then on long sequences (so NIAH holds at 1024 tokens),
@@ -57,8 +57,8 @@ class Phase:
     passkey: float
 
 
-# A curriculum: retrieval is learned within ~200 steps on short prompts (at lr 1e-3; 3e-3 never
-# left the plateau here), then carried to longer haystacks alongside language modelling.
+# A curriculum: retrieval is learned within ~200 steps on short prompts (at lr 1e-3; at 3e-3 it
+# stays on the plateau), then carried to longer haystacks alongside language modelling.
 PHASES = (
     Phase(64, 16, 250, passkey=1.0),
     Phase(256, 16, 220, passkey=0.5),

@@ -200,9 +200,9 @@ def test_mini_sweep_writes_every_output(monkeypatch, tmp_path):
     # The cost model against measurement: a paced transfer-only handoff is the pacing sleep
     # (BF16 98 ms at 1 MB/s) plus a few ms, so the grid run's fit (bandwidth, per-message costs)
     # must predict it at the grid's link and, re-targeted, at 4x it. A bandwidth fitted 2x off
-    # errs 40-100% on each. Measured on 2 busy cores (load 5-9): median |error| 4.1, 5.2 and
-    # 0.8% (worst row 18%); at a 2 MB/s link, with 3 ms of per-message overhead fitted into a
-    # shorter sleep, 7.6 and 20%, hence the slower link. Bound: 20%.
+    # errs 40-100% on each; a good fit errs a few % (worst row under 20%) even on busy cores.
+    # At a 2 MB/s link a few ms of per-message overhead, fitted into a shorter sleep, weigh
+    # 8-20%, hence the slower link. Bound: 20%.
     paced = [r for r in tables.prediction_rows(records) if r.batch == 1 and r.action
              in ("bf16:full", "q8:full", "q4:full") and r.link_gbps is not None]
     assert sorted((r.action, r.link_gbps) for r in paced) == [
