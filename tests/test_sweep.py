@@ -158,8 +158,8 @@ def test_mini_sweep_writes_every_output(monkeypatch, tmp_path):
     assert len(sessions) == 1  # one pair ran all five experiments
     names = {p.name for p in tmp_path.iterdir()}
     assert {"sweep.jsonl", "sweep.csv", "table1.md", "table3.md", "predictions.md",
-            "crossover.md", "fig3.md", "batch.md", "start_profiles.jsonl"} <= names
-    assert any(n.startswith("fig2_") and n.endswith(".png") for n in names)
+            "crossover.md", "fig3.md", "batch.md", "start_profiles.jsonl", "fig2.png",
+            "figures.md"} <= names
     lines = [json.loads(line) for line in (tmp_path / "sweep.jsonl").read_text().splitlines()]
     assert sum(line["kind"] == "summary" for line in lines) == len(records)
     assert all(r.first_token_match for r in records)
@@ -277,7 +277,8 @@ def test_sweep_without_a_fit_still_reports(monkeypatch, capsys, tmp_path):
     names = {p.name for p in tmp_path.iterdir()}
     assert {"sweep.jsonl", "sweep.csv", "table1.md", "table3.md", "predictions.md",
             "crossover.md", "fig3.md", "batch.md", "start_profiles.jsonl"} <= names
-    assert sum(n.startswith("fig2_") for n in names) == 3  # ready, prompt and batch 2 setups
+    # the ready, prompt and batch 2 setups
+    assert {n for n in names if n.startswith("fig2")} == {"fig2.png", "fig2-2.png", "fig2-3.png"}
     starts = [json.loads(line) for line in
               (tmp_path / "start_profiles.jsonl").read_text().splitlines()]
     assert [(p["model"], p["seq_len"]) for p in starts] == [("tiny", 32), ("tiny-qwen3", 64)]
