@@ -93,7 +93,7 @@ SWEEP_PRESETS = {
     # near c*, the paper's Table 1 mechanisms); no crossover, Fig. 3 or batch runs. Joint
     # actions also run the token-chunked boundary, in 2 chunks, with Q8 also at the cut the
     # chunked schedule is predicted fastest at. 16 reps keep the run within 12 minutes on two
-    # idle cores (its duration: results/README.md).
+    # idle cores (its duration: results/study.md).
     "cpu-paper": SweepPreset(models=("tiny-7b",), lengths=(256, 512), suffix_lens=(),
                              transport="transfer-server", link_gbps=None, crossover_factors=(),
                              joint_bits=(8,), cut_spread=0,
@@ -291,7 +291,7 @@ class PairCosts:
 COSTS = {
     # Start-up and a model program's compile: one-action `rekv handoff` runs of tiny on a
     # loaded 2-core CPU, inflated by that load; a later model's weights: tiny's in a fresh
-    # process (results/README.md, "Sweep cost constants"). The rest is assumed.
+    # process (results/study.md, "The sweep's cost constants"). The rest is assumed.
     "cpu": PairCosts(40.0, 3.0, 0.3, 20.0, 3.0, "start-up and model-program compile measured "
                      "on a 2-core CPU under load ~6 (one-action handoff run: 52 s; a tiny "
                      "prefill program, before the per-layer model core: 2.4-3.3 s), 3 s per "
