@@ -115,7 +115,7 @@ def group_absmax(x: jax.Array, group_size: int) -> jax.Array:
 
     An integer max of the magnitude bits (NaN > Inf > finite), by a tree over even/odd pairs:
     exact and NaN-propagating on every backend (Triton's float max drops NaN), and XLA:CPU fuses
-    it into one fast loop (its generic reduce is several times slower here).
+    it into one fast loop (its generic reduce is several times slower).
     """
     ints = lax.bitcast_convert_type(x, jnp.int16 if x.dtype.itemsize == 2 else jnp.int32)
     m = (ints & jnp.iinfo(ints.dtype).max).reshape(*x.shape[:-1], -1, group_size)

@@ -1,6 +1,6 @@
 """The paper's Table 1 headline on one machine: best joint Q8 over BF16 transfer, and over the best
-single mechanism, from one `rekv handoff` run (issue 20: targets 1.9x and 1.05x for `tiny-7b` at
-256 tokens, overlapped schedule, paper-paced link, each side on its own cores). Prints one JSON
+single mechanism, from one `rekv handoff` run (targets 1.9x and 1.05x for `tiny-7b` at 256
+tokens, overlapped schedule, paper-paced link, each side on its own cores). Prints one JSON
 object: the run's setup, each family's best action and median, the two ratios with bootstrap
 95% CIs (`tables.table1_rows`), and whether each target is met.
 
@@ -22,7 +22,7 @@ from rekv_jax.study import tables
 from rekv_jax.study.records import Summary, read_summaries
 
 # Transfer-only, full recomputation, and cuts around the paper's best BF16 recompute (r = 15 of
-# 28) and joint Q8 (r ~ 10) and the issue's pre-check on this machine (r = 13-15 and 8-10)
+# 28) and joint Q8 (r ~ 10), which on two CPU cores are best near r = 13-15 and 8-10
 ACTIONS = ("bf16:full,q8:full,bf16:recompute,bf16:r=13,bf16:r=15,bf16:r=17,"
            "q8:r=8,q8:r=10,q8:r=12,q8:r=14")
 TARGETS = {"joint_vs_bf16": 1.9, "joint_vs_single": 1.05}

@@ -23,6 +23,7 @@ named, for joint actions).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -30,6 +31,7 @@ import random
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -38,11 +40,18 @@ from rekv_jax.launch.pair import loopback, run_pair
 from rekv_jax.transport.base import ROLES
 from rekv_jax.transport.secret import JobKey
 
+if TYPE_CHECKING:
+    from rekv_jax.action import Action
+    from rekv_jax.config import ModelConfig
+    from rekv_jax.kv import KVCache
+    from rekv_jax.transport import Transport
+
 HANDOFF_TIMEOUT = 30.0
 WARMUP_TIMEOUT = 600.0  # the first handoff of each action compiles, slowly on shared cores
 FAULTS = ("corrupt", "lost", "delay")
 ACTIONS = ("bf16:full", "q8:full", "bf16:r=2", "q8:r=2", "q4:r=3", "bf16:recompute")
 DELAY_S = 0.1
+OUTCOMES = ("ok", "recovered", "failed_clean", "wrong", "unexpected", "hangs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,120 +92,195 @@ def vitals() -> dict[str, int]:
             "py_threads": threading.active_count()}
 
 
-def run_side(side: Side, args: argparse.Namespace) -> dict | None:
-    """One process of the pair (`launch.run_pair`); the decode side returns the report."""
-    import jax
+class FaultHooks:
+    """The transport's send and receive, wrapped to apply the planned faults: `faults` maps a
+    message tag to its fault; `injected` counts the faults this side's hooks applied (the
+    prefill side's: corrupt, delay; the decode side's: lost)."""
 
-    from rekv_jax.action import Action
-    from rekv_jax.handoff.check import check_cache
-    from rekv_jax.handoff.receiver import receive_handoff
-    from rekv_jax.handoff.sender import prepare, send_handoff
-    from rekv_jax.mode import PAPER_SCHEDULES, Mode
-    from rekv_jax.model.loader import load_model
-    from rekv_jax.model.transformer import prefill
-    from rekv_jax.transport import TransportError, TransportTimeout
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self.faults: dict[str, str] = {}
+        self.injected = dict.fromkeys(FAULTS, 0)
+        self._send, self._receive = transport._send, transport._receive
+        transport._send, transport._receive = self.send, self.receive
 
-    role, transport = side.role, side.connect("transfer-server", timeout=HANDOFF_TIMEOUT)
-    model = load_model("tiny")
-    cfg, params = model.cfg, model.params
-    tokens = jax.random.randint(jax.random.key(1), (1, args.seq_len), 0, cfg.vocab_size)
-    actions = {a: Action.parse(a, cfg.num_layers) for a in ACTIONS}
-    steps = plan(args.handoffs, args.fault_rate, args.seed)
-    warmup = [Step(a, s, "error", None) for a in ACTIONS for s in PAPER_SCHEDULES]
-    send, receive = transport._send, transport._receive  # the fault hooks
+    def send(self, tag: str, buffers: list, header: str, deadline: float) -> None:
+        import jax
 
-    def faulty_send(tag: str, buffers: list, header: str, deadline: float) -> None:
-        fault = faults.get(tag)
+        fault = self.faults.get(tag)
         if fault in ("delay", "corrupt"):
-            injected[fault] += 1
+            self.injected[fault] += 1
         if fault == "delay":
             time.sleep(DELAY_S)
         elif fault == "corrupt":
             flipped = np.asarray(buffers[0]).copy()
             flipped.reshape(-1).view(np.uint8)[7] ^= 0x10
             buffers = [jax.device_put(flipped), *buffers[1:]]
-        send(tag, buffers, header, deadline)
+        self._send(tag, buffers, header, deadline)
 
-    def faulty_receive(arrival, specs: list, wire: list) -> None:
-        if faults.get(arrival.tag) == "lost":
-            injected["lost"] += 1
-            transport._settle(arrival, error=TransportError(
+    def receive(self, arrival, specs: list, wire: list) -> None:
+        from rekv_jax.transport import TransportError
+
+        if self.faults.get(arrival.tag) == "lost":
+            self.injected["lost"] += 1
+            self.transport._settle(arrival, error=TransportError(
                 f"{arrival.tag}: injected loss of the prefix"))
             return
-        receive(arrival, specs, wire)
+        self._receive(arrival, specs, wire)
 
-    faults: dict[str, str] = {}
-    injected = dict.fromkeys(FAULTS, 0)  # faults this side's hooks applied
-    transport._send, transport._receive = faulty_send, faulty_receive
-    if role == "prefill":
-        states = {a: prepare(cfg, params, tokens, Mode.of(action))
-                  for a, action in actions.items()}
-    else:
-        reference, logits = prefill(cfg, params, tokens)
-        first = np.asarray(jax.numpy.argmax(logits, axis=-1))
-    counts = dict.fromkeys(("ok", "recovered", "failed_clean", "wrong", "unexpected", "hangs"), 0)
-    latency: dict[str, list[tuple[int, float]]] = {}
-    hung: list[str] = []  # what timed out, warm-up included
-    start = None
-    for i, step in enumerate(warmup + steps):
-        if i == len(warmup):
-            start = vitals()
+
+@dataclasses.dataclass
+class Tally:
+    """What the decode side counts: the outcomes of the measured handoffs (`wrong` and `hangs`
+    the warm-up's too), what timed out, and the fault-free latencies per action (and schedule,
+    for a joint action) as (measured index, ms)."""
+
+    counts: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
+    latency: dict[str, list[tuple[int, float]]] = dataclasses.field(default_factory=dict)
+    hung: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class SoakSide:
+    """One side's end of the soak: its transport (fault hooks installed), the model and the
+    prompt; the prefill side's prepared states per action, the decode side's reference cache
+    and first token."""
+
+    role: str
+    transport: Transport
+    hooks: FaultHooks
+    cfg: ModelConfig
+    params: dict
+    seq_len: int
+    actions: dict[str, Action]
+    states: dict | None = None  # prefill side: action -> prepared state
+    reference: KVCache | None = None  # decode side: the single-process prefill's cache
+    first: np.ndarray | None = None  # decode side: its first token
+    tally: Tally = dataclasses.field(default_factory=Tally)
+
+    @classmethod
+    def open(cls, side: Side, seq_len: int) -> SoakSide:
+        import jax
+
+        from rekv_jax.action import Action
+        from rekv_jax.handoff.sender import prepare
+        from rekv_jax.mode import Mode
+        from rekv_jax.model.loader import load_model
+        from rekv_jax.model.transformer import prefill
+
+        transport = side.connect("transfer-server", timeout=HANDOFF_TIMEOUT)
+        hooks = FaultHooks(transport)
+        model = load_model("tiny")
+        cfg, params = model.cfg, model.params
+        tokens = jax.random.randint(jax.random.key(1), (1, seq_len), 0, cfg.vocab_size)
+        actions = {a: Action.parse(a, cfg.num_layers) for a in ACTIONS}
+        out = cls(side.role, transport, hooks, cfg, params, seq_len, actions)
+        if side.role == "prefill":
+            out.states = {a: prepare(cfg, params, tokens, Mode.of(action))
+                          for a, action in actions.items()}
+        else:
+            out.reference, logits = prefill(cfg, params, tokens)
+            out.first = np.asarray(jax.numpy.argmax(logits, axis=-1))
+        return out
+
+    def handoff(self, i: int, step: Step, timeout: float, measured: int | None) -> None:
+        """Handoff `i` of the plan, its fault planned on its prefix; `measured`: its index among
+        the measured handoffs (None in the warm-up)."""
         tag = f"{i}/{step.action}/{step.schedule}"
-        timeout = HANDOFF_TIMEOUT if i >= len(warmup) else WARMUP_TIMEOUT
         if step.fault:
-            faults[f"{tag}/prefix"] = step.fault
-        action = actions[step.action]
-        mode = Mode.of(action, step.schedule)
+            self.hooks.faults[f"{tag}/prefix"] = step.fault
+        if self.role == "prefill":
+            self.send(tag, step, timeout)
+        else:
+            self.receive(tag, step, timeout, measured)
+
+    def send(self, tag: str, step: Step, timeout: float) -> None:
+        """The prefill side of one handoff: a transport error (a planned fault's) ends only it."""
+        from rekv_jax.handoff.sender import send_handoff
+        from rekv_jax.mode import Mode
+        from rekv_jax.transport import TransportError
+
+        mode = Mode.of(self.actions[step.action], step.schedule)
+        with contextlib.suppress(TransportError):
+            send_handoff(self.transport, self.states[step.action], mode, tag, timeout=timeout)
+
+    def receive(self, tag: str, step: Step, timeout: float, measured: int | None) -> None:
+        """The decode side of one handoff, its cache and first token checked, its outcome
+        counted."""
+        from rekv_jax.handoff.check import check_cache
+        from rekv_jax.handoff.receiver import receive_handoff
+        from rekv_jax.mode import Mode
+        from rekv_jax.transport import TransportError, TransportTimeout
+
+        action, tally = self.actions[step.action], self.tally
         try:
-            if role == "prefill":
-                send_handoff(transport, states[step.action], mode, tag, timeout=timeout)
-                continue
-            result = receive_handoff(transport, cfg, params, mode, 1, args.seq_len, tag,
+            result = receive_handoff(self.transport, self.cfg, self.params,
+                                     Mode.of(action, step.schedule), 1, self.seq_len, tag,
                                      step.fallback, timeout=timeout)
         except TransportTimeout as e:
-            if role == "decode":
-                counts["hangs"] += 1
-                hung.append(f"{tag}: {e}")
-            continue
+            tally.counts["hangs"] += 1
+            tally.hung.append(f"{tag}: {e}")
+            return
         except TransportError:
             outcome = "failed_clean"
         else:
-            if role == "prefill":
-                continue
-            good = (np.array_equal(result.first_token, first)
-                    and not check_cache(reference, action, result).startswith("MISMATCH"))
-            counts["wrong"] += not good
+            good = (np.array_equal(result.first_token, self.first)
+                    and not check_cache(self.reference, action, result).startswith("MISMATCH"))
+            tally.counts["wrong"] += not good
             outcome = "recovered" if result.fallback else "ok"
-            if step.fault is None and i >= len(warmup):
+            if step.fault is None and measured is not None:
                 key = step.action + f"/{step.schedule}" * (action.kind == "joint")
-                latency.setdefault(key, []).append(
-                    (i - len(warmup), result.total_ms))
-        if role == "decode" and i >= len(warmup):
-            counts[outcome] += 1
-            counts["unexpected"] += outcome != step.expected
+                tally.latency.setdefault(key, []).append((measured, result.total_ms))
+        if measured is not None:
+            tally.counts[outcome] += 1
+            tally.counts["unexpected"] += outcome != step.expected
+
+
+def run_side(side: Side, args: argparse.Namespace) -> dict | None:
+    """One process of the pair (`launch.run_pair`): the warm-up (one fault-free handoff per
+    action and schedule), then the plan, vitals read between and after; the decode side returns
+    the report."""
+    from rekv_jax.mode import PAPER_SCHEDULES
+
+    soak = SoakSide.open(side, args.seq_len)
+    steps = plan(args.handoffs, args.fault_rate, args.seed)
+    warmup = [Step(a, s, "error", None) for a in ACTIONS for s in PAPER_SCHEDULES]
+    for i, step in enumerate(warmup):
+        soak.handoff(i, step, WARMUP_TIMEOUT, None)
+    start = vitals()
+    for j, step in enumerate(steps):
+        soak.handoff(len(warmup) + j, step, HANDOFF_TIMEOUT, j)
     end = vitals()
-    if role == "prefill":
+    transport, injected = soak.transport, soak.hooks.injected
+    if side.role == "prefill":
         transport.send_meta("soak/prefill", {"start": start, "end": end, "injected": injected})
         transport.close()
-        return
+        return None
     prefill_vitals = transport.recv_meta("soak/prefill", HANDOFF_TIMEOUT)
     prefill_injected = prefill_vitals.pop("injected")
     transport.close()
-    tenth = max(1, args.handoffs // 10)
-
-    def pct(xs: list[float]) -> dict[str, float | None]:
-        return {"p50": float(np.percentile(xs, 50)) if xs else None,
-                "p99": float(np.percentile(xs, 99)) if xs else None, "n": len(xs)}
-
     return {
         "handoffs": args.handoffs, "fault_rate": args.fault_rate, "seq_len": args.seq_len,
         "faults": {f: sum(s.fault == f for s in steps) for f in FAULTS},
-        "injected": {f: prefill_injected[f] + injected[f] for f in FAULTS}, **counts, "hung": hung,
+        "injected": {f: prefill_injected[f] + injected[f] for f in FAULTS},
+        **soak.tally.counts, "hung": soak.tally.hung,
         "vitals": {"decode": {"start": start, "end": end}, "prefill": prefill_vitals},
-        "latency_ms": {key: {"first_tenth": pct([t for j, t in xs if j < tenth]),
-                             "last_tenth": pct([t for j, t in xs if j >= args.handoffs - tenth])}
-                       for key, xs in sorted(latency.items())},
+        "latency_ms": latency_report(soak.tally.latency, args.handoffs),
     }
+
+
+def percentiles(xs: list[float]) -> dict[str, float | None]:
+    """p50 and p99 of `xs` (None if empty) and their count."""
+    return {"p50": float(np.percentile(xs, 50)) if xs else None,
+            "p99": float(np.percentile(xs, 99)) if xs else None, "n": len(xs)}
+
+
+def latency_report(latency: dict[str, list[tuple[int, float]]], handoffs: int) -> dict:
+    """Per key, the percentiles over the first and the last tenth of the measured handoffs."""
+    tenth = max(1, handoffs // 10)
+    return {key: {"first_tenth": percentiles([t for j, t in xs if j < tenth]),
+                  "last_tenth": percentiles([t for j, t in xs if j >= handoffs - tenth])}
+            for key, xs in sorted(latency.items())}
 
 
 def verdict(report: dict, max_rss_growth: float) -> dict:

@@ -1,6 +1,6 @@
 """Train the small shipped model: Qwen2 architecture, WikiText-2 `valid.txt` + passkey sequences.
 
-Reproduces `rekv_jax/assets/wt2-tiny/` on a 2-core CPU in under 30 minutes:
+Reproduces `rekv_jax/assets/wt2-tiny/` (its training time: `train_seconds` in its train_log.json):
   python scripts/train_tiny.py [--out DIR] [--wikitext DIR]
 It fits a byte-level BPE on valid.txt, trains with optax (AdamW, warmup + cosine) through the
 project's own `forward`, first on short then on long sequences (so NIAH holds at 1024 tokens),
@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import matplotlib
 import numpy as np
 import optax
+from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from rekv_jax.config import ModelConfig
@@ -56,8 +57,8 @@ class Phase:
     passkey: float
 
 
-# A curriculum: retrieval is learned within ~200 steps on short prompts (at lr 1e-3; 3e-3 never
-# left the plateau here), then carried to longer haystacks alongside language modelling.
+# A curriculum: retrieval is learned within ~200 steps on short prompts (at lr 1e-3; at 3e-3 it
+# stays on the plateau), then carried to longer haystacks alongside language modelling.
 PHASES = (
     Phase(64, 16, 250, passkey=1.0),
     Phase(256, 16, 220, passkey=0.5),
@@ -145,7 +146,17 @@ def save_model(out: Path, cfg: ModelConfig, params) -> dict:
     return params
 
 
-def main() -> None:
+@dataclasses.dataclass
+class Curves:
+    """What training recorded per step: the loss, the passkey answers (hits, count), and the
+    step at which each phase began."""
+
+    losses: list[float] = dataclasses.field(default_factory=list)
+    answers: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    phase_starts: list[int] = dataclasses.field(default_factory=list)
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--wikitext", default=None, help="WikiText-2 folder (default: see data.py)")
@@ -159,18 +170,13 @@ def main() -> None:
                     help="shortest passkey episode (tokens) in training rows")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-lengths", default="512,1024,2048")
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    t0 = time.perf_counter()
-    args.out.mkdir(parents=True, exist_ok=True)
-    train_text = data.read_split("valid", args.wikitext)
-    tok = data.train_tokenizer(train_text, args.vocab_size)
-    tok.save(str(args.out / "tokenizer.json"))
-    ids = data.encode(tok, train_text)
-    cfg = model_config(tok.get_vocab_size())
 
-    phases = [dataclasses.replace(p, steps=max(1, round(p.steps * args.steps_scale)))
-              for p in PHASES]
+def train(cfg: ModelConfig, tok: Tokenizer, ids: np.ndarray, phases: list[Phase],
+          args: argparse.Namespace) -> tuple[dict, Curves]:
+    """The f32 params after every phase's steps (AdamW, warmup + cosine, clipped), and the
+    curves."""
     total = sum(p.steps for p in phases)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, total, args.lr / 10)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0),
@@ -179,35 +185,53 @@ def main() -> None:
     opt_state = optimizer.init(params)
     step = make_step(cfg, optimizer)
     rng = np.random.default_rng(args.seed)
-
-    losses, answers, phase_starts = [], [], []
+    curves = Curves()
     with tqdm(total=total, desc="train", unit="step") as bar:
         for phase in phases:
-            phase_starts.append(len(losses))
+            curves.phase_starts.append(len(curves.losses))
             for _ in range(phase.steps):
                 tokens, weights = sample_batch(tok, ids, phase, args.answer_weight,
                                                args.min_episode, rng)
                 params, opt_state, loss, (hits, count) = step(params, opt_state, tokens, weights)
-                losses.append(float(loss))
-                answers.append((int(hits), int(count)))
-                recent = np.sum(answers[-20:], axis=0)
-                bar.set_postfix(len=phase.length, loss=f"{losses[-1]:.3f}",
+                curves.losses.append(float(loss))
+                curves.answers.append((int(hits), int(count)))
+                recent = np.sum(curves.answers[-20:], axis=0)
+                bar.set_postfix(len=phase.length, loss=f"{curves.losses[-1]:.3f}",
                                 key_acc=f"{recent[0] / max(recent[1], 1):.2f}")
                 bar.update()
+    return params, curves
+
+
+def evaluate(cfg: ModelConfig, params: dict, tok: Tokenizer, args: argparse.Namespace) -> dict:
+    """The BF16 baseline (WikiText-2 test perplexity, NIAH) at each of `--eval-lengths`."""
+    test_ids = data.encode(tok, data.read_split("test", args.wikitext))
+    lengths = [int(x) for x in args.eval_lengths.split(",")]
+    return {n: dataclasses.asdict(quality.bf16_baseline(cfg, params, tok, test_ids, n))
+            for n in lengths}
+
+
+def main() -> None:
+    args = parse_args()
+    t0 = time.perf_counter()
+    args.out.mkdir(parents=True, exist_ok=True)
+    train_text = data.read_split("valid", args.wikitext)
+    tok = data.train_tokenizer(train_text, args.vocab_size)
+    tok.save(str(args.out / "tokenizer.json"))
+    ids = data.encode(tok, train_text)
+    cfg = model_config(tok.get_vocab_size())
+    phases = [dataclasses.replace(p, steps=max(1, round(p.steps * args.steps_scale)))
+              for p in PHASES]
+    params, curves = train(cfg, tok, ids, phases, args)
     train_s = time.perf_counter() - t0
 
     params = save_model(args.out, cfg, params)
-    plot_curves(losses, answers, phase_starts, args.out / "loss.png")
-
-    test_ids = data.encode(tok, data.read_split("test", args.wikitext))
-    lengths = [int(x) for x in args.eval_lengths.split(",")]
-    evals = {n: dataclasses.asdict(quality.bf16_baseline(cfg, params, tok, test_ids, n))
-             for n in lengths}
-    summary = {"train_seconds": round(train_s, 1), "steps": total,
+    plot_curves(curves.losses, curves.answers, curves.phase_starts, args.out / "loss.png")
+    summary = {"train_seconds": round(train_s, 1), "steps": sum(p.steps for p in phases),
                "phases": [dataclasses.asdict(p) for p in phases],
-               "final_loss": float(np.mean(losses[-20:])), "eval": evals}
-    (args.out / "train_log.json").write_text(json.dumps({**summary, "losses": losses,
-                                                            "answer_hits_count": answers}))
+               "final_loss": float(np.mean(curves.losses[-20:])),
+               "eval": evaluate(cfg, params, tok, args)}
+    (args.out / "train_log.json").write_text(json.dumps({**summary, "losses": curves.losses,
+                                                            "answer_hits_count": curves.answers}))
     print(json.dumps(summary))
 
 

@@ -26,10 +26,10 @@ from rekv_jax.quantize import quantize
 from rekv_jax.study.experiment import Experiment, run_local
 from rekv_jax.transport import mesh as transport_mesh
 
-# Measured here (tiny, bf16 weights, 64 tokens, seed 0): the largest |difference| between meshes
-# of 1, 2 and 4 devices is 0.0137 in the KV (bf16 values up to ~4), 0.0092 in the f32 logits and
-# 0.0090 in the next step's logits. The bounds leave a factor ~3 for other CPUs; within one mesh
-# every result is bitwise equal.
+# The largest |difference| between meshes of 1, 2 and 4 devices (tiny, bf16 weights, 64 tokens,
+# seed 0) is 0.0137 in the KV (bf16 values up to ~4), 0.0092 in the f32 logits and 0.0090 in the
+# next step's logits (results/handoff.md, "Sharded sides"). The bounds leave a factor ~3 for other
+# CPUs; within one mesh every result is bitwise equal.
 CROSS_MESH_KV_BOUND = 0.05
 CROSS_MESH_LOGITS_BOUND = 0.03
 

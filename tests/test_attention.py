@@ -108,7 +108,7 @@ def test_handoff_sides_must_agree_on_the_attention_backend(monkeypatch):
         "cudnn" if threading.current_thread().name == "rekv-prefill" else "xla"))
     exp = experiment.Experiment(seq_len=16, actions=(Action.parse("bf16:full", 6),),
                              transport="local", warmup=0, reps=1, timeout=30.0)
-    # a failed run (exit 1), not bad input: issue 18's runtime agreement
+    # a failed run (exit 1), not bad input: the sides' runtime agreement
     with pytest.raises(RuntimeMismatch, match="disagree on attention .decode 'xla', prefill "
                                               "'cudnn'"):
         experiment.run_local(exp, lambda record: None)

@@ -1,28 +1,109 @@
-"""The README stays a newcomer's page: short, with its two set-up commands, and every relative
-link in it and in docs/ points at a file that exists."""
+"""The README stays a newcomer's page: its first screen says what ReKV is, gives the two set-up
+commands and a ten-line functional-API example that runs, then the headline results; every
+relative link in it, in docs/ and in results/ points at a file that exists; and the docs, which
+are reference, hold no commit hash (one of this repository's commits, so checksums and other hex
+runs are left alone)."""
 import pathlib
 import re
+import subprocess
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+README = ROOT / "README.md"
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+RESULTS = sorted((ROOT / "results").glob("*.md"))
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+HEX_RUN = re.compile(r"(?<![0-9A-Za-z_])[0-9a-f]{7,40}(?![0-9A-Za-z_])")
+SET_UP = ("pip install -e . && rekv handoff", "pip install -e '.[test]' && pytest")
+EXAMPLE = "## The functional API in ten lines"
+HEADLINE = "## Headline results"
+
+
+def _sections(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("## ")]
+
+
+def _example(text: str) -> str:
+    """The first python block after the example's heading."""
+    after = text[text.index(EXAMPLE):]
+    return after.split("```python\n", 1)[1].split("```", 1)[0]
 
 
 def test_readme_is_short_and_holds_the_two_set_up_commands():
-    text = (ROOT / "README.md").read_text()
+    text = README.read_text()
     assert len(text.splitlines()) <= 300
-    assert "pip install -e . && rekv handoff" in text
-    assert "pip install -e '.[test]' && pytest" in text
-    assert "pip install -e '.[test]' && pytest" in (ROOT / ".ci" / "run").read_text()
+    for command in SET_UP:
+        assert command in text
+    assert SET_UP[1] in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_first_screen_is_what_rekv_is_set_up_and_an_example_then_the_headline():
+    text = README.read_text()
+    assert _sections(text)[:3] == ["## Set up", EXAMPLE, HEADLINE]
+    intro, rest = text.split("## Set up", 1)
+    assert "ReKV" in intro and len(intro.splitlines()) <= 12
+    first_screen = text[:text.index(HEADLINE)]
+    assert all(command in first_screen for command in SET_UP)
+    assert len(first_screen.splitlines()) <= 50
+    code = [line for line in _example(text).splitlines() if line.strip()]
+    assert len(code) <= 10, code
+
+
+def test_readme_example_runs():
+    """The example asserts its own claim (the split equals a prefill bitwise)."""
+    exec(compile(_example(README.read_text()), "README example", "exec"), {})
 
 
 def test_every_relative_link_resolves():
-    broken = [f"{doc.relative_to(ROOT)}: {target}" for doc in DOCS
+    broken = [f"{doc.relative_to(ROOT)}: {target}" for doc in DOCS + RESULTS
               for target in LINK.findall(doc.read_text())
               if "://" not in target and not (doc.parent / target).exists()]
     assert not broken, broken
 
 
-def test_every_doc_is_linked_from_the_readme():
-    linked = {(ROOT / t).resolve() for t in LINK.findall((ROOT / "README.md").read_text())}
-    assert {d.resolve() for d in DOCS[1:]} <= linked
+def test_every_doc_is_linked_from_the_readme_and_every_results_page_from_its_index():
+    linked = {(ROOT / t).resolve() for t in LINK.findall(README.read_text())}
+    assert {d.resolve() for d in DOCS[1:]} | {ROOT / "results" / "README.md"} <= linked
+    index = ROOT / "results" / "README.md"
+    pages = {(index.parent / t).resolve() for t in LINK.findall(index.read_text())}
+    assert {p.resolve() for p in RESULTS if p != index} <= pages
+
+
+def repository_commits(root: pathlib.Path) -> list[str] | None:
+    """Every commit of the repository at `root` (`git rev-list --all`); None without git or
+    history."""
+    try:
+        done = subprocess.run(["git", "-C", str(root), "rev-list", "--all"], capture_output=True,
+                              text=True, timeout=60, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.split() or None
+
+
+def commit_hashes(text: str, commits: list[str] | None) -> list[str]:
+    """The hex runs of 7-40 digits in `text` that name one of `commits` (a prefix of one);
+    without the history, every run that holds a letter and a digit, as a commit's would."""
+    runs = HEX_RUN.findall(text)
+    if commits is None:
+        return [r for r in runs if re.search("[a-f]", r) and re.search("[0-9]", r)]
+    return [r for r in runs if any(c.startswith(r) for c in commits)]
+
+
+def test_docs_hold_no_commit_hash():
+    commits = repository_commits(ROOT)
+    found = {str(doc.relative_to(ROOT)): hits for doc in DOCS
+             if (hits := commit_hashes(doc.read_text(), commits))}
+    assert not found, found
+
+
+@pytest.mark.parametrize("with_history", [True, False])
+def test_the_check_finds_a_planted_commit_hash(with_history):
+    commits = repository_commits(ROOT) if with_history else None
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    if with_history:
+        assert commits and head in commits
+    text = (f"measured at {head[:7]}, see {head}; the checksum 3f2a9c41 and the count 1256449 "
+            f"are not commits; nor is {head[:6]} (too short) or x{head[:7]} (inside a word)")
+    assert commit_hashes(text, commits) == [head[:7], head] + ["3f2a9c41"] * (not with_history)

@@ -120,8 +120,8 @@ def check_overlap(records: list[dict], action: str) -> None:
 
 def test_overlap_happens_on_a_paced_local_link():
     """bf16:r=2 of tiny at 256 tokens on a link where the 4-layer prefix takes ~8x the 2-layer
-    suffix (16 ms on this idle machine; the margin leaves room for load): overlapped saves about
-    the whole suffix."""
+    suffix (about 16 ms on an idle CPU core; the margin leaves room for load): overlapped saves
+    about the whole suffix."""
     cfg = ModelConfig.preset("tiny")
     action = Action.parse("bf16:r=2", cfg.num_layers)
     prefix_ms = 8 * 16.0  # 8x the measured 2-layer suffix

@@ -249,7 +249,7 @@ def test_repeat_layers_shares_one_layer():
 
 def test_cuts_reuse_the_prefill_programs():
     """After a warm prefill, the prefix and suffix at every interior cut compile at most 2
-    programs in total: one program per layer shape and mode, none per cut (issue 18)."""
+    programs in total: one program per layer shape and mode, none per cut."""
     cfg = ModelConfig.preset("tiny")
     params = init_params(cfg, jax.random.key(0))
     tokens = tokens_for(cfg, 1, 64)

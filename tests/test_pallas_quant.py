@@ -1,6 +1,6 @@
 """Pallas quantization kernels and their block math: bit-identical to the XLA reference
 (interpret mode everywhere; compiled Triton kernels on a GPU, skipped with a reason elsewhere),
-`f16_scale` against every bfloat16, and lowerable for CUDA from this CPU-only machine, so a
+`f16_scale` against every bfloat16, and lowerable for CUDA from a CPU-only machine, so a
 kernel that cannot compile fails here."""
 
 import jax

@@ -14,7 +14,7 @@ from rekv_jax.phases import Phases
 from rekv_jax.planning.costmodel import predicted_ms as mode_predicted_ms
 from rekv_jax.planning.costmodel import t_ov
 from rekv_jax.planning.planner import analytic_profile
-from rekv_jax.study import chunked_table, report
+from rekv_jax.study import chunked_table, figures, report
 from rekv_jax.study import tables as study_tables
 from rekv_jax.study.records import Summary, read_summaries
 
@@ -199,12 +199,62 @@ def test_write_report_writes_every_file(tmp_path):
     paths = report.write_report(loaded, tmp_path / "out", [analytic_profile(TINY, 256)])
     names = sorted(p.name for p in paths)
     assert names == sorted(["table1.md", "predictions.md", "table3.md", "crossover.md",
-                            "fig2_test-cpu_local_5.0_1_ready_full_1_1.png",
-                            "fig2_test-cpu_local_50.0_1_ready_full_1_1.png",
-                            "crossover_test-cpu_local_1_tiny_256.png"])
+                            "fig2.png", "fig2-2.png", "crossover.png", "figures.md"])
     for p in paths:
         data = p.read_bytes()
         assert data and (p.suffix == ".md" or data[:8] == b"\x89PNG\r\n\x1a\n")
+    # the figures' short names: what each shows is in figures.md (and in its title)
+    figures = (tmp_path / "out" / "figures.md").read_text()
+    for name, what in (("fig2.png", "link: paced 5 GB/s"), ("fig2-2.png", "link: paced 50 GB/s"),
+                       ("crossover.png", "tiny, 256 tokens, batch 1 · hardware: test cpu")):
+        assert f"**{name}**: " in figures and f"![{name}]({name})" in figures
+        line = next(t for t in figures.splitlines() if t.startswith(f"**{name}**"))
+        assert what in line, line
+
+
+def _outside(fig) -> list[str]:
+    """The texts of `fig`, drawn, that reach past its edges (tick labels aside: those of ticks
+    outside the axes' limits are laid out but not drawn)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.text import Text
+
+    FigureCanvasAgg(fig).draw()
+    ticks = {id(t) for ax in fig.axes for which in ("major", "minor")
+             for t in ax.get_xticklabels(which=which) + ax.get_yticklabels(which=which)}
+    box = fig.bbox
+    return [t.get_text() for t in fig.findobj(Text)
+            if t.get_visible() and t.get_text() and id(t) not in ticks
+            and not (box.x0 - 1 <= (e := t.get_window_extent()).x0 and e.x1 <= box.x1 + 1
+                     and box.y0 - 1 <= e.y0 and e.y1 <= box.y1 + 1)]
+
+
+def test_every_title_fits_its_figure():
+    """A setup's long label wraps inside the figure: a Fig. 2 of one model (the narrowest) and a
+    crossover figure, each titled with everything a setup can say."""
+    long = dict(hardware="gpu:NVIDIA H200 (x86_64, 1 dev, CUDA 12.8, driver 570.124.06)",
+                pinning="pinned: prefill cpu 0-15, decode cpu 16-31", prefill_devices=4,
+                decode_devices=2)
+    recs = [dataclasses.replace(r, **long) for r in _sweep() + _sweep(2.0, seq_len=512)]
+    prompt = [dataclasses.replace(r, interval="prompt", prefill="split") for r in recs]
+    fig = figures.fig2_figure(prompt)
+    assert "timed from the prompt" in fig.get_suptitle()
+    assert not _outside(fig), _outside(fig)
+    links = [dataclasses.replace(r, link_gbps=w, prefill_devices=1, decode_devices=1)
+             for w in (0.5, 5.0, 50.0) for r in recs if r.seq_len == 256]  # one device a side
+    profile = dataclasses.replace(analytic_profile(TINY, 256), source="fitted to " + "x" * 90)
+    fig = figures.crossover_plot(links, profile)
+    assert "fitted to" in fig.get_suptitle()
+    assert not _outside(fig), _outside(fig)
+
+
+def test_wrapped_breaks_at_separators_and_keeps_every_word():
+    text = "first line\n" + " · ".join(f"part {i} of a label" for i in range(8))
+    out = figures.wrapped(text, 3.0)
+    limit = int(3.0 * figures.CHARS_PER_INCH)
+    assert all(len(line) <= limit for line in out.splitlines())
+    assert out.splitlines()[0] == "first line"
+    assert " ".join(out.replace(" · ", " ").split()) == " ".join(text.replace(" · ", " ").split())
+    assert figures.wrapped("short", 6.0) == "short"
 
 
 @pytest.mark.parametrize("change, match", [

@@ -30,8 +30,7 @@ HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count="
 # a shared `xla_gpu_per_fusion_autotune_cache_dir` (the two sides compile concurrently, so both
 # may time and write the same entry), `xla_gpu_deterministic_ops` (run-to-run determinism within a
 # process, e.g. no atomics; it also disables the Triton GEMM backend). Both flags exist in the
-# XLA of jaxlib 0.10.2 (their help strings are in libjax_common.so). Their cost in speed on a GPU
-# is not measured here.
+# XLA of jaxlib 0.10.2 (their help strings are in libjax_common.so).
 GPU_XLA_FLAGS = ("--xla_gpu_autotune_level=0", "--xla_gpu_shard_autotuning=false")
 # Device memory that the processes sharing one GPU take in all, split evenly: each reserves its
 # own share as it starts, so none takes JAX's default 75% before the others start; 10% stays free

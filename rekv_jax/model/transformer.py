@@ -125,9 +125,9 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.bfloat1
     """Synthetic weights (N(0, 0.02), unit norms); `repeat_layers` shares one layer's weights
     (the same dict at every index of `params["layers"]`: no extra memory).
 
-    Built op by op, not as one jitted program: XLA:CPU compiled that program of every layer's
-    random draws in 13-25 s (tiny, 2 loaded cores), per process; op by op its few per-shape
-    programs take 1.5-10 s, and the weights are bitwise the same."""
+    Built op by op, not as one jitted program: XLA:CPU compiles a program of every layer's
+    random draws far more slowly, in every process, than the few per-shape programs of the
+    draws op by op; the weights are bitwise the same."""
     rngs = nnx.Rngs(key)
     D, V = cfg.hidden_size, cfg.vocab_size
     params = {"embed": INIT(rngs.params(), (V, D), dtype),  # [V, D]

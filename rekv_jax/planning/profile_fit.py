@@ -147,8 +147,8 @@ def _fit_suffix(cfg: ModelConfig, records: Sequence[Measurement], seq_len: int, 
 def attention_shares(profiles: Sequence[Profile]) -> list[Profile]:
     """`profiles` of one model at two or more lengths, each with the attention share its γ
     implies: γ(S) = a S + b S² fitted over the lengths (nonnegative), s(S) = b S² / γ(S). FLOPs
-    understate it on hardware where attention runs slower than the projections (on this CPU,
-    tiny-7b at 512 tokens: 0.67 measured, 0.22 from FLOPs), and it sets what token chunks save."""
+    understate it on hardware where attention runs slower than the projections (a CPU:
+    results/study.md), and it sets what token chunks save."""
     if len({p.seq_len for p in profiles}) < 2 or len({p.model for p in profiles}) != 1:
         raise ValueError("attention shares need profiles of one model at two or more lengths")
     a, b = _lstsq([[p.seq_len, p.seq_len**2] for p in profiles],

@@ -4,6 +4,7 @@ state, no display)."""
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,12 @@ from rekv_jax.study.tables import (
     setup_label,
 )
 
+TITLE_PT = 10.0  # the titles' font size
+# A title line's characters per inch of figure width at TITLE_PT: DejaVu Sans averages about
+# 0.55 em a character; 0.65 leaves room for wide ones (capitals, "m", "w")
+CHARS_PER_INCH = 72 / (0.65 * TITLE_PT)
+SEPARATOR = " · "  # between the parts of a setup's label, where a title may break
+
 
 def _figure(width: float, height: float) -> Any:
     from matplotlib.figure import Figure  # object API: no global pyplot state, no display
@@ -29,9 +36,41 @@ def _figure(width: float, height: float) -> Any:
     return Figure(figsize=(width, height), layout="constrained")
 
 
+def wrapped(text: str, width_in: float) -> str:
+    """`text` broken into lines that fit `width_in` inches at TITLE_PT: each line of it packed
+    part by part (parts end at SEPARATOR), a part wider than a line broken at its spaces."""
+    limit = max(20, int(width_in * CHARS_PER_INCH))
+    out = []
+    for line in text.splitlines():
+        current = ""
+        for part in line.split(SEPARATOR):
+            joined = f"{current}{SEPARATOR}{part}" if current else part
+            if len(joined) <= limit:
+                current = joined
+                continue
+            if current:
+                out.append(current)
+            *full, current = textwrap.wrap(part, limit) or [""]
+            out += full
+        out.append(current)
+    return "\n".join(out)
+
+
+def _title(fig: Any, text: str) -> None:
+    """The figure's title, wrapped to its width."""
+    fig.suptitle(wrapped(text, fig.get_figwidth()), fontsize=TITLE_PT)
+
+
 def fig2(records: Sequence[Summary], path: str | Path) -> Path:
     """Fig.-2-style PNG for one setup: each family's best median over BF16 transfer, per length,
-    one panel per model."""
+    one panel per model; the setup in the title."""
+    fig = fig2_figure(records)
+    fig.savefig(path, dpi=120)
+    return Path(path)
+
+
+def fig2_figure(records: Sequence[Summary]) -> Any:
+    """`fig2`'s figure, not yet saved."""
     cells = _cells(records)
     if len(cells) != 1:
         raise ValueError(f"fig2 draws one setup at a time, records span {len(cells)}")
@@ -59,21 +98,36 @@ def fig2(records: Sequence[Summary], path: str | Path) -> Path:
     handles = {h.get_label(): h for ax in axes for h in ax.get_lines()}
     fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncols=3,
                fontsize="small")
-    fig.suptitle(f"Handoff latency relative to BF16 transfer (lower is better)\n"
-                 f"{setup_label(setup)}", fontsize="medium")
-    fig.savefig(path, dpi=120)
-    return Path(path)
+    _title(fig, f"Handoff latency relative to BF16 transfer (lower is better)\n"
+                f"{setup_label(setup)}")
+    return fig
 
 
 def crossover_figure(records: Sequence[Summary], path: str | Path,
                      profile: Profile | None = None, n_grid: int = 60) -> Path:
     """Latency of each family's best action vs paced link bandwidth for one (hardware, transport,
-    batch, model, length) group: measured points; lines and predicted crossovers from `profile`."""
+    batch, model, length) group: measured points; lines and predicted crossovers from `profile`;
+    the group in the title."""
+    fig = crossover_plot(records, profile, n_grid)
+    fig.savefig(path, dpi=120)
+    return Path(path)
+
+
+def crossover_title(key: tuple) -> str:
+    """The group a crossover figure draws, in words: model, length, batch, hardware, transport."""
+    hardware, transport, batch, model, seq_len = key
+    return (f"{model}, {seq_len} tokens, batch {batch}{SEPARATOR}hardware: {hardware}"
+            f"{SEPARATOR}transport: {transport}")
+
+
+def crossover_plot(records: Sequence[Summary], profile: Profile | None = None,
+                   n_grid: int = 60) -> Any:
+    """`crossover_figure`'s figure, not yet saved."""
     groups = _crossover_groups(records)
     if len(groups) != 1:
         raise ValueError(f"crossover_figure draws one group at a time, records give "
                          f"{list(groups)}")
-    ((hardware, transport, batch, model, seq_len), by_link), = groups.items()
+    (key, by_link), = groups.items()
     fig = _figure(7.5, 4.5)
     ax = fig.subplots()
     grid = np.geomspace(min(by_link) / 2, max(by_link) * 2, n_grid)
@@ -96,9 +150,7 @@ def crossover_figure(records: Sequence[Summary], path: str | Path,
     ax.set_xlabel("paced link bandwidth (GB/s)")
     ax.set_ylabel("median handoff latency (ms)")
     fig.legend(fontsize="small", loc="outside right upper")
-    pred = (f"\npoints: measured · lines: {profile.source} prediction · dotted: crossover"
-            if profile else "")
-    ax.set_title(f"{model}, {seq_len} tokens, batch {batch}\nhardware: {hardware} · transport: "
-                 f"{transport}{pred}", fontsize="medium")
-    fig.savefig(path, dpi=120)
-    return Path(path)
+    pred = (f"\npoints: measured{SEPARATOR}lines: {profile.source} prediction{SEPARATOR}"
+            "dotted: crossover" if profile else "")
+    _title(fig, crossover_title(key) + pred)
+    return fig

@@ -8,11 +8,8 @@ executed separately), except Fig. 3's, whose schedules ran as paired reps.
 
 from __future__ import annotations
 
-import dataclasses
-import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from rekv_jax import sizes
 from rekv_jax.action import ActionKind
@@ -20,7 +17,7 @@ from rekv_jax.mode import timed_from_prompt
 from rekv_jax.phases import PHASES, PROMPT_PHASES
 from rekv_jax.planning.costmodel import Profile
 from rekv_jax.study.chunked_table import chunked_markdown
-from rekv_jax.study.figures import crossover_figure, fig2
+from rekv_jax.study.figures import crossover_figure, crossover_title, fig2
 from rekv_jax.study.records import Speedup, Summary, Table1Row
 from rekv_jax.study.tables import (
     _crossover_groups,
@@ -39,17 +36,19 @@ from rekv_jax.study.tables import (
 )
 
 
-def _slug(*parts: Any) -> str:
-    """A file-name part of `parts`; an empty one (a setup's unset pinning) is left out."""
-    return "_".join(re.sub(r"[^A-Za-z0-9.]+", "-", str(p)).strip("-") for p in parts if p != "")
+def figure_name(stem: str, index: int) -> str:
+    """The file of a report's `index`-th figure of a kind (0-based): fig2.png, fig2-2.png, ...
+    What it shows is in the figure's title and in figures.md, not in its name."""
+    return f"{stem}.png" if index == 0 else f"{stem}-{index + 1}.png"
 
 
 def write_report(records: Sequence[Summary], out_dir: str | Path,
                  profiles: Sequence[Profile] = (), joint_bits: int = 8, seed: int = 0
                  ) -> list[Path]:
-    """Write table1.md, predictions.md, table3.md, crossover.md and the PNGs into `out_dir`, and
-    chunked.md / fig3.md / batch.md when the records hold chunked runs / prompt-interval pairs /
-    batches."""
+    """Write table1.md, predictions.md, table3.md, crossover.md, the PNGs (fig2.png per setup,
+    crossover.png per group of paced links) and figures.md, which says what each PNG shows, into
+    `out_dir`, and chunked.md / fig3.md / batch.md when the records hold chunked runs /
+    prompt-interval pairs / batches."""
     if not records:
         raise ValueError("no summary records to report")
     out = Path(out_dir)
@@ -67,16 +66,34 @@ def write_report(records: Sequence[Summary], out_dir: str | Path,
         if text:
             (out / name).write_text(text)
             written.append(out / name)
-    for setup in dict.fromkeys(r.setup for r in records):
+    figures = _write_figures(records, out, profiles)
+    (out / "figures.md").write_text(figures_markdown(figures))
+    return [*written, *(path for path, _ in figures), out / "figures.md"]
+
+
+def _write_figures(records: Sequence[Summary], out: Path, profiles: Sequence[Profile]
+                   ) -> list[tuple[Path, str]]:
+    """Each figure's PNG, and what it shows: Fig. 2 per setup, a crossover per group."""
+    figures = []
+    for i, setup in enumerate(dict.fromkeys(r.setup for r in records)):
         sel = [r for r in records if r.setup == setup]
-        written.append(fig2(sel, out / f"fig2_{_slug(*dataclasses.astuple(setup))}.png"))
-    for key in _crossover_groups(records):
-        hardware, transport, batch, model, seq_len = key
+        figures.append((fig2(sel, out / figure_name("fig2", i)),
+                        f"Fig. 2, latency relative to BF16 transfer: {setup_label(setup)}"))
+    for i, key in enumerate(_crossover_groups(records)):
         sel = [r for r in records
                if (r.hardware, r.transport, r.batch, r.model, r.seq_len) == key]
-        written.append(crossover_figure(sel, out / f"crossover_{_slug(*key)}.png",
-                                        _profile_of(profiles, key)))
-    return written
+        figures.append((crossover_figure(sel, out / figure_name("crossover", i),
+                                         _profile_of(profiles, key)),
+                        f"Latency against the paced link: {crossover_title(key)}"))
+    return figures
+
+
+def figures_markdown(figures: Sequence[tuple[Path, str]]) -> str:
+    """figures.md: each figure's file, what it shows, and the figure."""
+    out = ["# Figures", ""]
+    for path, what in figures:
+        out += [f"**{path.name}**: {what}", "", f"![{path.name}]({path.name})", ""]
+    return "\n".join(out)
 
 
 def handoff_table(records: Sequence[Summary], header: bool = True) -> str:

@@ -87,13 +87,13 @@ SWEEP_PRESETS = {
     # model, batch 2 and 4 at 8K for Qwen2.5-7B. Its duration: `rekv sweep --dry-run`.
     "gpu": _GPU,
     # The paper's Table 1 / Fig. 2 / Table 3 at Qwen2.5-7B's proportions (`tiny-7b`: 28 layers,
-    # B_H / B_KV = 3.5) on this 2-core machine, each side on its own core (the launcher's
-    # default): the link paced to the paper's ratio, calibrated on the decode side's core at
-    # 512 tokens. The grid is the balanced one of a start profile per length (BF16 recompute
-    # and joint Q8 near c*, the paper's Table 1 mechanisms); no crossover, Fig. 3 or batch
-    # runs. Joint actions also run the token-chunked boundary (issue 20), in 2 chunks, with Q8
-    # also at the cut the chunked schedule is predicted fastest at. 16 reps: with 30 (and no
-    # chunked cut) it took 14 min 20 s on this idle machine, and issue 20 asks for 12 minutes.
+    # B_H / B_KV = 3.5) on a 2-core CPU, each side on its own core (the launcher's default):
+    # the link paced to the paper's ratio, calibrated on the decode side's core at 512 tokens.
+    # The grid is the balanced one of a start profile per length (BF16 recompute and joint Q8
+    # near c*, the paper's Table 1 mechanisms); no crossover, Fig. 3 or batch runs. Joint
+    # actions also run the token-chunked boundary, in 2 chunks, with Q8 also at the cut the
+    # chunked schedule is predicted fastest at. 16 reps keep the run within 12 minutes on two
+    # idle cores (its duration: results/study.md).
     "cpu-paper": SweepPreset(models=("tiny-7b",), lengths=(256, 512), suffix_lens=(),
                              transport="transfer-server", link_gbps=None, crossover_factors=(),
                              joint_bits=(8,), cut_spread=0,
@@ -101,8 +101,8 @@ SWEEP_PRESETS = {
 }
 
 # `--quick`: the same study on fewer models, lengths and cuts (use with fewer reps). The GPU
-# one is sized by the dry run's estimate to fit 8 minutes of one GPU (tests/test_sweep_plan.py):
-# with Qwen2.5-3B too, the estimate was 513 s.
+# one is sized by the dry run's estimate to fit 8 minutes of one GPU (tests/test_sweep_plan.py),
+# which Qwen2.5-3B as well would not.
 QUICK_PRESETS = {
     "cpu": dataclasses.replace(SWEEP_PRESETS["cpu"], models=("tiny",), lengths=(128,),
                                crossover_factors=(1.0, 4.0)),
@@ -289,14 +289,11 @@ class PairCosts:
 
 
 COSTS = {
-    # One `rekv handoff` of tiny at 128 tokens, one action, one rep, unpaced, took 52 s wall on
-    # this 2-core machine while other work kept its load at ~6; a tiny program compiled there in
-    # 2.4-3.3 s (first call minus second of `prefill` and `run_prefix`, before the per-layer
-    # model core), so ~40 s of the 52 s is the pair's start-up. Inflated by that load.
-    # A model's synthetic weights: tiny's took 3.2 s in a fresh process here, tiny-qwen3's 0.5 s
-    # after them (most of it compiling the per-shape random draws, which the two share).
+    # Start-up and a model program's compile: one-action `rekv handoff` runs of tiny on a
+    # loaded 2-core CPU, inflated by that load; a later model's weights: tiny's in a fresh
+    # process (results/study.md, "The sweep's cost constants"). The rest is assumed.
     "cpu": PairCosts(40.0, 3.0, 0.3, 20.0, 3.0, "start-up and model-program compile measured "
-                     "on this 2-core machine under load ~6 (one-action handoff run: 52 s; a tiny "
+                     "on a 2-core CPU under load ~6 (one-action handoff run: 52 s; a tiny "
                      "prefill program, before the per-layer model core: 2.4-3.3 s), 3 s per "
                      "later model's weights measured idle; 0.3 s per small program and 20 ms "
                      "per handoff beyond its timed interval: assumed"),
@@ -309,17 +306,15 @@ COSTS = {
 }
 
 
-# Memory rate of this CPU assumed by the dry run's roofline (quantize, restore; not measured)
+# A CPU's memory rate, assumed by the dry run's roofline (quantize, restore; not measured)
 CPU_MEMORY_GBPS = 10.0
 
 
 # The model core's programs per prompt shape, whatever the cut (`model.py`)
 MODEL_PROGRAMS = ("embed", "layer", "head")
-# Small programs (checksums, packing, quantize and restore of a phase's buffers) new to each
-# action: measured on this machine with `jax_log_compiles` (tiny at 64 tokens, after a first
-# handoff): 14 for four more BF16 cuts, 12 for two Q8 cuts, then 12 for two more. Since CPU
-# buffers are checksummed by numpy (`transport.checksums`), a CPU run compiles fewer: this
-# overestimates the CPU preset (its dry run: 409 s; measured: 137-159 s).
+# Small programs (checksums, packing, quantize and restore of a phase's buffers) the dry run
+# charges each new action: an upper bound (a new cut of a warm model compiles none, and CPU
+# buffers are checksummed by numpy, `transport.checksums`), so the dry run errs long on CPU.
 SMALL_PROGRAMS_PER_ACTION = 5
 
 

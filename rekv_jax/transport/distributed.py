@@ -3,7 +3,7 @@ two processes (`PeerChannel`), and an ordered shutdown. JAX's private modules ar
 through `rekv_jax.jax_private` only. A pair is two processes; a group (`launch.group`) is N, where
 each (prefill, decode) pair of processes has a channel of its own.
 
-What JAX does when a peer dies (jax 0.10, seen here): the coordination service lives in process 0.
+What JAX does when a peer dies (jax 0.10): the coordination service lives in process 0.
 If process 0 dies, the JAX client in process 1 aborts its process at once ("Terminating process
 because the JAX distributed service detected fatal errors"), whatever we do. If process 1 dies,
 process 0 is aborted too after the heartbeat timeout, unless `jax_enable_recoverability` is on;
