@@ -117,16 +117,15 @@ def bits_of(x: jax.Array) -> jax.Array:
 def write_positions(cache: jax.Array, new: jax.Array, start: int | jax.Array, width: int
                     ) -> tuple[jax.Array, jax.Array]:
     """Write new [B, T, K, H] at positions start.. of cache [B, C, K, H] -> (the cache, its first
-    `width` positions [B, W, K, H], new included). Written as raw bits: XLA:CPU writes into a
-    16-bit float array by converting all of it to float32 and back (a cost that grows with the
-    capacity), into an integer array in place. The positions read are the old cache's, with
-    `new` written into that copy too: reading the written cache itself made XLA copy all of it
-    ahead of the write."""
-    bits, new_bits = bits_of(cache), bits_of(new)
-    seen = jax.lax.dynamic_update_slice_in_dim(bits[:, :width], new_bits, start, axis=1)
-    bits = jax.lax.dynamic_update_slice_in_dim(bits, new_bits, start, axis=1)
-    return (jax.lax.bitcast_convert_type(bits, cache.dtype),
-            jax.lax.bitcast_convert_type(seen, cache.dtype))
+    `width` positions [B, W, K, H] as new's dtype). A cache of unsigned ints holds the raw bits
+    of new's dtype (`KVCache.held_as_bits`): XLA:CPU writes into a 16-bit float array by
+    converting all of it to float32 and back, a cost that grows with the capacity, and into an
+    integer array in place."""
+    if cache.dtype == new.dtype:
+        cache = jax.lax.dynamic_update_slice_in_dim(cache, new, start, axis=1)
+        return cache, cache[:, :width]
+    cache = jax.lax.dynamic_update_slice_in_dim(cache, bits_of(new), start, axis=1)
+    return cache, jax.lax.bitcast_convert_type(cache[:, :width], new.dtype)
 
 
 def row_blocks(f: Callable, *xs: jax.Array):

@@ -353,7 +353,7 @@ def _cache_layers(cfg: ModelConfig, params: Params, x: jax.Array, kv: KVCache, f
         x, k, v = program(cfg, weights, x, k, v, start, width=width)  # k, v [B, C, K, H]
         keys.append(k)
         vals.append(v)
-    return x, KVCache(tuple(keys), tuple(vals), kv.empty)
+    return x, KVCache(tuple(keys), tuple(vals), kv.empty, kv.bits)
 
 
 def _chunked(cfg: ModelConfig, params: Params, inputs: jax.Array, first: int, chunks: int
@@ -440,7 +440,7 @@ def greedy_tokens(cfg: ModelConfig, params: Params, kv: KVCache, token: jax.Arra
     yielded as soon as it is dispatched (the next step runs once the caller asks for it). The
     steps decode on a copy padded to `capacity` (default S + steps): one compiled program."""
     S = kv.seq_len
-    kv = kv.pad(capacity or S + steps)
+    kv = kv.pad(capacity or S + steps).held_as_bits()
     for i in range(steps):
         yield token
         if i + 1 < steps:  # the last token needs no step of its own
