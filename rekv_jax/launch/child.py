@@ -53,6 +53,11 @@ class Side:
                 return
             yield request
 
+    def inbox(self) -> Inbox:
+        """The parent's requests for a job that must not block on them (a serving loop): the
+        same asking protocol as `requests`, polled."""
+        return Inbox(self._parent)
+
     def connect(self, kind: str, *, link_gbps: float | None = None, timeout: float = 60.0,
                 heartbeat_s: int = 10) -> Transport:
         """This side's end of the pair's link of `kind` (`transport.connect`, with the key)."""
@@ -73,6 +78,32 @@ class Side:
                                            lambda t: body("decode", t), link_gbps, timeout)
         with self.connect(kind, link_gbps=link_gbps, timeout=timeout) as transport:
             return body(self.role, transport)
+
+
+class Inbox:
+    """The requests the parent hands a side (`Pair.ask`), taken without blocking: `take`
+    returns those that came within its timeout, asking for each next one at once (the parent
+    then knows the last was taken); `ended` once the parent said there are no more."""
+
+    def __init__(self, parent: Connection) -> None:
+        self._parent, self._asked, self.ended = parent, False, False
+
+    def take(self, timeout: float | None = 0.0) -> list[Any]:
+        """The requests handed within `timeout` s (None: until one comes or they end), then
+        those already there."""
+        out: list[Any] = []
+        while not self.ended:
+            if not self._asked:
+                self._parent.send((NEXT, None))
+                self._asked = True
+            if not self._parent.poll(0 if out else timeout):
+                break
+            request, self._asked = self._parent.recv(), False
+            if request is None:
+                self.ended = True
+            else:
+                out.append(request)
+        return out
 
 
 def enter(parent: Connection, log: str, payload: bytes, side: tuple | None) -> None:

@@ -3,10 +3,12 @@ process (`run_child`), each side spawned in its own environment, its arguments a
 Python objects.
 
 A pair's job is called in each side's process as `job(side, *args)` (`child.Side`: its role,
-the coordinator, the job's key, `emit` and `requests`). What the answering side (the decode
-side, or the only one) emits reaches the parent as it comes (`on_item`); the parent hands it
-further requests while it runs (`Pair.ask`: a sweep decides its next experiment from the last
-one's records). The parent does no JAX work: every side computes in a process of its own.
+the coordinator, the job's key, `emit` and `requests`). What the sides emit reaches the parent as
+it comes (`on_item`); the parent hands a side further requests while it runs (`Pair.ask`, the
+answering side, i.e. the decode side or the only one, unless a role is named: a sweep decides
+its next experiment from the last one's records; a serving run hands each side its requests and
+`pump`s their tokens meanwhile). The parent does no JAX work: every side computes in a process
+of its own.
 
 Supervision: a side that dies natively (a signal, JAX aborting it once its coordinator went
 away) ends the pair with one line naming the side and how it ended; once one side has ended the
@@ -15,6 +17,7 @@ launcher (each dies with its parent, and is killed on the way out)."""
 
 from __future__ import annotations
 
+import collections
 import socket
 import tempfile
 import time
@@ -58,7 +61,10 @@ class Pair(Generic[T]):
         self._items: list[Any] = []
         self._on_item = on_item or self._items.append
         self._answering: Role = "decode" if "decode" in envs else next(iter(envs))
-        self._waiting = False  # the answering side asked for its next request
+        self._waiting: set[Role] = set()  # the sides that asked for their next request
+        # requests `post`ed to each side, handed one per ask
+        self._posted: dict[Role, collections.deque[object]] = {r: collections.deque()
+                                                               for r in envs}
         self._ended: list[Role] = []  # in the order they ended
         self._first_end: float | None = None
         self._late: TimeoutError | None = None  # told when sides were killed past the grace
@@ -73,24 +79,50 @@ class Pair(Generic[T]):
             self.kill()
             raise
 
-    def wait_ready(self, timeout: float | None) -> list[Any]:
-        """Serve the sides until the answering side asks for its next request; what it emitted
-        meanwhile (unless `on_item` took it). Raises the first failure, or TimeoutError past
-        `timeout` s (every side killed)."""
-        self._serve(timeout, closing=False)
+    def wait_ready(self, timeout: float | None, role: Role | None = None) -> list[Any]:
+        """Serve the sides until side `role` (default: the answering side) asks for its next
+        request; what was emitted meanwhile (unless `on_item` took it). Raises the first
+        failure, or TimeoutError past `timeout` s (every side killed)."""
+        role = role or self._answering
+        self._serve(timeout, closing=False, until=role)
         self._raise_failure()
-        if not self._waiting:
-            raise RuntimeError(f"the {self._answering} side ended without asking for a request")
+        if role not in self._waiting:
+            raise RuntimeError(f"the {role} side ended without asking for a request")
         items, self._items[:] = list(self._items), []
         return items
 
-    def ask(self, request: object, timeout: float | None) -> list[Any]:
-        """Hand `request` to the answering side once it asks for one; what it emitted until it
-        asks for the next (and before, if it had not asked yet)."""
-        before = [] if self._waiting else self.wait_ready(timeout)
-        self._waiting = False
-        self._children[self._answering].conn.send(request)
-        return before + self.wait_ready(timeout)
+    def ask(self, request: object, timeout: float | None, role: Role | None = None
+            ) -> list[Any]:
+        """Hand `request` to side `role` (default: the answering side) once it asks for one;
+        what was emitted until it asks for the next (and before, if it had not asked yet)."""
+        role = role or self._answering
+        before = [] if role in self._waiting else self.wait_ready(timeout, role)
+        self._waiting.discard(role)
+        self._children[role].conn.send(request)
+        return before + self.wait_ready(timeout, role)
+
+    def post(self, request: object, role: Role | None = None) -> None:
+        """Hand `request` to side `role` (default: the answering side) as soon as it asks for
+        one, without waiting for that: requests posted to a side reach it in order, one per
+        ask, while the parent `pump`s (a side that takes them without blocking,
+        `child.Inbox`, asks again at once)."""
+        role = role or self._answering
+        self._posted[role].append(request)
+        self._hand(role)
+
+    def _hand(self, role: Role) -> None:
+        if role in self._waiting and self._posted[role]:
+            self._waiting.discard(role)
+            self._children[role].conn.send(self._posted[role].popleft())
+
+    def pump(self, seconds: float) -> list[Any]:
+        """Pass on what the sides emit for `seconds` s (less once every side ended), handing
+        none a request; what was emitted (unless `on_item` took it). Raises the first failure
+        of a side that ended."""
+        self._serve(None, closing=False, until=None, stop=time.monotonic() + seconds)
+        self._raise_failure()
+        items, self._items[:] = list(self._items), []
+        return items
 
     def wait(self, timeout: float | None = None) -> dict[Role, Ended]:
         """Every side's end, whatever it was (a request asked for meanwhile is answered with
@@ -111,7 +143,7 @@ class Pair(Generic[T]):
             c.kill()
         for role, c in self._children.items():
             if c.ended is None:
-                self._take(c.messages())
+                self._take(role, c.messages())
                 c.reap()
                 self._ended.append(role)
         self._logs.cleanup()
@@ -122,37 +154,44 @@ class Pair(Generic[T]):
     def __exit__(self, *exc: object) -> None:
         self.kill()
 
-    def _serve(self, timeout: float | None, closing: bool) -> None:
-        """Pass on what the sides send until the answering side asks for a request (unless
-        `closing`: then it is told there are none) or every side ended. A side that outlives
-        the first end by `grace` s is killed; past `timeout` s all are (TimeoutError)."""
+    def _serve(self, timeout: float | None, closing: bool, until: Role | None = None,
+               stop: float | None = None) -> None:
+        """Pass on what the sides send until side `until` asks for a request (when `closing`,
+        each side that asks is told there are none), every side ended, or the time is `stop`
+        (time.monotonic). A side that outlives the first end by `grace` s is killed; past
+        `timeout` s all are (TimeoutError)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while live := [c for c in self._children.values() if c.ended is None]:
-            if self._waiting and not closing:
+            if until in self._waiting and not closing:
                 return
-            if self._waiting:
-                self._children[self._answering].conn.send(None)
-                self._waiting = False
+            for role in list(self._waiting) if closing else ():
+                if not self._posted[role]:  # what was posted goes first
+                    self._children[role].conn.send(None)
+                    self._waiting.discard(role)
             limits = [t for t in (deadline, self._first_end and self._first_end + self._grace)
                       if t is not None]
             left = min(limits) - time.monotonic() if limits else None
             if left is not None and left <= 0:
                 return self._stop_late(live, deadline, timeout)
+            if stop is not None and (left is None or stop - time.monotonic() < left):
+                if (left := stop - time.monotonic()) <= 0:
+                    return
             ready = wait([w for c in live for w in c.waitables()], left)
             for role, c in self._children.items():
                 if c in live and (c.conn in ready or c.sentinel in ready):
-                    self._take(c.messages())
+                    self._take(role, c.messages())
                 if c in live and c.sentinel in ready:
                     c.reap()
                     self._ended.append(role)
                     self._first_end = self._first_end or time.monotonic()
 
-    def _take(self, messages: list[tuple[str, object]]) -> None:
+    def _take(self, role: Role, messages: list[tuple[str, object]]) -> None:
         for kind, obj in messages:
             if kind == child.ITEM:
                 self._on_item(obj)
             elif kind == child.NEXT:
-                self._waiting = True
+                self._waiting.add(role)
+                self._hand(role)
 
     def _stop_late(self, live: list[Child], deadline: float | None, timeout: float | None
                    ) -> None:

@@ -1,0 +1,141 @@
+"""What the router and the workers of a serving run tell each other: small frozen records, each
+picklable (they cross the launcher's pipes: `Pair.ask` to a worker, `Side.emit` back).
+
+Router -> prefill worker: `Prefill`. Router -> decode worker: `Admit`. Prefill worker -> router:
+`PrefillDone`. Decode worker -> router: `Held` (no pages yet: the router sends the `Admit`
+again later), `Token` (each generated token as it is known), `Finished` (once per request) and
+`Load` (its state, after an iteration that changed it). The router's own: `ServeRequest` (what
+arrives).
+
+Ids are the router's, unique in a run; a handoff's transport tags carry the id (`tag`). Times a
+worker stamps are `time.monotonic()` seconds of its own clock (the router measures latency on
+its own clock, when items arrive).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from rekv_jax.mode import Mode
+from rekv_jax.phases import Phases
+
+
+def tag(request_id: int) -> str:
+    """The transport tag under which request `request_id`'s handoff messages cross."""
+    return f"req/{request_id}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeRequest:
+    """One request of a run, as it arrives at the router."""
+
+    id: int  # unique in the run; the load generator numbers them 0.. in arrival order
+    tokens: tuple[int, ...]  # the prompt's token ids
+    max_new_tokens: int  # tokens to generate, the handoff's first token included
+    arrival_s: float = 0.0  # when it arrives, seconds after the run's start
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
+        if self.id < 0:
+            raise ValueError(f"a request id must be >= 0, got {self.id}")
+        if not self.tokens or min(self.tokens) < 0:
+            raise ValueError(f"request {self.id}: a prompt needs at least one token id >= 0")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"request {self.id}: max_new_tokens must be >= 1, got "
+                             f"{self.max_new_tokens}")
+        if not self.arrival_s >= 0:
+            raise ValueError(f"request {self.id}: arrival_s must be >= 0, got {self.arrival_s}")
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.tokens)
+
+    def to_json(self) -> dict[str, Any]:
+        """Its record without the token ids (a run's JSON names prompts by length)."""
+        return {"id": self.id, "prompt_len": self.prompt_len,
+                "max_new_tokens": self.max_new_tokens, "arrival_s": self.arrival_s}
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefill:
+    """Router -> prefill worker: compute this prompt as `mode` asks and send its handoff to
+    `decode_worker` under `tag(request_id)`; queued first come, first served."""
+
+    request_id: int
+    tokens: tuple[int, ...]  # the prompt's ids
+    mode: Mode
+    decode_worker: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Admit:
+    """Router -> decode worker: reserve pages for a request (prompt plus `max_new_tokens`) and
+    receive its handoff from `prefill_worker` under `tag(request_id)`; or answer `Held`."""
+
+    request_id: int
+    prompt_len: int  # its tokens
+    max_new_tokens: int
+    mode: Mode
+    prefill_worker: int
+    suffix_ms: float  # the cost model's decode-side compute of its handoff, alone
+    # (`costmodel.decode_busy_ms`): what it adds to `Load.queued_suffix_ms` until it has run
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """Decode worker -> router: a request's `Admit` found too few free pages; nothing was
+    reserved, and the router sends the `Admit` again once pages are free (nothing is dropped)."""
+
+    request_id: int
+    free_pages: int
+    needed_pages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillDone:
+    """Prefill worker -> router: a request's prompt was computed and its handoff sent (or it
+    failed: `error`, one line)."""
+
+    request_id: int
+    worker: int
+    compute_ms: float  # its prompt compute and quantize calls on the prefill device
+    link_ms: float  # from its first message handed to the link to its last one acknowledged
+    sent_bytes: int  # what its transport put on the wire
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Token:
+    """Decode worker -> router: a request's generated token, as soon as it is known."""
+
+    request_id: int
+    index: int  # 0: the handoff's first token
+    token: int
+    t_s: float  # time.monotonic() on the decode worker
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """Decode worker -> router, once per request: what it produced and how its handoff went."""
+
+    request_id: int
+    tokens: tuple[int, ...]  # every generated id, the first token first (() if it failed)
+    ttft_s: float  # from its admission to its first token, on the decode worker's clock
+    tpot_s: float  # mean time between its later tokens there (0 with one token)
+    handoff_ms: float  # the handoff's measured total (`Handoff.total_ms`), for the cost model
+    phases: Phases | None  # the handoff's measured phases (None if it failed before them)
+    checks: str  # what held of its cache (`handoff.check.check_cache`'s text; "" unchecked)
+    fell_back: bool  # its prefix failed and its cache was recomputed from the ids
+    error: str | None = None  # one line if it failed (others keep decoding)
+
+
+@dataclasses.dataclass(frozen=True)
+class Load:
+    """Decode worker -> router: its state after an iteration that changed it."""
+
+    worker: int
+    running: int  # requests in its decode batch
+    queued_suffix_ms: float  # the `Admit.suffix_ms` of admitted suffix compute not yet run
+    free_pages: int  # pages of its pool no request holds
+    link_gbps_estimate: float | None  # the bandwidth its latest handoffs arrived at (None: none)
