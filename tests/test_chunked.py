@@ -18,7 +18,7 @@ from test_model import FAMILIES, random_params, small_config, tokens_for
 from rekv_jax import Action, ModelConfig, init_params, parse_actions
 from rekv_jax.handoff.check import check_cache
 from rekv_jax.handoff.check import reference as mode_reference
-from rekv_jax.handoff.generate import Request, generate
+from rekv_jax.serving.generate import Request, generate
 from rekv_jax.handoff.payload import round_trip
 from rekv_jax.handoff.prefix_format import PrefixCodec
 from rekv_jax.handoff.receiver import receive_handoff

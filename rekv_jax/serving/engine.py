@@ -234,7 +234,8 @@ class DecodeEngine:
         try:
             if self.admit(request):
                 return []
-        except ValueError as e:
+        except ValueError as e:  # it could never fit: its prefill side is told not to send
+            self._link.send_meta(f"{tag(request.request_id)}/admitted", {"refused": one_line(e)})
             return [Finished(request.request_id, (), 0.0, 0.0, 0.0, None, "", False,
                              one_line(e))]
         pages = self.config.pool.pages_for(request.prompt_len + request.max_new_tokens)

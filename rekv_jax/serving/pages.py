@@ -34,6 +34,11 @@ class PoolConfig:
             raise ValueError(f"a pool needs at least 2 pages (one is the null page) of at least "
                              f"1 position, got {self.num_pages} of {self.page_size}")
 
+    @classmethod
+    def holding(cls, tokens: int, page_size: int = PAGE_SIZE) -> PoolConfig:
+        """The smallest pool that holds one request of `tokens` positions."""
+        return cls(-(-tokens // page_size) + 1, page_size)
+
     @property
     def usable_pages(self) -> int:
         """Pages that requests can own (all but the null page)."""

@@ -5,8 +5,9 @@ pipelined one stops at the cut) and sends the handoff's messages under the reque
 (`send_prompt` without the benchmark's `go` rendezvous), then reports `PrefillDone`. Before it
 sends it waits until the decode side has admitted the request (`TAG/admitted` on the control
 connection): a decode worker without free pages holds this worker's sends, and nothing is
-dropped. A request that fails (its decode side never admits it within the timeout, a send
-fails) is reported with its error and the queue goes on.
+dropped; one that refuses the request (it could never fit) says so there instead. A request
+that fails (never admitted within the timeout, a send that fails) is reported with its error
+and the queue goes on.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ class PrefillWorker:
             return self._failed(request, f"no decode worker {request.decode_worker}")
         link, name = self._links[request.decode_worker], tag(request.request_id)
         try:
-            link.recv_meta(f"{name}/admitted", self._timeout)  # back-pressure: its pages
+            admitted = link.recv_meta(f"{name}/admitted", self._timeout)  # its pages
+            if "refused" in admitted:
+                return self._failed(request, admitted["refused"])
             report = send_prompt(link, self._cfg, self._params,
                                  jnp.asarray([request.tokens], jnp.int32), request.mode, name,
                                  timeout=self._timeout, go=False)
