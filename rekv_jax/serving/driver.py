@@ -173,11 +173,11 @@ def serve_local(setup: ServeSetup, asks: Sequence[Ask], on_item: OnItem | None =
 def serving_side(side: Side, setup: ServeSetup) -> int | None:
     """One launched worker of a driven pair: the decode side runs the engine (returning the
     pages its requests still hold at its end), the prefill side the prefill worker."""
-    model = setup.load()
-    cfg, params = model.cfg, model.params
     transport: Transport = side.connect(setup.transport, link_gbps=setup.link_gbps,
-                                        timeout=setup.timeout)
+                                        timeout=setup.timeout)  # before any other JAX work
     try:
+        model = setup.load()
+        cfg, params = model.cfg, model.params
         agree_runtime(transport, attention_backend(cfg, params["embed"].dtype), setup.timeout)
         if side.role == "prefill":
             PrefillWorker(cfg, params, [transport], timeout=setup.timeout).run(side)

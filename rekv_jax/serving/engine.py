@@ -17,8 +17,9 @@ When nothing runs and no queued suffix work waits, it sleeps on the receptions' 
 (bounded), never spinning.
 
 A request takes every page it can need at admission (`admit`): with too few free it is `Held`
-(nothing reserved; the router sends it again), and its prefill side holds its sends until the
-decode side posts `TAG/admitted` on the control connection (back-pressure; nothing is dropped).
+(nothing reserved; the router sends it again), and so is every request after it until it is
+admitted (first come, first served); its prefill side holds its sends until the decode side
+posts `TAG/admitted` on the control connection (back-pressure; nothing is dropped).
 Faults stay with their request: a reception's error (a lost or corrupt prefix without the
 recompute fallback, its prefill process gone) fails that request alone, in one line.
 """
@@ -146,16 +147,26 @@ class DecodeEngine:
         self._handoffs: list[_Request] = []  # receptions in flight, in admission order
         self._joining: list[_Request] = []  # cache complete: join the batch next iteration
         self._running: list[_Request] = []  # in the decode batch, in the order they joined
+        self._held: list[int] = []  # the ids of held requests, first come first
         self._changed = True  # since the last `Load`
 
     # -- the loop's interface ----------------------------------------------------------------
 
     def admit(self, request: Admit) -> bool:
-        """Take the request's pages and start its handoff; False (nothing reserved) when too
-        few pages are free. ValueError if it could never fit."""
-        table = self._alloc.admit(request.prompt_len + request.max_new_tokens)
+        """Take the request's pages and start its handoff; False (nothing reserved: held) when
+        too few pages are free, or while a request held before it waits (first come, first
+        served: prefill workers send in that order, so a later request admitted first could
+        wait on its prefill behind the held one, which waits on its pages). ValueError if it
+        could never fit."""
+        first = self._held[0] if self._held else request.request_id
+        table = (self._alloc.admit(request.prompt_len + request.max_new_tokens)
+                 if first == request.request_id else None)
         if table is None:
+            if request.request_id not in self._held:
+                self._held.append(request.request_id)
             return False
+        if self._held:
+            self._held.pop(0)
         name = tag(request.request_id)
         reception = Reception(self._link, self._cfg, self._params, request.mode, 1,
                               request.prompt_len, name, self.config.fallback,
@@ -182,8 +193,9 @@ class DecodeEngine:
         """One iteration (the module's docstring); what it emitted: `Token`s, `Finished`s and,
         when something changed, a `Load`. With nothing to dispatch it waits (bounded) for a
         handoff to be able to move."""
-        self._running += self._joining
-        self._joining = []
+        if self._joining:
+            self._running += self._joining
+            self._joining, self._changed = [], True
         tokens = self._dispatch_step() if self._running else None
         items = self._advance_handoffs()
         if tokens is not None:
