@@ -6,8 +6,10 @@ the prefill worker holds its sends until the decode side admits (back-pressure).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +18,8 @@ import pytest
 
 from rekv_jax.action import Action
 from rekv_jax.handoff.check import reference
-from rekv_jax.handoff.receiver import WorkBudget
+from rekv_jax.handoff.receiver import Reception, WorkBudget
+from rekv_jax.handoff.sender import send_prompt
 from rekv_jax.mode import Interval, PrefillMode, Reference, Schedule
 from rekv_jax.model.transformer import greedy_decode
 from rekv_jax.serving.driver import Ask, ServeSetup, serve_local, serve_pair
@@ -94,6 +97,41 @@ def test_work_budget_spends_and_always_lets_one_unit_through():
     budget = WorkBudget(100)
     assert budget.take(60) and budget.take(40) and not budget.take(1)
     assert all(WorkBudget(None).take(10**6) for _ in range(3))
+
+
+def test_a_reception_dispatches_its_suffix_within_each_budget_into_its_sink():
+    """A chunked suffix (96 tokens in 3 chunks through the last 2 layers: 6 units of 32
+    token-layers): an advance given a budget of 64 dispatches at most that; the layers reach
+    the sink, not the outcome, and are the chunked reference's bit for bit."""
+    cfg, params = model().cfg, model().params
+    ask = asks((("bf16:r=2", 96),))[0]
+    admit, prefill = ask.records(cfg.num_layers)
+    tokens = jnp.asarray([prefill.tokens], jnp.int32)
+    prefill_end, decode_end = LocalTransport.pair()
+    sunk = {}
+    reception = Reception(decode_end, cfg, params, admit.mode, 1, 96, "r", sink=lambda kv, first,
+                          start: sunk.update({(first + i, start): (kv.keys[i], kv.values[i])
+                                              for i in range(kv.num_layers)}))
+    reception.start()
+    sender = threading.Thread(target=send_prompt, args=(prefill_end, cfg, params, tokens,
+                                                        admit.mode, "r"), kwargs={"go": False})
+    sender.start()
+    spent = []
+    while True:
+        budget = WorkBudget(64)
+        done = reception.advance(budget)
+        spent.append(budget.spent)
+        if done:
+            break
+        concurrent.futures.wait(reception.waitables(), 1.0, concurrent.futures.FIRST_COMPLETED)
+    sender.join(30)
+    assert max(spent) <= 64 and sum(spent) == 6 * 32
+    assert reception.outcome().kv is None
+    want, _ = reference(cfg, params, tokens, admit.mode.reference, admit.mode.action.cut)
+    for layer in range(cfg.num_layers):
+        k, v = sunk[layer, 0]
+        assert np.array_equal(np.asarray(k), np.asarray(want.keys[layer]))
+        assert np.array_equal(np.asarray(v), np.asarray(want.values[layer]))
 
 
 def test_every_action_in_one_process_with_a_pool_that_makes_requests_wait():

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import types
 
 import jax
@@ -372,6 +373,36 @@ def test_a_failed_side_is_one_line_naming_it(how, kind, line):
     assert run_pair(failing_side, "value", envs={role: dict(os.environ) for role in ROLES},
                     key=None, on_item=items.append, timeout=120) == "decode done"
     assert items == ["item 1"]
+
+
+def echoing_side(side, delay: float) -> int:
+    """Each side emits (its role, each request) as it takes them without blocking, working
+    `delay` s on each meanwhile; returns how many it took."""
+    inbox, taken = side.inbox(), 0
+    while not inbox.ended:
+        for request in inbox.take(None):
+            time.sleep(delay)
+            side.emit((side.role, request))
+            taken += 1
+    return taken
+
+
+def test_posted_requests_reach_each_side_in_order_while_the_parent_pumps():
+    """`Pair.post` hands each side its requests without waiting for it (a busy side takes the
+    next when it can); `pump` passes on what both emit; closing ends both inboxes."""
+    items = []
+    with Pair(echoing_side, (0.05,), {role: dict(os.environ) for role in ROLES}, key=None,
+              on_item=items.append) as pair:
+        start = time.monotonic()
+        for i in range(6):
+            pair.post(i, "decode")
+            pair.post(10 + i, "prefill")
+        assert time.monotonic() - start < 0.2  # posting waits for neither side
+        while len(items) < 12:
+            pair.pump(0.1)
+        assert pair.close(60) == 6
+    assert [r for side, r in items if side == "decode"] == list(range(6))
+    assert [r for side, r in items if side == "prefill"] == list(range(10, 16))
 
 
 def test_a_side_that_died_when_its_coordinator_went_away_says_so():
