@@ -204,10 +204,12 @@ class Reception:
         for arrival in self._arrivals[self._next:]:
             arrival.abandon()
 
-    def outcome(self) -> Handoff:
+    def outcome(self, timeout: float | None = None) -> Handoff:
         """The complete cache, the first token and the phase times (after `advance` returned
-        True): waits for the prefill side's times, compares its suffix checksums."""
-        sent = PrefillTimes.from_json(self._link.recv_meta(f"{self.tag}/prefill", self._timeout))
+        True): waits for the prefill side's times (posted after its last message; `timeout`
+        s, default the reception's), compares its suffix checksums."""
+        sent = PrefillTimes.from_json(self._link.recv_meta(f"{self.tag}/prefill",
+                                                           timeout or self._timeout))
         match = None  # compared after the interval: a device-to-host sync
         if sent.suffix_sums and self._suffix_kv is not None and not self.fell_back:
             match = tuple(checksums([self._suffix_kv.k, self._suffix_kv.v])) == sent.suffix_sums

@@ -38,6 +38,7 @@ import numpy as np
 
 from rekv_jax.action import Action, ActionKind
 from rekv_jax.config import ModelConfig
+from rekv_jax.errors import TransportError
 from rekv_jax.handoff.check import HostReference, check_cache, reference
 from rekv_jax.handoff.prefix_format import KeyBias
 from rekv_jax.handoff.receiver import Reception, WorkBudget
@@ -60,6 +61,7 @@ from rekv_jax.transport import Transport
 
 CHUNK_TOKENS = 64  # a serving request's suffix runs in token chunks of at most this many
 SUFFIX_BUDGET = 8 * CHUNK_TOKENS  # token-layers of suffix compute per iteration (8 layers' chunk)
+OUTCOME_WAIT_S = 1.0  # the longest a retiring request waits for its prefill side's times
 
 
 def serving_mode(action: Action, prompt_len: int, chunk_tokens: int = CHUNK_TOKENS) -> Mode:
@@ -323,8 +325,13 @@ class DecodeEngine:
             r.reception.abandon()
             return Finished(r.admit.request_id, tuple(r.tokens), 0.0, 0.0, 0.0, None, "",
                             r.reception.fell_back, error)
-        handoff = r.reception.outcome()
         gaps = np.diff(r.times_s)
+        try:  # the prefill side's times are there unless it failed after its last message
+            handoff = r.reception.outcome(OUTCOME_WAIT_S)
+        except TransportError as e:
+            return Finished(r.admit.request_id, tuple(r.tokens), r.times_s[0] - r.admitted_s,
+                            float(gaps.mean()) if gaps.size else 0.0, 0.0, None, r.checks,
+                            r.reception.fell_back, one_line(e))
         return Finished(r.admit.request_id, tuple(r.tokens), r.times_s[0] - r.admitted_s,
                         float(gaps.mean()) if gaps.size else 0.0, handoff.total_ms,
                         handoff.phases_ms, r.checks, handoff.fallback)
@@ -336,7 +343,7 @@ class DecodeEngine:
         rows = r.table.rows(0, S)
         layers = [paged.read_layer(self._pool, layer, rows) for layer in range(cfg.num_layers)]
         kv = KVCache(tuple(k for k, _ in layers), tuple(v for _, v in layers))
-        handoff = dataclasses.replace(r.reception.outcome(), kv=kv)
+        handoff = dataclasses.replace(r.reception.outcome(OUTCOME_WAIT_S), kv=kv)
         ref = Reference() if handoff.fallback else mode.reference
         want, _ = reference(cfg, self._params, r.reception.tokens, ref, mode.action.cut)
         return check_cache(HostReference(want, KeyBias.of(cfg, self._params)), mode.action,
