@@ -7,8 +7,9 @@ On `--model` (default `tiny-7b`, synthetic BF16 weights), pinned to `--core` bef
   * what the step's blocks of ROW_BLOCK rows cost a request alone: the batch-1 step against the
     same program traced with one row per dot (`layers.ROW_BLOCK` set to 1 while it compiles:
     the matrix-vector dots a lone request would run, not batch-invariant);
-  * for scale, the contiguous `transformer.decode_step` at batch 1 and `--batch`, all at one
-    position, on a cache held as bits;
+  * the contiguous `transformer.decode_step` at batch 1 and `--batch`, all at one position, on
+    a cache held as bits, and at batch 1 with one row per dot (its programs traced so and
+    swapped in for each call): what the row blocks cost the single-process decode;
   * a step dispatched right after a `run_chunk` of `--chunk-tokens` over the last
     `--suffix-layers` layers (a handoff's suffix chunk on its own cache), both awaited, against
     the step alone plus the chunk alone (target: within 10% of their sum).
@@ -100,19 +101,38 @@ class PagedSteps:
         return step
 
 
-def contiguous_step(cfg, params, batch: int, width: int) -> Callable[[], object]:
-    """`transformer.decode_step` of `batch` rows at position width - 1 of a width cache."""
+def contiguous_step(cfg, params, batch: int, width: int, rows: int | None = None
+                    ) -> Callable[[], object]:
+    """`transformer.decode_step` of `batch` rows at position width - 1 of a width cache.
+    `rows`: with programs compiled for that many rows per dot (swapped in for each call)."""
+    import jax
     import jax.numpy as jnp
 
-    from rekv_jax.model import decode_step, new_cache
+    from rekv_jax.model import decode_step, layers, new_cache, transformer
 
+    programs = (transformer._step_layer, transformer._step_head)
+    if rows is not None:
+        programs = (jax.jit(programs[0].__wrapped__, static_argnames=("cfg", "width"),
+                            donate_argnames=("k", "v")),
+                    jax.jit(programs[1].__wrapped__, static_argnames="cfg"))
     state = {"kv": new_cache(cfg, cfg.num_layers, batch, width, jnp.bfloat16).held_as_bits()}
     token = jnp.ones((batch,), jnp.int32)
 
     def step():
-        logits, state["kv"] = decode_step(cfg, params, state["kv"], token, width - 1)
+        default = transformer._step_layer, transformer._step_head
+        transformer._step_layer, transformer._step_head = programs
+        try:
+            logits, state["kv"] = decode_step(cfg, params, state["kv"], token, width - 1)
+        finally:
+            transformer._step_layer, transformer._step_head = default
         return logits
 
+    if rows is not None:  # compile with that many rows per dot
+        layers.ROW_BLOCK, rows = rows, layers.ROW_BLOCK
+        try:
+            jax.block_until_ready(step())
+        finally:
+            layers.ROW_BLOCK = rows
     return step
 
 
@@ -161,21 +181,26 @@ def run(args: argparse.Namespace) -> dict:
     runs = {b: PagedSteps(cfg, params, b, args.width, args.page_size).step for b in sizes}
     paged_ms = median_ms({**runs, "1 row per dot": alone.one_row_step()}, args.reps)
     one_row = paged_ms.pop("1 row per dot")
-    contiguous_ms = median_ms({b: contiguous_step(cfg, params, b, args.width) for b in sizes},
+    contiguous_ms = median_ms({**{b: contiguous_step(cfg, params, b, args.width) for b in sizes},
+                               "1 row per dot": contiguous_step(cfg, params, 1, args.width, 1)},
                               args.reps)
+    contiguous_one_row = contiguous_ms.pop("1 row per dot")
     batched = PagedSteps(cfg, params, args.batch, args.width, args.page_size)
     chunk = chunk_runner(cfg, params, args.chunk_tokens, args.suffix_layers)
     ratio = paged_ms[args.batch] / paged_ms[1]
     beside = overlap(batched, chunk, args.reps)
     return {
         "model": args.model, "weights": model.weights, "core": args.core, "load_average": load,
-        "load_average_end": os.getloadavg()[0], "jax": jax.__version__, "device": str(jax.devices()[0]), "reps": args.reps,
+        "load_average_end": os.getloadavg()[0], "jax": jax.__version__,
+        "device": str(jax.devices()[0]), "reps": args.reps,
         "width": args.width, "page_size": args.page_size, "batch": args.batch,
         "paged_step_ms": paged_ms, "batch_over_1": ratio, "batch_target": BATCH_TARGET,
         "batch_target_met": ratio <= BATCH_TARGET,
         "row_block": ROW_BLOCK, "batch_1_one_row_per_dot_ms": one_row,
         "batch_1_cost_of_row_blocks": paged_ms[1] / one_row,
         "contiguous_step_ms": contiguous_ms,
+        "contiguous_batch_1_one_row_per_dot_ms": contiguous_one_row,
+        "contiguous_batch_1_cost_of_row_blocks": contiguous_ms[1] / contiguous_one_row,
         "contiguous_batch_over_1": contiguous_ms[args.batch] / contiguous_ms[1],
         "chunk": {"tokens": args.chunk_tokens, "layers": args.suffix_layers, **beside},
     }
