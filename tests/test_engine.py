@@ -256,10 +256,17 @@ def test_two_processes_serve_staggered_requests_of_every_kind():
 
 
 def test_a_request_that_can_never_fit_fails_alone():
+    """A request needing more pages than the pool holds fails at once, in one line; its
+    prefill side is told not to send (it does not wait out its timeout), the other is served."""
     asked = asks((("bf16:full", 40), ("bf16:r=2", 96)))
     asked[1] = dataclasses.replace(asked[1], request=dataclasses.replace(
         asked[1].request, max_new_tokens=400))
-    out = serve_local(ServeSetup(MODEL, pool=PoolConfig(12, 16), timeout=10), asked[:1] +
-                      asked[1:], model=model())
-    assert "needs 32 pages" in out.finished[1].error and out.finished[1].tokens == ()
-    assert out.finished[0].error is None and out.used_pages == 0
+    out = serve_local(ServeSetup(MODEL, pool=PoolConfig(12, 16), timeout=60), asked,
+                      model=model())
+    assert out.finished[1].error == ("ValueError: a request of 496 positions needs 31 pages; "
+                                     "the pool holds 11 of 16")
+    assert out.finished[1].tokens == ()
+    refused = [i for i in out.items if isinstance(i, PrefillDone) and i.request_id == 1]
+    assert refused and "needs 31 pages" in refused[0].error
+    check_served(asked[:1], out.finished[:1], checked=False)
+    assert out.used_pages == 0

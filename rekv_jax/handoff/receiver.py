@@ -40,15 +40,7 @@ from rekv_jax.handoff.payload import prefix_specs, unpack_prefix
 from rekv_jax.handoff.prefix_format import PrefixCodec
 from rekv_jax.kv import KVCache
 from rekv_jax.mode import Fallback, Message, Mode, Part
-from rekv_jax.model.transformer import (
-    Params,
-    new_cache,
-    run_chunk,
-    run_layers,
-    run_prefix,
-    run_suffix,
-    token_chunks,
-)
+from rekv_jax.model.transformer import LayerPrograms, Params, new_cache, token_chunks
 from rekv_jax.transport import Arrival, Transport, checksums
 from rekv_jax.transport.workers import LIVENESS_S, Worker
 
@@ -71,11 +63,6 @@ def watch(lane: str, arrays: object) -> concurrent.futures.Future[float]:
 @jax.jit
 def _first(logits: jax.Array) -> jax.Array:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
-
-
-@jax.jit
-def _positions(x: jax.Array) -> jax.Array:
-    return jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])  # [B, S]
 
 
 class WorkBudget:
@@ -117,6 +104,7 @@ class Reception:
         self._batch, self._seq_len, self.tag = batch, seq_len, tag
         self._fallback, self._backend, self._timeout = Fallback(fallback), backend, timeout
         self._dtype = params["embed"].dtype
+        self._programs = LayerPrograms.of(cfg, params)  # checked once, not per layer
         self._codec = PrefixCodec.of(cfg, params, mode.action)
         self._messages = mode.messages(seq_len, cfg.num_layers)
         self.clock: Clock | None = None
@@ -317,28 +305,26 @@ class Reception:
             self._work.append((0, functools.partial(self._end_suffix, state)))
 
     def _layer(self, state: dict, layer: int, first: int, start: int, chunked: bool) -> None:
-        """One queued unit: `layer` on state["x"], its KV kept (the same program for a layer
-        as `run_suffix` / `prefill` run, chunked or not)."""
-        cfg, params, x = self._cfg, self._params, state["x"]
+        """One queued unit: `layer` on state["x"] (embedded first if token ids), its KV kept:
+        the program `run_chunk` (chunked) or `run_suffix` / `prefill` runs for that layer."""
+        programs, x = self._programs, state["x"]
+        if x.ndim == 2:
+            x = programs.embed(x)
         if chunked:
-            i = layer - first
-            kv = self._suffix_kv
-            x, one = run_chunk(cfg, params, x, kv.layers(i, i + 1), layer, start)
+            i, kv = layer - first, self._suffix_kv
+            x, one = programs.chunk(x, kv.layers(i, i + 1), layer, start)
             self._suffix_kv = KVCache.concat(kv.layers(0, i), one, kv.layers(i + 1, kv.num_layers))
-        elif layer == 0:
-            x, one = run_prefix(cfg, params, x, 1)
-            self._suffix_layers.append(one)
         else:
             if state["positions"] is None:  # on the device once for the suffix's layers
-                state["positions"] = _positions(x)
-            x, one = run_layers(cfg, params, x, layer, layer + 1, state["positions"])
+                state["positions"] = programs.positions(x)
+            x, one = programs.prompt(x, layer, state["positions"])
             self._suffix_layers.append(one)
         state["x"] = x
 
     def _end_suffix(self, state: dict) -> None:
         """The head on the last position; the suffix's layers to the sink; watched."""
         cfg = self._cfg
-        self._logits = run_suffix(cfg, self._params, state["x"], cfg.num_layers)[1]
+        self._logits = self._programs.head(state["x"])
         if self._suffix_layers:
             self._suffix_kv = KVCache.concat(*self._suffix_layers)
             self._suffix_layers = []

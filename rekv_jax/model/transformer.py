@@ -307,6 +307,44 @@ def run_suffix(cfg: ModelConfig, params: Params, h_c: jax.Array, cut: int,
     return kv, _head(cfg, _head_params(params), x, last=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerPrograms:
+    """One model's programs, its params checked once (`of`), for a caller that dispatches a
+    pass one layer at a time (a reception's budgeted suffix): each call is one program, the
+    one `prefill`, `run_suffix` and `run_chunk` run for that layer, so a pass assembled from
+    them is theirs bit for bit."""
+
+    cfg: ModelConfig  # its attention backend resolved
+    params: Params
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, params: Params) -> LayerPrograms:
+        return cls(_checked(cfg, params), params)
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """Token ids [B, T] -> x [B, T, D]."""
+        return _embed(self.params["embed"], tokens)
+
+    def positions(self, x: jax.Array) -> jax.Array:
+        """Positions 0..T-1 [B, T] of x [B, T, ...] (a prompt pass's, on the device once)."""
+        return _positions(x.shape[:2], None)
+
+    def prompt(self, x: jax.Array, layer: int, positions: jax.Array
+               ) -> tuple[jax.Array, KVCache]:
+        """Layer `layer` of a prompt pass on x [B, T, D]: (x entering the next, its KV)."""
+        return _run_layers(self.cfg, self.params, x, positions, layer, layer + 1)
+
+    def chunk(self, x: jax.Array, kv: KVCache, layer: int, start: int
+              ) -> tuple[jax.Array, KVCache]:
+        """Layer `layer` of a chunked prefill: x [B, T, D] at start.. through its cache kv
+        [1, B, C, K, H] (donated), as `run_chunk` runs it."""
+        return _cache_layers(self.cfg, self.params, x, kv, layer, start)
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """The last position's logits [B, V] f32 of x [B, T, D] (after the last layer)."""
+        return _head(self.cfg, _head_params(self.params), x, last=True)
+
+
 # ---------------------------------------------------------------------------- token chunks
 
 

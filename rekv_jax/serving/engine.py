@@ -149,7 +149,8 @@ class DecodeEngine:
         self._handoffs: list[_Request] = []  # receptions in flight, in admission order
         self._joining: list[_Request] = []  # cache complete: join the batch next iteration
         self._running: list[_Request] = []  # in the decode batch, in the order they joined
-        self._held: list[int] = []  # the ids of held requests, first come first
+        # held requests, first come first: (id, when first held)
+        self._held: list[tuple[int, float]] = []
         self._changed = True  # since the last `Load`
 
     # -- the loop's interface ----------------------------------------------------------------
@@ -160,14 +161,17 @@ class DecodeEngine:
         served: prefill workers send in that order, so a later request admitted first could
         wait on its prefill behind the held one, which waits on its pages). ValueError if it
         could never fit."""
-        first = self._held[0] if self._held else request.request_id
+        now = time.monotonic()
+        while self._held and now - self._held[0][1] > self.config.timeout:
+            self._held.pop(0)  # never sent again (its router gave up on it): it holds none up
+        ids = [i for i, _ in self._held]
         table = (self._alloc.admit(request.prompt_len + request.max_new_tokens)
-                 if first == request.request_id else None)
+                 if ids[:1] in ([], [request.request_id]) else None)
         if table is None:
-            if request.request_id not in self._held:
-                self._held.append(request.request_id)
+            if request.request_id not in ids:
+                self._held.append((request.request_id, now))
             return False
-        if self._held:
+        if ids:
             self._held.pop(0)
         name = tag(request.request_id)
         reception = Reception(self._link, self._cfg, self._params, request.mode, 1,
@@ -204,13 +208,20 @@ class DecodeEngine:
             items += self._collect(tokens)
         items += self._retire()
         if not self.busy and self._handoffs:
-            waitables = [f for r in self._handoffs for f in r.reception.waitables()]
-            concurrent.futures.wait(waitables, self.config.idle_wait_s,
-                                    concurrent.futures.FIRST_COMPLETED)
+            self._wait()
         if self._changed:
             items.append(self.load())
             self._changed = False
         return items
+
+    def _wait(self) -> None:
+        """Sleep until a reception can move, at most `idle_wait_s`."""
+        waitables = [f for r in self._handoffs for f in r.reception.waitables()]
+        if waitables:
+            concurrent.futures.wait(waitables, self.config.idle_wait_s,
+                                    concurrent.futures.FIRST_COMPLETED)
+        else:  # nothing to wait on (it moves on its own next advance): no spinning either
+            time.sleep(self.config.idle_wait_s)
 
     def load(self) -> Load:
         """Its state: running requests, admitted suffix compute not yet done, free pages."""
