@@ -43,10 +43,10 @@ def model():
     return ServeSetup(MODEL).load()
 
 
-def asks(actions=ACTIONS, gap_s: float = 0.15) -> list[Ask]:
+def asks(actions=ACTIONS, gap_s: float = 0.15, new: int = NEW) -> list[Ask]:
     rng = np.random.default_rng(0)
     vocab = model().cfg.vocab_size
-    return [Ask(ServeRequest(i, rng.integers(0, vocab, n).tolist(), NEW, arrival_s=gap_s * i),
+    return [Ask(ServeRequest(i, rng.integers(0, vocab, n).tolist(), new, arrival_s=gap_s * i),
                 action, CHUNK) for i, (action, n) in enumerate(actions)]
 
 
@@ -59,7 +59,8 @@ def single_process(ask: Ask, plain: bool = False) -> tuple[int, ...]:
     tokens = jnp.asarray([ask.request.tokens], jnp.int32)
     kv, logits = reference(cfg, params, tokens, Reference() if plain else mode.reference,
                            mode.action.cut)
-    return tuple(np.asarray(greedy_decode(cfg, params, kv, logits, NEW))[0].tolist())
+    steps = ask.request.max_new_tokens
+    return tuple(np.asarray(greedy_decode(cfg, params, kv, logits, steps))[0].tolist())
 
 
 def check_served(asked: list[Ask], finished: list[Finished], skip=(), checked=True) -> None:
@@ -70,7 +71,7 @@ def check_served(asked: list[Ask], finished: list[Finished], skip=(), checked=Tr
         if ask.request.id in skip:
             continue
         action = Action.parse(ask.action, L)
-        assert f.error is None and len(f.tokens) == NEW, f
+        assert f.error is None and len(f.tokens) == ask.request.max_new_tokens, f
         want = single_process(ask, plain=f.fell_back)
         lossless = action.bits == 16 or f.fell_back or action.cut == 0
         assert (f.tokens if lossless else f.tokens[:1]) == (want if lossless else want[:1]), ask
@@ -243,13 +244,23 @@ def test_a_dead_prefill_worker_fails_the_requests_waiting_for_it_and_running_one
     assert out.used_pages == 0
 
 
+def shared_steps(items: list[object]) -> int:
+    """The most requests one decode step served (a step's tokens share their time)."""
+    steps: dict[float, int] = {}
+    for i in items:
+        if isinstance(i, Token) and i.index:
+            steps[i.t_s] = steps.get(i.t_s, 0) + 1
+    return max(steps.values())
+
+
 def test_two_processes_serve_staggered_requests_of_every_kind():
-    """The same stream through a prefill process and a decode process (the launcher's pair,
-    the transfer server between them)."""
-    asked = asks(ACTIONS[:6], gap_s=0.3)
+    """The same kinds of requests through a prefill process and a decode process (the
+    launcher's pair, the transfer server between them), each arriving 0.1 s after the last
+    while the ones before it decode their 16 tokens."""
+    asked = asks(ACTIONS[:6], gap_s=0.1, new=16)
     out = serve_pair(ServeSetup(MODEL, pool=PoolConfig(64, 16), check=True), asked)
     check_served(asked, out.finished)
-    assert out.used_pages == 0
+    assert out.used_pages == 0 and shared_steps(out.items) >= 2
     done = [i for i in out.items if isinstance(i, PrefillDone)]
     assert sorted(d.request_id for d in done) == list(range(len(asked)))
     assert all(d.error is None and d.sent_bytes > 0 for d in done)

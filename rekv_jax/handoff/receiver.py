@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import functools
 import time
 from collections.abc import Callable
@@ -58,6 +59,26 @@ def watch(lane: str, arrays: object) -> concurrent.futures.Future[float]:
         return time.perf_counter()
 
     return _lanes[lane].submit(done)
+
+
+def _last_of(futures: list[concurrent.futures.Future[float]]) -> concurrent.futures.Future[float]:
+    """A future of the latest time `futures` (of `watch`) give, once they all completed (the
+    first error, if one failed)."""
+    out: concurrent.futures.Future[float] = concurrent.futures.Future()
+
+    def done(_: concurrent.futures.Future) -> None:
+        if not all(f.done() for f in futures):
+            return
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        with contextlib.suppress(concurrent.futures.InvalidStateError):  # the last two raced
+            if errors:
+                out.set_exception(errors[0])
+            else:
+                out.set_result(max(f.result() for f in futures))
+
+    for f in futures:
+        f.add_done_callback(done)
+    return out
 
 
 @jax.jit
@@ -110,13 +131,14 @@ class Reception:
         self.clock: Clock | None = None
         self._arrivals: list[Arrival] = []
         self._next = 0  # the next message to handle
-        self._tokens = self._sent_first = self._held = self._x = None
+        self._tokens = self._sent_first = self._held = None
         self._suffix_kv: KVCache | None = None
         self._suffix_layers: list[KVCache] = []  # an unchunked suffix's, in order
         self._work: collections.deque[tuple[int, Callable[[], None]]] = collections.deque()
         self._sink = sink
         self._logits: jax.Array | None = None
-        self._restored: list[KVCache] = []  # the prefix parts, in order
+        # the prefix parts, in order (with a sink, the futures of their restores)
+        self._restored: list[KVCache | concurrent.futures.Future[float]] = []
         self._prefix: KVCache | None = None
         self._watches: dict[str, tuple[concurrent.futures.Future[float], str]] = {}
         self._kv: KVCache | None = None
@@ -254,15 +276,19 @@ class Reception:
         whole prefix."""
         part = unpack_prefix(buffers, self._codec, self._dtype, self._backend,
                              message.layers[0], message.tokens[0])
-        if self._sink is not None:
+        if self._sink is not None:  # into the sink; kept only until its restore is done
             self._sink(part, message.layers[0], message.tokens[0])
-        self._restored.append(part)
+            self._restored.append(watch("prefix", part))
+        else:
+            self._restored.append(part)
         if len(self._restored) == sum(Part.PREFIX in m.parts for m in self._messages):
             parts, self._restored = self._restored, []
+            if self._sink is not None:
+                self._watches["prefix"] = _last_of(parts), Event.PREFIX
+                return
             spans = len({m.tokens for m in self._messages if Part.PREFIX in m.parts}) > 1
-            if self._sink is None:
-                self._prefix = KVCache.join_spans(*parts) if spans else KVCache.concat(*parts)
-            self._watches["prefix"] = watch("prefix", parts), Event.PREFIX
+            self._prefix = KVCache.join_spans(*parts) if spans else KVCache.concat(*parts)
+            self._watches["prefix"] = watch("prefix", self._prefix), Event.PREFIX
 
     # -- device work -------------------------------------------------------------------------
 
