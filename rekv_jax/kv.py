@@ -39,6 +39,16 @@ def _span(x: jax.Array, start: int, stop: int) -> jax.Array:
 
 
 @jax.jit
+def _as_bits(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}"))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _from_bits(x: jax.Array, dtype: np.dtype) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, dtype)
+
+
+@jax.jit
 def _join(parts: tuple[jax.Array, ...]) -> jax.Array:
     return jnp.concatenate(parts, axis=1)  # [B, S, K, H]
 
@@ -50,12 +60,15 @@ class KVCache:
 
     `empty` is the layer shape `[B, S, K, H]` and dtype of a cache that holds no layer (the cut-0
     prefix, the cut-L suffix), so that it still knows its sequence length and stacked shape.
+    `bits` is set on a cache held as raw bits (`held_as_bits`): its arrays are the unsigned ints
+    of that dtype's width, and `dtype`, `k` and `v` are that dtype's.
     """
 
     keys: tuple[jax.Array, ...]  # L x [B, S, K, H]
     values: tuple[jax.Array, ...]  # L x [B, S, K, H]
     empty: tuple[tuple[int, ...], np.dtype] | None = dataclasses.field(
         default=None, metadata=dict(static=True))
+    bits: np.dtype | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @staticmethod
     def stacked(k: jax.Array, v: jax.Array) -> KVCache:
@@ -78,7 +91,7 @@ class KVCache:
 
     @property
     def dtype(self) -> np.dtype:
-        return self._layer_shape[1]
+        return self.bits or self._layer_shape[1]
 
     @property
     def k(self) -> jax.Array:
@@ -92,7 +105,7 @@ class KVCache:
 
     def _stack(self, arrays: tuple[jax.Array, ...]) -> jax.Array:
         if arrays:
-            return _stack(arrays)
+            return _from_bits(_stack(arrays), self.bits) if self.bits else _stack(arrays)
         shape, dtype = self.empty
         return jnp.zeros((0, *shape), dtype)
 
@@ -111,13 +124,13 @@ class KVCache:
     def layers(self, start: int, stop: int) -> KVCache:
         """Layers `start..stop-1` (the same arrays, nothing copied)."""
         keys, values = self.keys[start:stop], self.values[start:stop]
-        return KVCache(keys, values, None if keys else self._layer_shape)
+        return KVCache(keys, values, None if keys else self._layer_shape, self.bits)
 
     def span(self, start: int, stop: int) -> KVCache:
         """Positions `start..stop-1` of every layer (a token chunk; new buffers; >= 1 layer;
         one program per layer shape, whatever the layer count)."""
         return KVCache(tuple(_span(k, start, stop) for k in self.keys),
-                       tuple(_span(v, start, stop) for v in self.values))
+                       tuple(_span(v, start, stop) for v in self.values), bits=self.bits)
 
     @staticmethod
     def join_spans(*parts: KVCache) -> KVCache:
@@ -135,11 +148,23 @@ class KVCache:
             shape, dtype = self.empty
             return KVCache((), (), ((shape[0], capacity, *shape[2:]), dtype))
         return KVCache(tuple(_pad(k, capacity) for k in self.keys),
-                       tuple(_pad(v, capacity) for v in self.values))
+                       tuple(_pad(v, capacity) for v in self.values), bits=self.bits)
+
+    def held_as_bits(self) -> KVCache:
+        """The cache held as raw bits (new buffers; itself if it already is): a decode cache,
+        which each `decode_step` writes a position of in place. XLA:CPU writes into a 16-bit
+        float array by converting all of it to float32 and back, into an integer one in place,
+        so a step on a float cache costs more the larger its capacity."""
+        if self.bits or not self.keys:
+            return self
+        return KVCache(tuple(map(_as_bits, self.keys)), tuple(map(_as_bits, self.values)),
+                       bits=self.dtype)
 
     @staticmethod
     def concat(*parts: KVCache) -> KVCache:
         """Join layer ranges in order, e.g. a restored prefix and a recomputed suffix."""
+        if len({p.bits for p in parts}) > 1:
+            raise ValueError("cannot join a cache held as bits with one that is not")
         keys = tuple(k for p in parts for k in p.keys)
         values = tuple(v for p in parts for v in p.values)
-        return KVCache(keys, values, None if keys else parts[0].empty)
+        return KVCache(keys, values, None if keys else parts[0].empty, parts[0].bits)

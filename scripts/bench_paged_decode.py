@@ -4,13 +4,18 @@ On `--model` (default `tiny-7b`, synthetic BF16 weights), pinned to `--core` bef
   * the paged step (`rekv_jax.model.paged.decode_step`) at batch 1 and `--batch` (8), width
     `--width` (512), requests at positions spread over the width's upper half (each attends
     over the same 512-position bucket); the ratio batch/1 against its target (2.5x);
-  * for scale, the contiguous `transformer.decode_step` at batch 1 and `--batch`, all at one
-    position (its dots batch the rows: not batch-invariant);
+  * what the step's blocks of ROW_BLOCK rows cost a request alone: the batch-1 step against the
+    same program traced with one row per dot (`layers.ROW_BLOCK` set to 1 while it compiles:
+    the matrix-vector dots a lone request would run, not batch-invariant);
+  * the contiguous `transformer.decode_step` at batch 1 and `--batch`, all at one position, on
+    a cache held as bits, and at batch 1 with one row per dot (its programs traced so and
+    swapped in for each call): what the row blocks cost the single-process decode;
   * a step dispatched right after a `run_chunk` of `--chunk-tokens` over the last
     `--suffix-layers` layers (a handoff's suffix chunk on its own cache), both awaited, against
     the step alone plus the chunk alone (target: within 10% of their sum).
 Each figure is the median of `--reps` timed runs after a warm-up; `load_average` is the
-machine's 1-minute load when the run starts (other work on a shared machine moves the figures).
+machine's 1-minute load when the run starts and ends (other work on a shared machine moves the
+figures).
 
     python scripts/bench_paged_decode.py
     python scripts/bench_paged_decode.py --batch 4 --width 256 --core 0
@@ -72,20 +77,62 @@ class PagedSteps:
                                               i.positions, i.tables, i.width)
         return logits
 
+    def one_row_step(self) -> Callable[[], object]:
+        """The same step compiled with one row per dot (its own program, traced while
+        `layers.ROW_BLOCK` is 1), warmed up."""
+        import jax
 
-def contiguous_step(cfg, params, batch: int, width: int) -> Callable[[], object]:
-    """`transformer.decode_step` of `batch` rows at position width - 1 of a width cache."""
+        from rekv_jax.model import layers, paged
+
+        program = jax.jit(paged._step.__wrapped__, static_argnames=("cfg", "width", "attention"),
+                          donate_argnames="pool")
+
+        def step():
+            i = self.inputs
+            logits, self.pool = program(self.cfg, self.weights, self.pool, i.tokens, i.positions,
+                                        i.tables, width=i.width, attention="xla")
+            return logits
+
+        rows, layers.ROW_BLOCK = layers.ROW_BLOCK, 1
+        try:
+            jax.block_until_ready(step())
+        finally:
+            layers.ROW_BLOCK = rows
+        return step
+
+
+def contiguous_step(cfg, params, batch: int, width: int, rows: int | None = None
+                    ) -> Callable[[], object]:
+    """`transformer.decode_step` of `batch` rows at position width - 1 of a width cache.
+    `rows`: with programs compiled for that many rows per dot (swapped in for each call)."""
+    import jax
     import jax.numpy as jnp
 
-    from rekv_jax.model import decode_step, new_cache
+    from rekv_jax.model import decode_step, layers, new_cache, transformer
 
-    state = {"kv": new_cache(cfg, cfg.num_layers, batch, width, jnp.bfloat16)}
+    programs = (transformer._step_layer, transformer._step_head)
+    if rows is not None:
+        programs = (jax.jit(programs[0].__wrapped__, static_argnames=("cfg", "width"),
+                            donate_argnames=("k", "v")),
+                    jax.jit(programs[1].__wrapped__, static_argnames="cfg"))
+    state = {"kv": new_cache(cfg, cfg.num_layers, batch, width, jnp.bfloat16).held_as_bits()}
     token = jnp.ones((batch,), jnp.int32)
 
     def step():
-        logits, state["kv"] = decode_step(cfg, params, state["kv"], token, width - 1)
+        default = transformer._step_layer, transformer._step_head
+        transformer._step_layer, transformer._step_head = programs
+        try:
+            logits, state["kv"] = decode_step(cfg, params, state["kv"], token, width - 1)
+        finally:
+            transformer._step_layer, transformer._step_head = default
         return logits
 
+    if rows is not None:  # compile with that many rows per dot
+        layers.ROW_BLOCK, rows = rows, layers.ROW_BLOCK
+        try:
+            jax.block_until_ready(step())
+        finally:
+            layers.ROW_BLOCK = rows
     return step
 
 
@@ -123,29 +170,39 @@ def overlap(steps: PagedSteps, chunk: Callable, reps: int) -> dict:
 def run(args: argparse.Namespace) -> dict:
     import jax
 
+    from rekv_jax.model.layers import ROW_BLOCK
     from rekv_jax.model.loader import load_model
 
     load = os.getloadavg()[0]
     model = load_model(args.model)
     cfg, params = model.cfg, model.params
     sizes = (1, args.batch)
-    paged_ms = median_ms({b: PagedSteps(cfg, params, b, args.width, args.page_size).step
-                          for b in sizes}, args.reps)
-    contiguous_ms = median_ms({b: contiguous_step(cfg, params, b, args.width) for b in sizes},
+    alone = PagedSteps(cfg, params, 1, args.width, args.page_size)
+    runs = {b: PagedSteps(cfg, params, b, args.width, args.page_size).step for b in sizes}
+    paged_ms = median_ms({**runs, "1 row per dot": alone.one_row_step()}, args.reps)
+    one_row = paged_ms.pop("1 row per dot")
+    contiguous_ms = median_ms({**{b: contiguous_step(cfg, params, b, args.width) for b in sizes},
+                               "1 row per dot": contiguous_step(cfg, params, 1, args.width, 1)},
                               args.reps)
+    contiguous_one_row = contiguous_ms.pop("1 row per dot")
     batched = PagedSteps(cfg, params, args.batch, args.width, args.page_size)
     chunk = chunk_runner(cfg, params, args.chunk_tokens, args.suffix_layers)
     ratio = paged_ms[args.batch] / paged_ms[1]
+    beside = overlap(batched, chunk, args.reps)
     return {
         "model": args.model, "weights": model.weights, "core": args.core, "load_average": load,
-        "jax": jax.__version__, "device": str(jax.devices()[0]), "reps": args.reps,
+        "load_average_end": os.getloadavg()[0], "jax": jax.__version__,
+        "device": str(jax.devices()[0]), "reps": args.reps,
         "width": args.width, "page_size": args.page_size, "batch": args.batch,
         "paged_step_ms": paged_ms, "batch_over_1": ratio, "batch_target": BATCH_TARGET,
         "batch_target_met": ratio <= BATCH_TARGET,
+        "row_block": ROW_BLOCK, "batch_1_one_row_per_dot_ms": one_row,
+        "batch_1_cost_of_row_blocks": paged_ms[1] / one_row,
         "contiguous_step_ms": contiguous_ms,
+        "contiguous_batch_1_one_row_per_dot_ms": contiguous_one_row,
+        "contiguous_batch_1_cost_of_row_blocks": contiguous_ms[1] / contiguous_one_row,
         "contiguous_batch_over_1": contiguous_ms[args.batch] / contiguous_ms[1],
-        "chunk": {"tokens": args.chunk_tokens, "layers": args.suffix_layers,
-                  **overlap(batched, chunk, args.reps)},
+        "chunk": {"tokens": args.chunk_tokens, "layers": args.suffix_layers, **beside},
     }
 
 

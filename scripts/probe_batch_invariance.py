@@ -3,8 +3,9 @@ this JAX backend (JSON, one line per probe).
 
   * `dot`: each weight shape of `--model` ([D, N*H], [D, K*H], [N*H, D], [D, F], [F, D], the
     head [D, V]) times `x [M, D]` in float32 (what XLA computes a BF16 dot in): the row counts
-    M at which row 0 differs from M = 1, and whether a row moved to another slot of 8 or 16 rows
-    keeps its bits;
+    M at which row 0 differs from M = 1, whether a row moved to another slot of 8 or 16 rows
+    keeps its bits, and at M = ROW_BLOCK (the decode step's rows per dot) whether a row keeps
+    its bits in every slot beside `--trials` draws of other rows;
   * `attention`: `xla_attention` of one token at position p over its power-of-two bucket and
     over twice it (the extra positions masked): how many of `--trials` outputs differ;
   * `decode`: whole decode steps of 8 requests against the same requests alone, for the
@@ -25,13 +26,28 @@ import numpy as np
 
 from rekv_jax import KVCache, ModelConfig
 from rekv_jax.model import decode_step, init_params, paged
-from rekv_jax.model.layers import causal_mask, xla_attention
+from rekv_jax.model.layers import ROW_BLOCK, causal_mask, xla_attention
 from rekv_jax.serving.pages import PageAllocator, PoolConfig, StepRow, step_inputs
 
 ROWS = (1, 2, 3, 4, 7, 8, 9, 15, 16, 17, 32, 64)
 
 
-def probe_dots(cfg: ModelConfig, rng: np.random.Generator) -> list[dict]:
+def block_invariant(matmul, w: jax.Array, x0: jax.Array, rng: np.random.Generator,
+                    trials: int) -> bool:
+    """Whether row x0 [D] gets the same bits in every slot of ROW_BLOCK rows, the other rows
+    drawn afresh each time."""
+    want = None
+    for t in range(trials):
+        x = rng.standard_normal((ROW_BLOCK, x0.shape[0])) * rng.choice([1e-3, 1, 1e3])
+        slot = t % ROW_BLOCK
+        got = np.asarray(matmul(jnp.asarray(x, jnp.float32).at[slot].set(x0), w))[slot]
+        want = got if want is None else want
+        if not np.array_equal(got, want):
+            return False
+    return True
+
+
+def probe_dots(cfg: ModelConfig, rng: np.random.Generator, trials: int) -> list[dict]:
     D, N, K, H, F = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                      cfg.intermediate_size)
     matmul = jax.jit(lambda x, w: x @ w)
@@ -47,7 +63,9 @@ def probe_dots(cfg: ModelConfig, rng: np.random.Generator) -> list[dict]:
             moved = np.asarray(matmul(x[:m].at[m - 3].set(x[0]), w))
             slots[m] = bool(np.array_equal(moved[m - 3], moved[0]))
         out.append({"probe": "dot", "weight": name, "shape": shape, "rows_that_differ": differ,
-                    "slot_invariant_at_rows": slots})
+                    "slot_invariant_at_rows": slots, "row_block": ROW_BLOCK,
+                    "invariant_at_row_block": block_invariant(matmul, w, x[0], rng, trials),
+                    "trials": trials})
     return out
 
 
@@ -111,7 +129,7 @@ def main() -> None:
     args = p.parse_args()
     cfg = ModelConfig.preset(args.model)
     rng = np.random.default_rng(0)
-    for record in [*probe_dots(cfg, rng), probe_attention(cfg, rng, args.trials),
+    for record in [*probe_dots(cfg, rng, args.trials // 4), probe_attention(cfg, rng, args.trials),
                    probe_decode(cfg, rng)]:
         print(json.dumps({"backend": jax.default_backend(), "jax": jax.__version__,
                           "model": args.model, **record}), flush=True)

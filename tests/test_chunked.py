@@ -18,7 +18,6 @@ from test_model import FAMILIES, random_params, small_config, tokens_for
 from rekv_jax import Action, ModelConfig, init_params, parse_actions
 from rekv_jax.handoff.check import check_cache
 from rekv_jax.handoff.check import reference as mode_reference
-from rekv_jax.handoff.generate import Request, generate
 from rekv_jax.handoff.payload import round_trip
 from rekv_jax.handoff.prefix_format import PrefixCodec
 from rekv_jax.handoff.receiver import receive_handoff
@@ -26,6 +25,7 @@ from rekv_jax.handoff.sender import prepare, send_handoff, send_prompt
 from rekv_jax.mode import Mode, Reference
 from rekv_jax.model import new_cache, prefill, run_chunk, run_prefix, run_suffix, token_chunks
 from rekv_jax.quality.gate import reconstruct_cache
+from rekv_jax.serving.generate import Request, generate
 from rekv_jax.study.experiment import Experiment, run_local
 from rekv_jax.study.records import Rep, Summary
 from rekv_jax.transport import LocalTransport

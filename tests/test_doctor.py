@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from rekv_jax.cli.main import main
+from rekv_jax.serving.driver import Driven
+from rekv_jax.serving.requests import Finished
 from rekv_jax.study import doctor
 
 CHECKS = {"pallas_kernels", "exact_suffix/qwen2", "exact_suffix/qwen3", "exact_suffix/llama",
@@ -51,3 +53,39 @@ def test_gaussian_error_estimate_matches_a_simulation(bits):
     assert rms(rounded) == pytest.approx(expected, rel=0.01)
     truncated = np.sign(x) * np.minimum(np.floor(np.abs(x) / s), qmax)
     assert rms(truncated) / expected - 1 > doctor.RMS_ERR_BAND
+
+
+def served(tokens, checks="bitwise", error=None, request_id=0):
+    return Finished(request_id, tuple(tokens), 0.1, 0.01, 5.0, None, checks, False, error)
+
+
+def test_engine_verdict_judges_failures_cache_checks_first_tokens_and_pages():
+    """The engine check (run on a GPU only) fails on a failed request, a failed cache check, a
+    first token unlike the single process's or pages left over; later tokens that differ (the
+    Pallas paged attention's own bits) are reported, not judged."""
+    asks = doctor.engine_asks(64, 512)[:3]
+    want = [(1, 2, 3), (4, 5, 6), (7, 8, 9)]
+    good = [served(w, c) for w, c in zip(want, ("bitwise", "suffix bitwise, prefix within the "
+                                                "q8 error bound", "bitwise vs prefill(chunks=2)"),
+                                         strict=True)]
+    found = doctor.engine_verdict(asks, Driven(good, [], 0), want)
+    assert found.passed and "3 of 3 decode as the single process" in found.detail
+    later = [served((1, 2, 0)), *good[1:]]
+    found = doctor.engine_verdict(asks, Driven(later, [], 0), want)
+    assert found.passed and "2 of 3" in found.detail
+    for bad, words in (([served((), error="TransportError: lost"), *good[1:]], "lost"),
+                       ([served((1, 2, 3), "MISMATCH in prefix"), *good[1:]], "cache check"),
+                       ([served((0, 2, 3)), *good[1:]], "first token differs")):
+        found = doctor.engine_verdict(asks, Driven(bad, [], 0), want)
+        assert not found.passed and words in found.detail
+    assert not doctor.engine_verdict(asks, Driven(good, [], 1), want).passed
+    assert json.loads(json.dumps(found.data.to_json()))["want"] == [list(w) for w in want]
+
+
+@pytest.mark.parametrize("gpus, want", [([], {"handoff"}), (["0"], {"handoff", "engine"})])
+def test_the_engine_check_runs_when_a_gpu_is_present(monkeypatch, gpus, want):
+    monkeypatch.setattr(doctor, "visible_gpus", lambda: gpus)
+    monkeypatch.setattr(doctor, "run_child", lambda *a, **k: [])
+    for name in ("check_handoff", "check_engine"):
+        monkeypatch.setattr(doctor, name, lambda seq_len, name=name: doctor.Finding(True, name))
+    assert {c.name for c in doctor.run_checks()} == want

@@ -11,9 +11,9 @@ import pytest
 from test_hf import hf_model
 
 from rekv_jax.action import Action
-from rekv_jax.handoff.generate import Request, first_divergence, generate
 from rekv_jax.model.loader import SHIPPED_MODEL, load_model
 from rekv_jax.model.transformer import greedy_decode, prefill
+from rekv_jax.serving.generate import Request, first_divergence, generate
 from rekv_jax.sizes import action_bytes
 
 PROMPT = "The game began development in 2010 , carrying over a large portion of the work"

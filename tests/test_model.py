@@ -6,6 +6,7 @@ only) on a GPU; elsewhere the cuDNN cases are skipped with a reason (`pytest -rs
 
 import dataclasses
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from rekv_jax import KVCache, ModelConfig
 from rekv_jax.config import Llama3RopeScaling
 from rekv_jax.model.transformer import (
+    _step_layer,
     attention_width,
     decode_step,
     extend,
@@ -232,6 +234,36 @@ def test_decode_step_writes_in_place_and_reads_only_its_bucket():
     assert [v.unsafe_buffer_pointer() for v in grown.values] == pointers  # written in place
     greedy_decode(cfg, params, kv, logits, 3)
     assert not any(k.is_deleted() for k in kv.keys)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_a_cache_held_as_bits_decodes_the_same_in_place_without_touching_its_capacity(dtype):
+    """A decode cache held as raw bits (`KVCache.held_as_bits`, what `greedy_tokens` decodes
+    on) gives bitwise the logits and cache of the float cache, written in place; the compiled
+    step converts no array of the cache's capacity (XLA:CPU writes into a 16-bit float array by
+    converting all of it to float32 and back), so its cost does not grow with the capacity."""
+    cfg = small_config("qwen3", layers=2)
+    params = random_params(cfg, dtype)
+    tokens = tokens_for(cfg, 2, 20)
+    kv, logits = prefill(cfg, params, tokens)
+    token = jnp.argmax(logits, -1).astype(jnp.int32)
+    want, want_kv = decode_step(cfg, params, kv.pad(4096), token, 20)
+    held = kv.pad(4096).held_as_bits()
+    assert held.dtype == dtype and held.keys[0].dtype == jnp.dtype(f"uint{held.dtype.itemsize * 8}")
+    pointers = [k.unsafe_buffer_pointer() for k in held.keys]
+    got, got_kv = decode_step(cfg, params, held, token, 20)
+    assert np.array_equal(got, want)
+    assert [k.unsafe_buffer_pointer() for k in got_kv.keys] == pointers
+    for a, b in ((got_kv.k, want_kv.k), (got_kv.v, want_kv.v)):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+    compiled = _step_layer.lower(dataclasses.replace(cfg, attention="xla"), params["layers"][0],
+                                 jnp.zeros((2, 1, cfg.hidden_size), dtype), held.keys[0],
+                                 held.values[0], np.int32(20), width=32).compile().as_text()
+    big = [(kind, op) for kind, dims, op in re.findall(r"(\w+)\[([\d,]+)\]\{[\d,]*\} (\S+)\(",
+                                                        compiled) if "4096" in dims.split(",")]
+    bits = f"u{held.dtype.itemsize * 8}"
+    assert big and all(kind == bits for kind, _ in big), big  # no float array of the capacity
+    assert not [op for _, op in big if op in ("copy", "convert")], big
 
 
 def test_repeat_layers_shares_one_layer():

@@ -16,6 +16,7 @@ from test_model import FAMILIES, random_params, small_config, tokens_for
 from pallas_kernels import paged as pallas_paged
 from rekv_jax import KVCache, ModelConfig
 from rekv_jax.model import decode_step, paged, prefill, run_prefix, run_suffix
+from rekv_jax.model.layers import ROW_BLOCK, row_blocks
 from rekv_jax.model.transformer import init_params
 from rekv_jax.serving.pages import (
     NULL_PAGE,
@@ -176,7 +177,7 @@ def test_allocator_refuses_foreign_and_twice_retired_tables():
 
 
 def test_buckets_and_step_inputs():
-    assert [batch_bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+    assert [batch_bucket(n) for n in (0, 1, 2, 3, 5, 8, 9, 17)] == [8, 8, 8, 8, 8, 8, 16, 24]
     assert [width_bucket([p]) for p in (0, 1, 2, 3, 4, 31, 32)] == [1, 2, 4, 4, 8, 32, 64]
     a, b = BlockTable((3, 4), 4), BlockTable((6,), 4)
     got = step_inputs([None, StepRow(7, 5, a), StepRow(8, 2, b), None], page_size=4)
@@ -244,13 +245,34 @@ def test_logits_do_not_depend_on_the_batch(seed):
             running[i] = (table, 0)
         if not running:
             continue
-        slots: list = [None] * batch_bucket(len(running)) * int(rng.choice([1, 2]))
+        bucket = batch_bucket(len(running))  # unpadded, padded, or more blocks than needed
+        slots: list = [None] * int(rng.choice([len(running), bucket, 2 * bucket]))
         for i, at in zip(running, rng.permutation(len(slots)), strict=False):
             slots[at] = i
         pool = step_and_check(cfg, weights, pool, requests, running, slots)
         for i in [i for i, (_, done) in running.items() if done == STEPS]:
             alloc.retire(running.pop(i)[0])
     assert not waiting and not running and alloc.used_pages == 0
+
+
+@settings(max_examples=20, deadline=None)
+@given(shape=st.sampled_from([(448, 448), (448, 64), (448, 896), (896, 448), (448, 512),
+                              (64, 32)]),
+       slot=st.integers(0, ROW_BLOCK - 1), scale=st.sampled_from([1e-3, 1.0, 1e3]),
+       seed=st.integers(0, 2**31 - 1))
+def test_a_rows_dot_at_the_row_block_is_its_own(shape, slot, scale, seed):
+    """What the decode step's invariance rests on: at ROW_BLOCK rows a row's product with a
+    weight has the same bits in any slot, beside any other rows (of any scale), as in the row
+    block of a batch of one (the other rows zero), in BF16 as the model computes it."""
+    rng = np.random.default_rng(seed)
+    w = jnp.asarray(rng.standard_normal(shape) * 0.05, jnp.bfloat16)
+    row = jnp.asarray(rng.standard_normal(shape[0]), jnp.bfloat16)
+    others = jnp.asarray(rng.standard_normal((ROW_BLOCK, shape[0])) * scale, jnp.bfloat16)
+    dot = jax.jit(lambda x: row_blocks(lambda x: jnp.einsum("rd,df->rf", x, w), x))
+    alone = dot(row[None])[0]
+    assert_bitwise(dot(others.at[slot].set(row))[slot], alone)
+    assert_bitwise(dot(jnp.concatenate([others, others]).at[ROW_BLOCK + slot].set(row))[
+        ROW_BLOCK + slot], alone)
 
 
 def step_and_check(cfg, weights, pool, requests, running, slots):

@@ -18,7 +18,7 @@ from rekv_jax.serving.requests import (
     ServeRequest,
     Token,
 )
-from rekv_jax.serving.router import Router, parse_worker, worker_name
+from rekv_jax.serving.router import Router, Scheduled, parse_worker, worker_name
 
 POOL = PoolConfig(num_pages=1 + 2 * 18)  # two requests of 256 + 32 tokens (18 pages each)
 
@@ -212,13 +212,13 @@ def test_drive_serves_every_request_on_time_and_ends_when_all_ended():
     r, _ = router()
     r._send = w.send
     requests = [request(i, at=0.5 * i) for i in range(5)]
-    served = drive(w, r, requests, clock=w.clock)
+    served = drive(w, r, Scheduled(requests), clock=w.clock)
     assert sorted(s.request.id for s in served) == list(range(5))
     assert all(s.completed for s in served)
     # nothing queues at these rates: the first token comes prefill_s after arrival
     assert [round(s.ttft_ms) for s in sorted(served, key=lambda s: s.request.id)] == [200] * 5
     with pytest.raises(ValueError, match="arrival order"):
-        drive(w, r, requests[::-1], clock=w.clock)
+        drive(w, r, Scheduled(requests[::-1]), clock=w.clock)
 
 
 def test_drive_with_its_only_prefill_worker_dead_fails_the_rest_at_once():
@@ -228,6 +228,7 @@ def test_drive_with_its_only_prefill_worker_dead_fails_the_rest_at_once():
     w.dead = {"prefill-0": 0.0}
     r, _ = router()
     r._send = w.send
-    served = drive(w, r, [request(i, at=100.0 * i) for i in range(3)], clock=w.clock)
+    served = drive(w, r, Scheduled([request(i, at=100.0 * i) for i in range(3)]),
+                   clock=w.clock)
     assert len(served) == 3 and all("no prefill worker" in s.error for s in served)
     assert w.now < 1.0  # it did not wait for the later arrivals

@@ -1,9 +1,10 @@
 """`rekv serve`: flags that pass their checks become one ServeConfig, handed to `serve`."""
 
-import pytest
 
 from rekv_jax.cli import main as cli
 from rekv_jax.cli.serve import serve_config
+from rekv_jax.config import ModelConfig
+from rekv_jax.planning.costmodel import Profile
 from rekv_jax.serving import serve as serving
 
 
@@ -35,9 +36,21 @@ def test_wikitext_prompts_with_the_shipped_tokenizer():
     assert all(r.prompt_len == 64 and max(r.tokens) < 2048 for r in c.streams[0].requests)
 
 
-def test_http_serves_one_policy_and_the_command_reaches_serve(capsys):
+def test_http_serves_one_policy_and_the_command_reaches_serve(monkeypatch):
+    from rekv_jax.cli import serve as cli_serve
+
     c = _config(["--http", "0.0.0.0:8080", "--api-key", "k"])
     assert c.http == serving.HttpBind("0.0.0.0", 8080, "k") and c.policies == ("adaptive",)
     assert c.streams == ()
-    with pytest.raises(NotImplementedError, match="serving engine is not merged yet"):
-        cli.main(["serve", "--rate", "1", "--requests", "2"])
+    profiled, given = [], []
+    fake = Profile.for_config(ModelConfig.preset("tiny"), 64, hardware="test", link="test",
+                              link_gbps=0.25, source="analytic", quantize_ms={16: 0, 8: 0.1},
+                              restore_ms={16: 0, 8: 0.1}, suffix_layer_ms=1.0, join_ms=0.1)
+    monkeypatch.setattr(cli_serve, "measured_profiles",
+                        lambda config, args: profiled.append(config) or (fake,))
+    monkeypatch.setattr(serving, "serve", lambda config, on_event, stop=None: given.append(config))
+    cli.main(["serve", "--model", "tiny", "--rate", "1", "--requests", "2", "--prompt-lens",
+              "64", "--link-gbps", "paper"])
+    assert len(profiled) == 1 and not profiled[0].profiles  # measured: none was given
+    # `paper` becomes the link the profiles were measured over
+    assert given[0].profiles == (fake,) and given[0].workers.link_gbps == 0.25

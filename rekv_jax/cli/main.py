@@ -130,8 +130,8 @@ def _select_flags(p: argparse.ArgumentParser) -> None:
 @command("generate", cmd_generate, "generate text on a handed-off ReKV cache (two workers)",
          ("transport", "link", "failure", "attention", "json"))
 def _generate_flags(p: argparse.ArgumentParser) -> None:
-    from rekv_jax.handoff.generate import DTYPES
     from rekv_jax.mode import PREFILL_MODES, SCHEDULES, PrefillMode
+    from rekv_jax.serving.generate import DTYPES
 
     p.add_argument("--model", default=None,
                    help="trained-model folder (default: the shipped wt2-tiny) or hf:PATH")

@@ -103,9 +103,9 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from rekv_jax.handoff import generate
     from rekv_jax.mode import run_chunks, run_schedules
     from rekv_jax.model.loader import tokenizer_of
+    from rekv_jax.serving import generate
     from rekv_jax.study.calibrate import calibrate_link_in_child
 
     args.model = args.model or str(generate.SHIPPED_MODEL)

@@ -7,13 +7,17 @@ line, exit 2), the rest while the config is built (a ValueError: one line, exit 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
+
+from rekv_jax.cli.flags import PAPER_LINK
 
 DEFAULT_POLICIES = "bf16:full,q8:full,q8:balanced,adaptive"  # of a generated load
 HTTP_POLICY = "adaptive"  # of --http
 PROMPTS = ("synthetic", "wikitext")
 REQUESTS = 100  # per rate, unless --requests or --duration
 MAX_NEW_TOKENS = 32  # --prompts: uniform ids, or WikiText-2 test windows
+PROFILE_REPS = 5  # timed handoffs per action of a profile measured at the start
 
 
 def _rates(text: str) -> tuple[float, ...]:
@@ -99,9 +103,81 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
+    import dataclasses
+
     from rekv_jax.serving.serve import serve
 
-    serve(serve_config(args))
+    config = serve_config(args)
+    if not config.profiles:
+        config = dataclasses.replace(config, profiles=measured_profiles(config, args))
+    link = config.workers.link_gbps
+    if link == PAPER_LINK:  # the calibrated link the profiles were measured over
+        link = min(config.profiles, key=lambda p: p.seq_len).link_gbps
+        config = dataclasses.replace(config, workers=dataclasses.replace(config.workers,
+                                                                        link_gbps=link))
+    progress = Progress(sum(len(s.requests) for s in config.streams) * len(config.policies),
+                        sys.stderr)
+    run = serve(config, progress.on_event)
+    progress.close()
+    if run is not None:
+        report(run, config)
+
+
+def measured_profiles(config, args: argparse.Namespace) -> tuple:
+    """The cost model's profiles, measured now (`rekv profile` at the shortest and the longest
+    prompt length), over the calibrated link when --link-gbps is `paper`."""
+    from rekv_jax.study import sweep
+
+    lengths = sorted({r.prompt_len for s in config.streams for r in s.requests}) or [512]
+    lengths = sorted({lengths[0], lengths[-1]})
+    link = config.workers.link_gbps
+    if link == PAPER_LINK:
+        link = sweep.calibrate_pair_link(config.model, lengths[0], args.transport).link_gbps
+    print(f"rekv serve: measuring the cost model's profiles at {lengths} tokens "
+          "(give --profile to skip)", file=sys.stderr, flush=True)
+    return tuple(sweep.profile(config.model, n, args.transport, link, PROFILE_REPS)
+                 for n in lengths)
+
+
+class Progress:
+    """A one-line progress bar on `out`: requests ended of `total`."""
+
+    def __init__(self, total: int, out) -> None:
+        self._total, self._done, self._out = total, 0, out
+
+    def on_event(self, event) -> None:
+        from rekv_jax.launch.group import Emitted
+        from rekv_jax.serving.requests import Finished
+
+        if isinstance(event, Emitted) and isinstance(event.item, Finished) and self._total:
+            self._done += 1
+            filled = 30 * min(self._done, self._total) // self._total
+            self._out.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] "
+                            f"{self._done}/{self._total} requests")
+            self._out.flush()
+
+    def close(self) -> None:
+        if self._done:
+            self._out.write("\n")
+            self._out.flush()
+
+
+def report(run, config) -> None:
+    """The run's table and capacities (`--json`: a record per request, then the summaries),
+    and its figures with --plot."""
+    from rekv_jax.cli.render import emit_json
+    from rekv_jax.serving import metrics
+
+    if config.json:
+        emit_json(s.to_json(config.slo) for s in run.served)
+        emit_json(s.to_json() for s in run.summaries)
+        emit_json(c.to_json() for c in run.capacities)
+    else:
+        print(metrics.table(run.summaries))
+        print("\n".join(metrics.capacity_lines(run.capacities)))
+    if config.plot_dir is not None:
+        for path in metrics.plot(run.summaries, run.served, config.plot_dir):
+            print(f"wrote {path}", file=sys.stderr)
 
 
 def serve_config(args: argparse.Namespace):

@@ -87,6 +87,15 @@ def _tokens_of(h: jax.Array, start: int, stop: int) -> jax.Array:
     return h[:, start:stop]  # [B, stop - start, D]
 
 
+@dataclasses.dataclass(frozen=True)
+class SendReport:
+    """What the prefill side did for one handoff: the times it told the decode side, and how
+    long its messages held the link (from the first handed to it to the last acknowledged)."""
+
+    times: PrefillTimes
+    link_ms: float
+
+
 class _Sent:
     """The prefill side's running account of one handoff: its compute and quantize times, when
     the boundary left, the messages sent and the bytes they carried."""
@@ -94,6 +103,7 @@ class _Sent:
     def __init__(self, link: Transport, t0: float, codec: PrefixCodec) -> None:
         self.link, self.t0, self.codec, self.bytes_before = link, t0, codec, link.sent_bytes
         self.prefill_ms = self.quantize_ms = self.boundary_at_ms = 0.0
+        self.first_sent: float | None = None
         self.tags: list[str] = []
         self.nonfinite: list[jax.Array] = []
 
@@ -115,10 +125,12 @@ class _Sent:
     def send(self, tag: str, message: Message, buffers: list[jax.Array], timeout: float) -> None:
         if {Part.BOUNDARY, Part.FIRST} & set(message.parts) and not self.boundary_at_ms:
             self.boundary_at_ms = elapsed_ms(self.t0, time.perf_counter())
+        self.first_sent = self.first_sent or time.perf_counter()
         self.link.send(f"{tag}/{message.name}", buffers, timeout)
         self.tags.append(message.name)
 
-    def finish(self, tag: str, timeout: float, suffix_sums: tuple[int, ...] = ()) -> None:
+    def finish(self, tag: str, timeout: float, suffix_sums: tuple[int, ...] = ()
+               ) -> SendReport:
         """Post the prefill side's times and bytes, then wait for every message's verdict (the
         decode side's errors surface here); a non-finite scale is an error too."""
         check_finite(self.nonfinite, self.codec.bits)
@@ -127,32 +139,38 @@ class _Sent:
         self.link.send_meta(f"{tag}/prefill", times.to_json())
         for name in self.tags:
             self.link.wait_ack(f"{tag}/{name}", timeout)
+        return SendReport(times, elapsed_ms(self.first_sent or time.perf_counter(),
+                                            time.perf_counter()))
 
 
 def send_handoff(link: Transport, state: PrefillState, mode: Mode, tag: str,
-                 backend: str | None = None, timeout: float = 60.0) -> None:
+                 backend: str | None = None, timeout: float = 60.0) -> SendReport:
     """Prefill side of one handoff from a ready prefill state (the paper's interval)."""
     link.agree(f"{tag}/go", {}, timeout)  # both sides start their clocks here
     sent = _Sent(link, time.perf_counter(), state.codec)
-    _send_state(state, mode, tag, backend, timeout, sent)
+    return _send_state(state, mode, tag, backend, timeout, sent)
 
 
 def send_prompt(link: Transport, cfg: ModelConfig, params: Params, tokens: jax.Array, mode: Mode,
-                tag: str, backend: str | None = None, timeout: float = 60.0) -> None:
-    """Prefill side of one handoff timed from the prompt's arrival (`mode.from_prompt`)."""
-    link.agree(f"{tag}/go", {}, timeout)
+                tag: str, backend: str | None = None, timeout: float = 60.0, go: bool = True
+                ) -> SendReport:
+    """Prefill side of one handoff timed from the prompt's arrival (`mode.from_prompt`). `go`:
+    start both sides' clocks together first (`TAG/go`, agreed with `receive_handoff`); a
+    serving prefill worker sends at once instead (the decode side's clock starts at its
+    admission)."""
+    if go:
+        link.agree(f"{tag}/go", {}, timeout)
     sent = _Sent(link, time.perf_counter(), PrefixCodec.of(cfg, params, mode.action))
     if not mode.streams:
         state = sent.timed("prefill_ms", prepare, cfg, params, tokens, mode)
-        _send_state(state, mode, tag, backend, timeout, sent)
-    elif mode.streams_layers:
-        _send_layers(cfg, params, tokens, mode, tag, backend, timeout, sent)
-    else:
-        _send_chunks(cfg, params, tokens, mode, tag, backend, timeout, sent)
+        return _send_state(state, mode, tag, backend, timeout, sent)
+    if mode.streams_layers:
+        return _send_layers(cfg, params, tokens, mode, tag, backend, timeout, sent)
+    return _send_chunks(cfg, params, tokens, mode, tag, backend, timeout, sent)
 
 
 def _send_state(state: PrefillState, mode: Mode, tag: str, backend: str | None, timeout: float,
-                sent: _Sent) -> None:
+                sent: _Sent) -> SendReport:
     """Quantize the prefix (Q), then send each message: the ids with the first token and h_c's
     first chunk, h_c's other chunks, the prefix."""
     messages = mode.messages(state.tokens.shape[1], mode.action.num_layers)
@@ -165,11 +183,11 @@ def _send_state(state: PrefillState, mode: Mode, tag: str, backend: str | None, 
                         Part.BOUNDARY: lambda m=message: [_tokens_of(state.h_c, *m.tokens)],
                         Part.PREFIX: lambda: payload}[part]()
         sent.send(tag, message, buffers, timeout)
-    sent.finish(tag, timeout, state.suffix_sums)
+    return sent.finish(tag, timeout, state.suffix_sums)
 
 
 def _send_layers(cfg: ModelConfig, params: Params, tokens: jax.Array, mode: Mode, tag: str,
-                 backend: str | None, timeout: float, sent: _Sent) -> None:
+                 backend: str | None, timeout: float, sent: _Sent) -> SendReport:
     """A split prefill: compute the layers each message needs, one program per layer, then send
     it (a layer's payload once that layer is computed; h_c or the first token once layer c-1
     is)."""
@@ -182,11 +200,11 @@ def _send_layers(cfg: ModelConfig, params: Params, tokens: jax.Array, mode: Mode
             done += 1
         sent.send(tag, message, _streamed(message, tokens, x, layer_kv, cfg, params, sent,
                                           backend), timeout)
-    sent.finish(tag, timeout)
+    return sent.finish(tag, timeout)
 
 
 def _send_chunks(cfg: ModelConfig, params: Params, tokens: jax.Array, mode: Mode, tag: str,
-                 backend: str | None, timeout: float, sent: _Sent) -> None:
+                 backend: str | None, timeout: float, sent: _Sent) -> SendReport:
     """A pipelined prefill: compute the token chunks each message needs through layers 0..c-1
     (a chunked prefill with its own prefix cache), then send it (a chunk's h_c, then its
     prefix; transfer-only, the first token before the last chunk's prefix)."""
@@ -202,7 +220,7 @@ def _send_chunks(cfg: ModelConfig, params: Params, tokens: jax.Array, mode: Mode
         prefix = kv.span(*message.tokens) if message.parts == (Part.PREFIX,) else None
         sent.send(tag, message, _streamed(message, tokens, x, prefix, cfg, params, sent,
                                           backend), timeout)
-    sent.finish(tag, timeout)
+    return sent.finish(tag, timeout)
 
 
 def _streamed(message: Message, tokens: jax.Array, x: jax.Array, prefix: KVCache | None,

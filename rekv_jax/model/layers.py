@@ -7,6 +7,7 @@ stack as a Python composition of those programs (see its docstring).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,8 @@ from rekv_jax.config import ModelConfig
 # number of cache positions attention reads (`width`, start + T <= width <= C)
 Past = tuple[jax.Array, jax.Array, jax.Array, int]
 INIT = nnx.initializers.normal(0.02)
+# Rows of every dot in a decode step (R): a step's batch runs in blocks of exactly R rows
+ROW_BLOCK = 8
 
 
 class RMSNorm(nnx.Module):
@@ -65,24 +68,29 @@ class Attention(nnx.Module):
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B, T, D] -> (out [B, T, D], k, v): k/v [B, T, K, H], or with a past the updated
         cache [B, C, K, H] (attention reads its first `width` positions only)."""
-        q, k, v = self.project(x, rope)
+        out, k, v = self.attend(*self.project(x, rope), past)
+        return self.output(out), k, v  # [B, T, D]
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, past: Past | None
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Attention of q [B, T, N, H] over this step's k, v [B, T, K, H] (and, with a past, the
+        cache they are written into) -> (out [B, T, N, H], k, v as `__call__` returns them)."""
         start, seen_k, seen_v = 0, k, v
         if past is not None:  # write at `start` into a capacity-C cache (in place when donated)
             past_k, past_v, start, width = past
-            k = jax.lax.dynamic_update_slice_in_dim(past_k, k, start, axis=1)  # [B, C, K, H]
-            v = jax.lax.dynamic_update_slice_in_dim(past_v, v, start, axis=1)  # [B, C, K, H]
-            seen_k, seen_v = k[:, :width], v[:, :width]  # [B, W, K, H]: nothing past the bucket
+            k, seen_k = write_positions(past_k, k, start, width)  # [B, C, K, H], [B, W, K, H]
+            v, seen_v = write_positions(past_v, v, start, width)
         mask = causal_mask(start, q.shape[1], seen_k.shape[1])  # [T, W]
         # `attention` is concrete here (the public functions resolve `auto`)
         if self.cfg.attention != "cudnn":
-            out = xla_attention(q, seen_k, seen_v, mask)  # [B, T, N, H]
-        elif past is None:  # causal prompt: cuDNN's CAUSAL mask type, never a materialized mask
-            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-        else:  # cuDNN adds the [T, W] mask as a bias (flash-capable): its causal mask is top-left
-            # aligned, so it cannot express the offset `start` (see docs/gpu.md)
-            out = jax.nn.dot_product_attention(q, seen_k, seen_v, mask=mask[None, None],
-                                               implementation="cudnn")
-        return self.output(out), k, v  # [B, T, D]
+            return xla_attention(q, seen_k, seen_v, mask), k, v  # [B, T, N, H]
+        if past is None:  # causal prompt: cuDNN's CAUSAL mask type, never a materialized mask
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                implementation="cudnn"), k, v
+        # cuDNN adds the [T, W] mask as a bias (flash-capable): its causal mask is top-left
+        # aligned, so it cannot express the offset `start` (see docs/gpu.md)
+        return jax.nn.dot_product_attention(q, seen_k, seen_v, mask=mask[None, None],
+                                            implementation="cudnn"), k, v
 
     def project(self, x: jax.Array, rope: tuple[jax.Array, jax.Array]
                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -99,6 +107,45 @@ class Attention(nnx.Module):
     def output(self, out: jax.Array) -> jax.Array:
         """Attention's heads out [B, T, N, H] -> [B, T, D] (the output projection)."""
         return jnp.einsum("btnh,nhd->btd", out, self.o_proj[...])
+
+
+def bits_of(x: jax.Array) -> jax.Array:
+    """x's raw bits: the unsigned ints of its width (a view, no rounding)."""
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}"))
+
+
+def write_positions(cache: jax.Array, new: jax.Array, start: int | jax.Array, width: int
+                    ) -> tuple[jax.Array, jax.Array]:
+    """Write new [B, T, K, H] at positions start.. of cache [B, C, K, H] -> (the cache, its first
+    `width` positions [B, W, K, H] as new's dtype). A cache of unsigned ints holds the raw bits
+    of new's dtype (`KVCache.held_as_bits`): XLA:CPU writes into a 16-bit float array by
+    converting all of it to float32 and back, a cost that grows with the capacity, and into an
+    integer array in place."""
+    if cache.dtype == new.dtype:
+        cache = jax.lax.dynamic_update_slice_in_dim(cache, new, start, axis=1)
+        return cache, cache[:, :width]
+    cache = jax.lax.dynamic_update_slice_in_dim(cache, bits_of(new), start, axis=1)
+    return cache, jax.lax.bitcast_convert_type(cache[:, :width], new.dtype)
+
+
+def row_blocks(f: Callable, *xs: jax.Array):
+    """f on blocks of ROW_BLOCK rows: xs [B, ...] -> f's outputs [B, ...], f seeing [R, ...]
+    (B padded with zero rows to a multiple of R; more than R rows run as a loop over blocks).
+
+    XLA:CPU gives a dot's row other bits as the row count M changes (M = 1 runs XLA's own
+    matrix-vector code, M >= 2 YNNPACK's tiled kernels, whose bits change again with M); at a
+    fixed M a row's result depends neither on its slot nor on the other rows (the tests check
+    it). So every dot of a decode step runs at M = R whatever the batch: a request's bits never
+    depend on what shares its step, and a batch of one is padded like any other."""
+    B, R = xs[0].shape[0], ROW_BLOCK
+    n = -(-B // R)
+    blocks = [jnp.pad(x, [(0, n * R - B)] + [(0, 0)] * (x.ndim - 1)).reshape(n, R, *x.shape[1:])
+              for x in xs]
+    if n == 1:
+        out = jax.tree.map(lambda y: y[None], f(*(b[0] for b in blocks)))
+    else:
+        out = jax.lax.map(lambda b: f(*b), blocks)
+    return jax.tree.map(lambda y: y.reshape(n * R, *y.shape[2:])[:B], out)
 
 
 def causal_mask(start: int | jax.Array, tokens: int, width: int) -> jax.Array:

@@ -36,7 +36,7 @@ from flax import nnx
 from pallas_kernels import paged as pallas_paged
 from rekv_jax.config import ModelConfig
 from rekv_jax.kv import KVCache
-from rekv_jax.model.layers import causal_mask, rope_tables, xla_attention
+from rekv_jax.model.layers import causal_mask, rope_tables, row_blocks, xla_attention
 from rekv_jax.model.transformer import Params, _checked, _layer_def, _logits
 
 # How the step attends: each request's pages gathered for XLA (any platform), or JAX's Pallas
@@ -209,8 +209,8 @@ def _layer_step(cfg: ModelConfig, attention: str, width: int, pool_shape: tuple[
     weights = jax.tree.map(lambda w: jax.lax.bitcast_convert_type(w, dtype), xs[0])
     index = xs[1]
     layer = nnx.merge(_layer_def(cfg), weights)
-    q, k, v = _rows(lambda x, c, s: layer.attn.project(layer.input_norm(x), (c, s)),
-                    x, *batch.rope)  # q [B, 1, N, H]; k, v [B, 1, K, H]
+    q, k, v = row_blocks(lambda x, c, s: layer.attn.project(layer.input_norm(x), (c, s)),
+                         x, *batch.rope)  # q [B, 1, N, H]; k, v [B, 1, K, H]
     at = index * P * S + batch.rows
     pages_k = pages_k.at[:, at].set(_bits(k[:, 0].transpose(1, 0, 2)))
     pages_v = pages_v.at[:, at].set(_bits(v[:, 0].transpose(1, 0, 2)))
@@ -222,7 +222,7 @@ def _layer_step(cfg: ModelConfig, attention: str, width: int, pool_shape: tuple[
         k_pages, v_pages = (jax.lax.bitcast_convert_type(p, dtype) for p in by_page)
         out = pallas_paged.paged_attention(q[:, 0], k_pages, v_pages, tables, batch.positions + 1,
                                            interpret=attention == "pallas-interpret")[:, None]
-    x = _rows(lambda x, o: layer.finish(x, layer.attn.output(o)), x, out)
+    x = row_blocks(lambda x, o: layer.finish(x, layer.attn.output(o)), x, out)
     return (x, pages_k, pages_v), None
 
 
@@ -239,7 +239,7 @@ def _step(cfg: ModelConfig, weights: StepWeights, pool: PagePool, tokens: jax.Ar
     x = weights.head["embed"][tokens][:, None]  # [B, 1, D]
     flat = (pool.k.reshape(K, L * P * S, H), pool.v.reshape(K, L * P * S, H))
     (x, k, v), _ = jax.lax.scan(step, (x, *flat), (weights.layers, jnp.arange(L)))
-    logits = _rows(lambda x: _logits(cfg, weights.head, x[:, -1]), x)  # [B, V] f32
+    logits = row_blocks(lambda x: _logits(cfg, weights.head, x[:, -1]), x)  # [B, V] f32
     return logits, PagePool(k.reshape(pool.k.shape), v.reshape(pool.v.shape), pool.dtype)
 
 

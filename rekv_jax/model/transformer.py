@@ -38,6 +38,7 @@ from rekv_jax.model.layers import (
     Past,
     rms_norm,
     rope_tables,
+    row_blocks,
     xla_attention,  # noqa: F401 (part of this module's API)
 )
 from rekv_jax.sizes import attention_width, token_chunks  # noqa: F401 (this module's API too)
@@ -215,6 +216,28 @@ def _cache_layer(cfg: ModelConfig, weights: dict, x: jax.Array, k: jax.Array, v:
     return _layer(cfg, weights, x, positions, (k, v, start, width))
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "width"), donate_argnames=("k", "v"))
+def _step_layer(cfg: ModelConfig, weights: dict, x: jax.Array, k: jax.Array, v: jax.Array,
+                start: jax.Array, *, width: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One layer of a decode step: x [B, 1, D] at position `start` of this layer's cache k, v
+    [B, C, K, H], donated; every dot on blocks of ROW_BLOCK rows (`row_blocks`), attention over
+    `width` positions, as the paged step computes each request."""
+    layer = nnx.merge(_layer_def(cfg), weights)
+    rope = rope_tables(cfg, jnp.full((x.shape[0], 1), start, jnp.int32))
+    with jax.named_scope("decoder_layer"):
+        q, new_k, new_v = row_blocks(
+            lambda x, c, s: layer.attn.project(layer.input_norm(x), (c, s)), x, *rope)
+        out, k, v = layer.attn.attend(q, new_k, new_v, (k, v, start, width))
+        x = row_blocks(lambda x, o: layer.finish(x, layer.attn.output(o)), x, out)
+    return x, k, v
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def _step_head(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
+    """A decode step's logits [B, V] f32 from x [B, 1, D], on blocks of ROW_BLOCK rows."""
+    return row_blocks(lambda x: _logits(cfg, params, x[:, -1]), x)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "last"))
 def _head(cfg: ModelConfig, params: Params, x: jax.Array, *, last: bool) -> jax.Array:
     """Logits [B, V] of the last position (`last`) or [B, T, V] of all, f32."""
@@ -284,6 +307,44 @@ def run_suffix(cfg: ModelConfig, params: Params, h_c: jax.Array, cut: int,
     return kv, _head(cfg, _head_params(params), x, last=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerPrograms:
+    """One model's programs, its params checked once (`of`), for a caller that dispatches a
+    pass one layer at a time (a reception's budgeted suffix): each call is one program, the
+    one `prefill`, `run_suffix` and `run_chunk` run for that layer, so a pass assembled from
+    them is theirs bit for bit."""
+
+    cfg: ModelConfig  # its attention backend resolved
+    params: Params
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, params: Params) -> LayerPrograms:
+        return cls(_checked(cfg, params), params)
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """Token ids [B, T] -> x [B, T, D]."""
+        return _embed(self.params["embed"], tokens)
+
+    def positions(self, x: jax.Array) -> jax.Array:
+        """Positions 0..T-1 [B, T] of x [B, T, ...] (a prompt pass's, on the device once)."""
+        return _positions(x.shape[:2], None)
+
+    def prompt(self, x: jax.Array, layer: int, positions: jax.Array
+               ) -> tuple[jax.Array, KVCache]:
+        """Layer `layer` of a prompt pass on x [B, T, D]: (x entering the next, its KV)."""
+        return _run_layers(self.cfg, self.params, x, positions, layer, layer + 1)
+
+    def chunk(self, x: jax.Array, kv: KVCache, layer: int, start: int
+              ) -> tuple[jax.Array, KVCache]:
+        """Layer `layer` of a chunked prefill: x [B, T, D] at start.. through its cache kv
+        [1, B, C, K, H] (donated), as `run_chunk` runs it."""
+        return _cache_layers(self.cfg, self.params, x, kv, layer, start)
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """The last position's logits [B, V] f32 of x [B, T, D] (after the last layer)."""
+        return _head(self.cfg, _head_params(self.params), x, last=True)
+
+
 # ---------------------------------------------------------------------------- token chunks
 
 
@@ -315,20 +376,22 @@ def run_chunk(cfg: ModelConfig, params: Params, x: jax.Array, kv: KVCache, first
 
 
 def _cache_layers(cfg: ModelConfig, params: Params, x: jax.Array, kv: KVCache, first: int,
-                  start: int | jax.Array, width: int | None = None
+                  start: int | jax.Array, width: int | None = None, step: bool = False
                   ) -> tuple[jax.Array, KVCache]:
     """Layers first..first+n-1 on x [B, T, D] at start.. of kv [n, B, C, K, H] (donated), one
-    `_cache_layer` call each; attention reads `width` positions (default its bucket)."""
+    `_cache_layer` call each (a decode `step`: `_step_layer`); attention reads `width` positions
+    (default its bucket)."""
     T, C = x.shape[1], kv.seq_len
     width = attention_width(int(start) + T, C) if width is None else width
     start = np.int32(start) if isinstance(start, int | np.integer) else start
+    program = _step_layer if step else _cache_layer
     keys, vals = [], []
     for weights, k, v in zip(params["layers"][first:first + kv.num_layers], kv.keys, kv.values,
                              strict=True):
-        x, k, v = _cache_layer(cfg, weights, x, k, v, start, width=width)  # k, v [B, C, K, H]
+        x, k, v = program(cfg, weights, x, k, v, start, width=width)  # k, v [B, C, K, H]
         keys.append(k)
         vals.append(v)
-    return x, KVCache(tuple(keys), tuple(vals), kv.empty)
+    return x, KVCache(tuple(keys), tuple(vals), kv.empty, kv.bits)
 
 
 def _chunked(cfg: ModelConfig, params: Params, inputs: jax.Array, first: int, chunks: int
@@ -371,8 +434,9 @@ def _extend(cfg: ModelConfig, params: Params, kv: KVCache, tokens: jax.Array, st
         raise ValueError(f"start={start} + {T} tokens does not fit a cache of capacity {C}; grow "
                          "it with KVCache.pad")
     x = _embed(params["embed"], tokens)  # [B, T, D]
-    x, kv = _cache_layers(cfg, params, x, kv, 0, start, None if concrete else C)
-    return _head(cfg, _head_params(params), x, last=step), kv
+    x, kv = _cache_layers(cfg, params, x, kv, 0, start, None if concrete else C, step)
+    head = _head_params(params)
+    return (_step_head(cfg, head, x) if step else _head(cfg, head, x, last=False)), kv
 
 
 def extend(cfg: ModelConfig, params: Params, kv: KVCache, tokens: jax.Array, start: int
@@ -414,7 +478,7 @@ def greedy_tokens(cfg: ModelConfig, params: Params, kv: KVCache, token: jax.Arra
     yielded as soon as it is dispatched (the next step runs once the caller asks for it). The
     steps decode on a copy padded to `capacity` (default S + steps): one compiled program."""
     S = kv.seq_len
-    kv = kv.pad(capacity or S + steps)
+    kv = kv.pad(capacity or S + steps).held_as_bits()
     for i in range(steps):
         yield token
         if i + 1 < steps:  # the last token needs no step of its own

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from rekv_jax.model.layers import ROW_BLOCK
 from rekv_jax.sizes import attention_width
 
 NULL_PAGE = 0
@@ -32,6 +33,11 @@ class PoolConfig:
         if self.num_pages < 2 or self.page_size < 1:
             raise ValueError(f"a pool needs at least 2 pages (one is the null page) of at least "
                              f"1 position, got {self.num_pages} of {self.page_size}")
+
+    @classmethod
+    def holding(cls, tokens: int, page_size: int = PAGE_SIZE) -> PoolConfig:
+        """The smallest pool that holds one request of `tokens` positions."""
+        return cls(-(-tokens // page_size) + 1, page_size)
 
     @property
     def usable_pages(self) -> int:
@@ -136,8 +142,10 @@ class StepRow:
 
 
 def batch_bucket(requests: int) -> int:
-    """Slots of the step that runs `requests` requests: the power of two covering them."""
-    return 1 << max(requests - 1, 0).bit_length()
+    """Slots of the step that runs `requests` requests: the multiple of ROW_BLOCK covering
+    them (the step's dots run on blocks of that many rows whatever the slots: padding a batch
+    further would only add blocks)."""
+    return ROW_BLOCK * max(-(-requests // ROW_BLOCK), 1)
 
 
 def width_bucket(positions: Sequence[int]) -> int:

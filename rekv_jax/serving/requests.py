@@ -4,7 +4,8 @@ picklable (they cross the launcher's pipes: `Pair.ask` to a worker, `Side.emit` 
 Router -> prefill worker: `Prefill`. Router -> decode worker: `Admit`. Prefill worker -> router:
 `PrefillDone`. Decode worker -> router: `Held` (no pages yet: the router sends the `Admit`
 again later), `Token` (each generated token as it is known), `Finished` (once per request) and
-`Load` (its state, after an iteration that changed it). The router's own: `ServeRequest` (what
+`Load` (its state, after an iteration that changed it). Every worker -> router, once, when it
+can serve: `Ready`. The router's own: `ServeRequest` (what
 arrives), `Assignment` (what its policy chose, and `Why`).
 
 Ids are the router's, unique in a run; a handoff's transport tags carry the id (`tag`). Times a
@@ -186,3 +187,13 @@ class Load:
     queued_suffix_ms: float  # the `Admit.suffix_ms` of admitted suffix compute not yet run
     free_pages: int  # pages of its pool no request holds
     link_gbps_estimate: float | None  # the bandwidth its latest handoffs arrived at (None: none)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ready:
+    """Worker -> router, once its links are up, its model loaded and its programs warm: it can
+    serve. A decode worker adds its measured batched-step cost, `step_ms[b]` for a step of
+    b running requests (the router's `DecodeCosts`); a prefill worker none."""
+
+    worker: str  # its name, e.g. "decode-0"
+    step_ms: tuple[tuple[int, float], ...] = ()  # (batch, ms), batch ascending

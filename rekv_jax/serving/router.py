@@ -74,11 +74,14 @@ class Router:
 
     The caller feeds it arrivals (`arrive`), what workers emit (`on_item`) and workers' ends
     (`on_ended`), each with the run clock's `now_s`, and calls `expire` now and then; `done`
-    once every arrived request ended, each in `served` (in the order they ended)."""
+    once every arrived request ended, each in `served` (in the order they ended) and handed to
+    `on_served` as it ends."""
 
     def __init__(self, policy: Policy, ledger: Ledger, pool: PoolConfig, costs: DecodeCosts,
-                 send: Callable[[str, object], bool], rate: float, timeout: float) -> None:
+                 send: Callable[[str, object], bool], rate: float, timeout: float,
+                 on_served: Callable[[Served], None] | None = None) -> None:
         self._policy, self._ledger, self._pool, self._costs = policy, ledger, pool, costs
+        self._on_served = on_served
         self._send, self._rate, self._timeout = send, rate, timeout
         self._free = [pool.usable_pages] * len(ledger.decode)  # per decode worker
         self._live = {PREFILL: set(range(len(ledger.prefill))),
@@ -223,6 +226,8 @@ class Router:
             self._ended[held.request.id] = (held.assignment.decode_worker, held.pages)
         self.served.append(Served(held.request, self._policy.name, self._rate,
                                   tuple(held.token_times_s), held.assignment, finished, error))
+        if self._on_served is not None:
+            self._on_served(self.served[-1])
 
 
 class Workers(Protocol):
@@ -233,23 +238,60 @@ class Workers(Protocol):
     def poll(self, timeout: float | None = 0.0) -> list[Event]: ...
 
 
-def drive(workers: Workers, router: Router, requests: Sequence[ServeRequest],
+class Arrivals(Protocol):
+    """Where the loop's requests come from: a generated stream (`Scheduled`) or clients."""
+
+    @property
+    def ended(self) -> bool:
+        """No request will arrive after those taken."""
+        ...
+
+    def take(self, now_s: float, all_now: bool) -> list[ServeRequest]:
+        """The requests arrived by `now_s` on the run clock (`all_now`: every one still to
+        come, now: no pair is left to serve them)."""
+        ...
+
+    def wait_s(self, now_s: float) -> float:
+        """How long the loop may wait for workers before the next arrival is due."""
+        ...
+
+
+class Scheduled:
+    """A generated stream: each request arrives `arrival_s` after the loop's start."""
+
+    def __init__(self, requests: Sequence[ServeRequest]) -> None:
+        if any(b.arrival_s < a.arrival_s for a, b in zip(requests, requests[1:], strict=False)):
+            raise ValueError("requests must come in arrival order")
+        self._requests, self._next = list(requests), 0
+
+    @property
+    def ended(self) -> bool:
+        return self._next == len(self._requests)
+
+    def take(self, now_s: float, all_now: bool) -> list[ServeRequest]:
+        start = self._next
+        while not self.ended and (all_now or self._requests[self._next].arrival_s <= now_s):
+            self._next += 1
+        return self._requests[start:self._next]
+
+    def wait_s(self, now_s: float) -> float:
+        return POLL_S if self.ended else self._requests[self._next].arrival_s - now_s
+
+
+def drive(workers: Workers, router: Router, arrivals: Arrivals,
           on_item: Callable[[Event], None] | None = None,
           clock: Callable[[], float] = time.monotonic) -> list[Served]:
-    """Serve `requests` (in arrival order) through `router` to their ends: each arrives at its
-    `arrival_s` after the start on `clock`, the workers' events reach the router as they come
-    (each first shown to `on_item`: progress, records), and silent requests expire. Every
-    request ends `Served`, in the order they ended."""
-    if any(b.arrival_s < a.arrival_s for a, b in zip(requests, requests[1:], strict=False)):
-        raise ValueError("requests must come in arrival order")
-    start, i = clock(), 0
-    while i < len(requests) or not router.done:
+    """Serve what `arrivals` brings through `router` to its end: each request arrives at the
+    router when it is due on `clock` (time since the start), the workers' events reach the
+    router as they come (each first shown to `on_item`: progress, records), and silent requests
+    expire. Every request ends `Served`, in the order they ended."""
+    start = clock()
+    while not (arrivals.ended and router.done):
         now = clock() - start
-        while i < len(requests) and (requests[i].arrival_s <= now or not router.serving):
-            router.arrive(requests[i], now)
-            i += 1
-        wait = requests[i].arrival_s - now if i < len(requests) else POLL_S
-        for event in workers.poll(max(0.0, min(wait, POLL_S))):
+        for request in arrivals.take(now, not router.serving):
+            router.arrive(request, now)
+        wait = min(max(0.0, arrivals.wait_s(now)), POLL_S)
+        for event in workers.poll(wait):
             if on_item is not None:
                 on_item(event)
             now = clock() - start

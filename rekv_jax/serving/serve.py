@@ -3,17 +3,58 @@
 
 A run either drives generated request streams (one per arrival rate, each served under every
 policy, on one set of workers) or answers clients over HTTP (one policy), never both.
+
+`serve` starts the group (`launch.group.Group`: decode members first, each running
+`member.serving_member`) and waits until every member is `Ready`; the decode members' timed
+steps give the router its `DecodeCosts`. Before each policy serves a stream, a warm-up burst
+(`WARMUP` requests at once of each prompt length, not recorded) compiles its programs and the
+batched steps it will run; then the router (`router.Router`, one per stream and policy, over a
+fresh ledger) drives the stream. The group is closed whatever happens, and a decode member that
+ends holding pages fails the run.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import itertools
+import os
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 from rekv_jax.gate_result import GateResult
+from rekv_jax.launch.environments import group_environments, visible_gpus
+from rekv_jax.launch.group import Emitted, Event, Group, MemberEnded
+from rekv_jax.model.loader import load_config
 from rekv_jax.planning.costmodel import Profile
-from rekv_jax.serving.http import check_bind
-from rekv_jax.serving.metrics import Slo
-from rekv_jax.serving.requests import ServeRequest
+from rekv_jax.planning.queueing import DecodeCosts
+from rekv_jax.serving.http import ModelInfo, build_app, check_bind, running
+from rekv_jax.serving.ledger import Ledger
+from rekv_jax.serving.member import MemberSetup, serving_member
+from rekv_jax.serving.metrics import (
+    Capacity,
+    Served,
+    ServeSummary,
+    Slo,
+    capacities,
+    summarize,
+)
+from rekv_jax.serving.pages import PoolConfig
+from rekv_jax.serving.policy import Context, Policy, make_policies
+from rekv_jax.serving.requests import Ready, ServeRequest, Token
+from rekv_jax.serving.router import DECODE, Router, Scheduled, drive, parse_worker
+from rekv_jax.transport import JobKey
+
+POOL_REQUESTS = 16  # a decode worker's pool holds this many of the run's longest requests
+WARMUP = 8  # requests of each prompt length in a policy's warm-up burst
+HTTP_CONTEXT = 2048  # the most positions (prompt and tokens) an HTTP request may take
+
+
+def http_context(model: str) -> int:
+    """The positions an HTTP request may take: the model's, at most `HTTP_CONTEXT`."""
+    return min(load_config(model).max_position_embeddings, HTTP_CONTEXT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +90,13 @@ class Workers:
     fallback: str = "error"
     timeout: float = 120.0  # seconds any wait may take
     pin: bool = True  # each CPU side on its own cores
+
+    def environments(self) -> dict[str, dict[str, str]]:
+        """Each member's environment (`group_environments`; unpinned: all share the cores)."""
+        if not self.pin and not visible_gpus():
+            names = group_environments([], os.environ, self.prefill, self.decode)
+            return {name: dict(os.environ) for name in names}
+        return group_environments(visible_gpus(), os.environ, self.prefill, self.decode)
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:
@@ -89,8 +137,233 @@ class ServeConfig:
             raise ValueError(f"rates {rates} name one twice")
 
 
-def serve(config: ServeConfig) -> None:
-    """Run `config` on its workers: the router, the prefill and decode workers, the policy."""
-    raise NotImplementedError("the serving engine is not merged yet: `rekv serve` checked its "
-                              "flags, but the decode engine and the router that run them are "
-                              "still to come")
+@dataclasses.dataclass(frozen=True)
+class ServeRun:
+    """What a generated-load run measured."""
+
+    served: tuple[Served, ...]  # every request, by stream, then policy, in the order they ended
+    summaries: tuple[ServeSummary, ...]  # one per stream and policy
+    capacities: tuple[Capacity, ...]  # one per policy
+    costs: DecodeCosts  # the decode workers' measured iteration costs the policies used
+
+
+OnEvent = Callable[[Event], None]
+
+
+def serve(config: ServeConfig, on_event: OnEvent | None = None,
+          stop: threading.Event | None = None) -> ServeRun | None:
+    """Run `config` on its workers: a generated load's `ServeRun`, or, with `--http`, answer
+    clients until interrupted or `stop` is set (None). `on_event`: each worker event as it
+    comes (progress)."""
+    link = config.workers.link_gbps
+    if isinstance(link, str):
+        raise ValueError(f"serve() takes the link in GB/s or None (unpaced), got {link!r}: "
+                         "the CLI resolves 'paper' from the run's profiles")
+    if not config.profiles:
+        raise ValueError("serve() needs the cost model's profiles (the CLI measures them)")
+    setup = member_setup(config, link)
+    with Group(serving_member, (setup,), config.workers.environments(),
+               key=JobKey.new()) as group:
+        costs = _ready(group, config, setup)
+        policies = make_policies(config.policies, _context(config, costs))
+        try:
+            if config.http is not None:
+                return _serve_http(group, config, setup, policies[0], costs,
+                                   stop or threading.Event())
+            return _serve_streams(group, config, setup, policies, costs, on_event)
+        finally:
+            _close(group, config.workers.timeout)
+
+
+def member_setup(config: ServeConfig, link_gbps: float | None) -> MemberSetup:
+    """What the members run with: a pool of `POOL_REQUESTS` of the run's longest requests
+    (HTTP: of the model's context)."""
+    if config.streams:
+        longest = max(len(r.tokens) + r.max_new_tokens for s in config.streams
+                      for r in s.requests)
+        position = max(len(r.tokens) for s in config.streams for r in s.requests) - 1
+    else:
+        longest = http_context(config.model)
+        position = longest - 1
+    pool = PoolConfig(POOL_REQUESTS * PoolConfig(2).pages_for(longest) + 1)
+    w = config.workers
+    return MemberSetup(config.model, pool, transport=w.transport, link_gbps=link_gbps,
+                       fallback=w.fallback, timeout=w.timeout, cost_position=position)
+
+
+def _ready(group: Group, config: ServeConfig, setup: MemberSetup) -> DecodeCosts:
+    """Wait until every member is `Ready`; the decode members' iteration costs (the slowest
+    member's steps; the suffix budget from the shortest profile's suffix compute)."""
+    waiting, steps = set(group.names), []
+    deadline_s = config.workers.timeout * 4  # links, a model load and the steps' compiles
+    for event in _events(group, deadline_s, lambda: bool(waiting)):
+        if isinstance(event, MemberEnded):
+            raise RuntimeError(event.failure or f"{event.name} ended before it was ready")
+        if isinstance(event, Emitted) and isinstance(event.item, Ready):
+            waiting.discard(event.name)
+            if parse_worker(event.name)[0] == DECODE:
+                steps.append(dict(event.item.step_ms))
+    if waiting:
+        raise TimeoutError(f"{sorted(waiting)} not ready within {deadline_s:g} s")
+    return decode_costs(steps, config.profiles, setup.suffix_budget)
+
+
+def _events(group: Group, timeout_s: float, wanted: Callable[[], bool]) -> Iterator[Event]:
+    """The group's events while `wanted()` holds, for at most `timeout_s` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while wanted() and (left := deadline - time.monotonic()) > 0:
+        yield from group.poll(min(left, 1.0))
+
+
+def decode_costs(steps: Sequence[dict[int, float]], profiles: Sequence[Profile],
+                 suffix_budget: int | None) -> DecodeCosts:
+    """`DecodeCosts` from each decode member's timed steps (batch -> ms; the slowest member's
+    at each batch): a line through the smallest and largest batch; the suffix budget's ms from
+    the profile's suffix compute per token-layer (no budget: one 512-token layer)."""
+    batches = sorted(set.intersection(*(set(s) for s in steps)))
+    ms = {b: max(s[b] for s in steps) for b in batches}
+    lo, hi = batches[0], batches[-1]
+    per = (ms[hi] - ms[lo]) / (hi - lo) if hi > lo else 0.0
+    p = min(profiles, key=lambda p: p.seq_len)
+    token_layer_ms = p.suffix_layer_ms / p.seq_len
+    budget = suffix_budget if suffix_budget is not None else 512
+    return DecodeCosts(max(ms[lo] - lo * per, 0.0), max(per, 0.0), budget * token_layer_ms)
+
+
+def _context(config: ServeConfig, costs: DecodeCosts) -> Context:
+    cfg = load_config(config.model)
+    return Context(cfg.name, cfg.num_layers, config.profiles, costs, config.gate,
+                   config.adaptive_bits)
+
+
+def _router(group: Group, config: ServeConfig, setup: MemberSetup, policy: Policy,
+            costs: DecodeCosts, rate: float, on_served=None) -> Router:
+    w = config.workers
+    link = setup.link_gbps or config.profiles[0].link_gbps
+    return Router(policy, Ledger.idle(w.prefill, w.decode, link), setup.pool, costs, group.send,
+                  rate, w.timeout, on_served)
+
+
+def _serve_streams(group: Group, config: ServeConfig, setup: MemberSetup,
+                   policies: Sequence[Policy], costs: DecodeCosts, on_event: OnEvent | None
+                   ) -> ServeRun:
+    """Each stream under each policy, after the policy's warm-up burst. A request's id is its
+    handoff's tag, unique over the group's life: each run's ids are offset past the last's."""
+    served: list[Served] = []
+    summaries: list[ServeSummary] = []
+    ids = itertools.count()
+    for stream in config.streams:
+        for policy in policies:
+            _warm(group, config, setup, policy, costs, stream, ids)
+            router = _router(group, config, setup, policy, costs, stream.rate)
+            requests = [dataclasses.replace(r, id=next(ids)) for r in stream.requests]
+            run = drive(group, router, Scheduled(requests), on_event)
+            served += run
+            if any(s.completed for s in run):
+                summaries.append(summarize(run, config.slo))
+    return ServeRun(tuple(served), tuple(summaries), tuple(capacities(summaries)), costs)
+
+
+def _warm(group: Group, config: ServeConfig, setup: MemberSetup, policy: Policy,
+          costs: DecodeCosts, stream: Stream, ids: Iterator[int]) -> None:
+    """`WARMUP` requests of each prompt length of `stream` at once, under `policy`, unrecorded;
+    a warm-up that fails fails the run (a worker that cannot serve would fail every request)."""
+    lengths = sorted({len(r.tokens) for r in stream.requests})
+    first = {n: next(r for r in stream.requests if len(r.tokens) == n) for n in lengths}
+    burst = [ServeRequest(next(ids), first[n].tokens, first[n].max_new_tokens)
+             for n in lengths for _ in range(WARMUP)]
+    router = _router(group, config, setup, policy, costs, 0.0)
+    failed = [s for s in drive(group, router, Scheduled(burst)) if not s.completed]
+    if failed:
+        s = failed[0]
+        raise RuntimeError(f"{policy.name}'s warm-up failed: "
+                           f"{s.error or (s.finished and s.finished.error)}")
+
+
+def _close(group: Group, timeout: float) -> None:
+    """Close the group; a decode member that held pages at its end, or failed, fails the run."""
+    ends = group.close(timeout)
+    bad = [f"{name}: {e.error if not e.ok else f'{e.value} pages still held'}"
+           for name, e in ends.items()
+           if not e.ok or (parse_worker(name)[0] == DECODE and e.value)]
+    if bad:
+        raise RuntimeError("the serving group ended badly: " + "; ".join(bad))
+
+
+# -------------------------------------------------------------------------------- --http
+
+
+class Clients:
+    """`Arrivals` from HTTP clients and the `Backend` that hands them their tokens: a client's
+    request is queued by the server's thread (`submit`), taken by the router's loop at its
+    next turn, and its tokens reach the client's event loop as the decode worker emits them."""
+
+    def __init__(self, closed: threading.Event) -> None:
+        self._queue: queue.Queue[ServeRequest] = queue.Queue()
+        self._streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self.closed = closed  # set: no more requests are taken
+
+    @property
+    def ended(self) -> bool:
+        return self.closed.is_set() and self._queue.empty()
+
+    def take(self, now_s: float, all_now: bool) -> list[ServeRequest]:
+        out = []
+        while not self._queue.empty():
+            out.append(dataclasses.replace(self._queue.get(), arrival_s=now_s))
+        return out
+
+    def wait_s(self, now_s: float) -> float:
+        return 0.05  # a client's request waits at most this long for the loop to take it
+
+    async def submit(self, request: ServeRequest) -> AsyncIterator[int]:
+        tokens: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self._streams[request.id] = (asyncio.get_running_loop(), tokens)
+        self._queue.put(request)
+        while True:
+            item = await tokens.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                return
+            yield item
+
+    def _put(self, request_id: int, item: object, last: bool = False) -> None:
+        with self._lock:
+            stream = (self._streams.pop(request_id, None) if last
+                      else self._streams.get(request_id))
+        if stream is not None:
+            loop, tokens = stream
+            loop.call_soon_threadsafe(tokens.put_nowait, item)
+
+    def on_event(self, event: Event) -> None:
+        """A worker's event: a token goes to its client."""
+        if isinstance(event, Emitted) and isinstance(event.item, Token):
+            self._put(event.item.request_id, event.item.token)
+
+    def on_served(self, served: Served) -> None:
+        """A request ended: its stream ends, or fails with the request's one line."""
+        error = served.error or (served.finished.error if served.finished else "no report")
+        self._put(served.request.id, None if served.completed else RuntimeError(error), True)
+
+
+def _serve_http(group: Group, config: ServeConfig, setup: MemberSetup, policy: Policy,
+                costs: DecodeCosts, stop: threading.Event) -> None:
+    """Answer the OpenAI API at `config.http` until interrupted (Ctrl-C) or `stop` is set,
+    then end the requests in flight."""
+    from rekv_jax.model.loader import tokenizer_of
+
+    clients = Clients(stop)
+    router = _router(group, config, setup, policy, costs, 0.0, clients.on_served)
+    app = build_app(clients, ModelInfo(config.model, http_context(config.model),
+                                       tokenizer_of(config.model)), config.http.api_key)
+    with running(app, config.http.host, config.http.port) as url:
+        print(f"rekv serve: the OpenAI completions API at {url}/v1 ({policy.name}); Ctrl-C "
+              "stops it", flush=True)
+        try:
+            drive(group, router, clients, clients.on_event)
+        except KeyboardInterrupt:
+            clients.closed.set()
+            drive(group, router, clients, clients.on_event)

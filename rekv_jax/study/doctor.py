@@ -5,7 +5,9 @@ computed on `jax.devices("cpu")`; the suffix bitwise equal to `prefill` at two c
 family (Qwen2, Qwen3, Llama) with this process's attention backend; the quantizer's RMS
 round-trip error on Gaussian data within `RMS_ERR_BAND` of its theoretical value (its speed is
 reported: a missed target is not a failure); one short two-process handoff whose first tokens
-and caches check out. The model benchmark is information (INFO), a measurement, not a verdict.
+and caches check out; on a GPU, a stream of requests of every kind through the serving workers
+(the decode engine with its Pallas paged attention, `check_engine`). The model benchmark is
+information (INFO), a measurement, not a verdict.
 On a GPU the shapes are real (published configs, synthetic shared-layer weights; a few minutes
 on an H100/H200); on CPU the same checks run on small shapes in well under a minute.
 """
@@ -27,12 +29,21 @@ from pallas_kernels import quant as kernels
 from rekv_jax import sizes
 from rekv_jax.action import Action
 from rekv_jax.config import Llama3RopeScaling, ModelConfig
-from rekv_jax.handoff.check import SUFFIX_ACROSS
+from rekv_jax.handoff.check import SUFFIX_ACROSS, reference
 from rekv_jax.launch.environments import visible_gpus
 from rekv_jax.launch.pair import run_child
 from rekv_jax.mode import Schedule
-from rekv_jax.model.loader import synthetic_model
-from rekv_jax.model.transformer import attention_backend, prefill, run_prefix, run_suffix
+from rekv_jax.model.loader import load_config, synthetic_model
+from rekv_jax.model.transformer import (
+    attention_backend,
+    greedy_decode,
+    prefill,
+    run_prefix,
+    run_suffix,
+)
+from rekv_jax.serving.driver import Ask, Driven, ServeSetup, serve_pair
+from rekv_jax.serving.pages import PoolConfig
+from rekv_jax.serving.requests import ServeRequest
 from rekv_jax.study import bench
 from rekv_jax.study.experiment import Experiment
 from rekv_jax.study.records import Summary
@@ -287,16 +298,100 @@ def check_handoff(seq_len: int) -> Finding:
     return Finding(ok, detail, HandoffData(tuple(summaries)))
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineData:
+    """The serving stream through the decode engine: per request its action, what it
+    produced, its cache check and the single-process greedy tokens."""
+
+    actions: tuple[str, ...]
+    tokens: tuple[tuple[int, ...], ...]
+    want: tuple[tuple[int, ...], ...]
+    checks: tuple[str, ...]
+    errors: tuple[str | None, ...]
+    used_pages: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v
+                for k, v in dataclasses.asdict(self).items()}
+
+
+ENGINE_MODEL = "tiny-7b"  # 28 layers: a decode step and a suffix chunk of real depth
+ENGINE_ACTIONS = ("bf16:full", "bf16:r=8", "q8:r=8", "bf16:recompute", "q8:full", "q4:r=12")
+ENGINE_NEW_TOKENS = 16
+
+
+def engine_asks(seq_len: int, vocab: int) -> list[Ask]:
+    """Requests of every kind and two lengths, 0.2 s apart, each suffix in chunks of 128."""
+    rng = np.random.default_rng(0)
+    return [Ask(ServeRequest(i, rng.integers(0, vocab, seq_len // (1 + i % 2)).tolist(),
+                             ENGINE_NEW_TOKENS, arrival_s=0.2 * i), action, 128)
+            for i, action in enumerate(ENGINE_ACTIONS)]
+
+
+def greedy_references(model: str, asks: list[Ask]) -> list[tuple[int, ...]]:
+    """Each request's greedy tokens on the single-process reference of its mode."""
+    m = synthetic_model(ModelConfig.preset(model))
+    out = []
+    for ask in asks:
+        mode = ask.records(m.cfg.num_layers)[0].mode
+        tokens = jnp.asarray([ask.request.tokens], jnp.int32)
+        kv, logits = reference(m.cfg, m.params, tokens, mode.reference, mode.action.cut)
+        out.append(tuple(np.asarray(greedy_decode(m.cfg, m.params, kv, logits,
+                                                  ask.request.max_new_tokens))[0].tolist()))
+    return out
+
+
+def engine_verdict(asks: list[Ask], driven: Driven, want: list[tuple[int, ...]]) -> Finding:
+    """Passes when no request failed, every request's pages pass their cache check, every
+    first token is the single process's and the pool ends empty. How many requests decoded
+    all their tokens as the single process does is reported, not judged: the engine's paged
+    attention on a GPU (Pallas) has its own bits."""
+    f = driven.finished
+    data = EngineData(tuple(a.action for a in asks), tuple(x.tokens for x in f), tuple(want),
+                      tuple(x.checks for x in f), tuple(x.error for x in f), driven.used_pages)
+    failed = [f"{a.action}: {x.error}" for a, x in zip(asks, f, strict=True) if x.error]
+    unchecked = [a.action for a, x in zip(asks, f, strict=True)
+                 if not x.error and not x.checks.startswith(("bitwise", "suffix bitwise"))]
+    first = [a.action for a, x, w in zip(asks, f, want, strict=True)
+             if not x.error and x.tokens[:1] != w[:1]]
+    same = sum(x.tokens == w for x, w in zip(f, want, strict=True))
+    ok = not (failed or unchecked or first) and driven.used_pages == 0
+    detail = (f"{len(asks)} requests: " + ("; ".join(
+        [*failed, *(f"{a} cache check failed" for a in unchecked),
+         *(f"{a} first token differs" for a in first)]) or "every cache check and first token "
+        "holds") + f", {same} of {len(asks)} decode as the single process, "
+        f"{driven.used_pages} pages left")
+    return Finding(ok, detail, data)
+
+
+def check_engine(seq_len: int) -> Finding:
+    """The serving workers (a prefill worker and the decode engine, spawned) through requests
+    of every kind arriving while others decode, against single-process references computed in
+    a fresh process."""
+    asks = engine_asks(seq_len, load_config(ENGINE_MODEL).vocab_size)
+    pool = PoolConfig.holding(len(asks) * (seq_len + ENGINE_NEW_TOKENS))
+    try:
+        driven = serve_pair(ServeSetup(ENGINE_MODEL, pool=pool, check=True, timeout=600.0), asks)
+    except (ValueError, TransportError, TimeoutError) as e:
+        return Finding(False, str(e))
+    want = run_child(greedy_references, ENGINE_MODEL, asks, env=os.environ,
+                     what="the engine's references", timeout=CHECKS_TIMEOUT_S)
+    return engine_verdict(asks, driven, want)
+
+
 def run_checks() -> list[Check]:
     """Every check, on this platform's shapes, each in a process spawned for it: the two-process
-    handoff first, on the shapes of the platform that `visible_gpus` predicts (reported last),
-    then the single-process checks in one fresh process (this one starts no JAX backend, whose
-    GPU memory the pair would need)."""
-    guess = shapes_for("gpu" if visible_gpus() else "cpu")
-    handoff = _timed("handoff", lambda: check_handoff(guess.handoff_seq_len))
+    handoff first (and on a GPU the serving engine), on the shapes of the platform that
+    `visible_gpus` predicts (reported last), then the single-process checks in one fresh
+    process (this one starts no JAX backend, whose GPU memory the pair would need)."""
+    gpu = bool(visible_gpus())
+    guess = shapes_for("gpu" if gpu else "cpu")
+    pairs = [_timed("handoff", lambda: check_handoff(guess.handoff_seq_len))]
+    if gpu:
+        pairs.append(_timed("engine", lambda: check_engine(guess.handoff_seq_len)))
     checks = run_child(single_process_checks, env=os.environ, what="the doctor's checks",
                        timeout=CHECKS_TIMEOUT_S)
-    return [*checks, handoff]
+    return [*checks, *pairs]
 
 
 def single_process_checks() -> list[Check]:

@@ -46,6 +46,12 @@ class Board:
 
     post = put  # in-process, a put does not wait for anything
 
+    def release(self, key: str) -> None:
+        """Let go of the value under `key` (its key stays posted: write-once still holds)."""
+        with self._cond:
+            if key in self._values:
+                self._values[key] = None
+
     def get(self, key: str, timeout: float) -> object:
         """The value under `key`; TransportTimeout after `timeout` s, TransportError once closed."""
         with self._cond:

@@ -81,6 +81,9 @@ class LocalTransport(Endpoint):
         except TransportError as e:
             self._settle(arrival, error=e)
 
+    def _acked(self, tag: str) -> None:
+        self._channel.release(f"{tag}/payload")  # taken and verified: the board lets go of it
+
     def _close(self, timeout: float) -> None:
         if self._worker is not None:
             self._worker.close()

@@ -3,9 +3,12 @@
 The prefill worker runs the prompt (split: layers 0..c-1 only, each layer's quantized KV streamed
 as it is computed; full: all L layers first), the decode worker receives `h_c`, recomputes the
 suffix, restores the prefix, and then decodes greedily on that cache (quantized prefix + exact
-suffix) — the decoding the paper leaves out. `ttft_ms` is the handoff's prompt interval (prompt
-at the prefill worker to the first token at the decode worker), after one untimed warm-up
-handoff that compiles every program. `compare` decodes the same prompt on a single-process cache
+suffix) — the decoding the paper leaves out. Both run the serving workers: the decode side is a
+`DecodeEngine` whose batch holds this one request (its cache in pages, its steps the batched
+step's, so its tokens are what it would get beside any others), the prefill side a
+`PrefillWorker`. `ttft_ms` is the handoff's prompt interval (the decode side's admission, when
+the prefill worker starts on the prompt, to the first token), after one untimed warm-up request
+that compiles every program. `compare` decodes the same prompt on a single-process cache
 of the same dtype (no quantization) and reports where the two token streams first differ.
 """
 
@@ -13,31 +16,32 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from rekv_jax.action import Action
-from rekv_jax.handoff.receiver import receive_handoff
-from rekv_jax.handoff.sender import send_prompt
+from rekv_jax.config import ModelConfig
+from rekv_jax.errors import TransportError
 from rekv_jax.launch.child import Side
 from rekv_jax.launch.environments import pair_environments, visible_gpus
 from rekv_jax.launch.pair import loopback, run_pair
 from rekv_jax.launch.runtime import agree_runtime
 from rekv_jax.mode import Fallback, Interval, Mode, PrefillMode, Schedule
 from rekv_jax.model.loader import SHIPPED_MODEL, load_config, load_model
-from rekv_jax.model.transformer import (
-    attention_backend,
-    greedy_decode,
-    greedy_tokens,
-    prefill,
-)
+from rekv_jax.model.transformer import Params, attention_backend, greedy_decode, prefill
+from rekv_jax.serving.engine import DecodeEngine, EngineConfig
+from rekv_jax.serving.pages import PoolConfig
+from rekv_jax.serving.prefill_worker import PrefillWorker
+from rekv_jax.serving.requests import Admit, Finished, Prefill, Token
 from rekv_jax.sizes import action_bytes
 from rekv_jax.transport import JobKey, Transport
 from rekv_jax.transport.base import Role
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 OnToken = Callable[[int], None]
 DTYPES = ("bfloat16", "float32")
@@ -104,18 +108,6 @@ class Generation:
         return d
 
 
-def timed(tokens: Iterable[jax.Array], on_token: OnToken = lambda t: None
-          ) -> tuple[list[int], list[float]]:
-    """The ids of greedy tokens [1] (`greedy_tokens`), each passed to `on_token` as it becomes
-    known, and when each did (perf_counter)."""
-    ids, times = [], []
-    for token in tokens:
-        ids.append(int(token[0]))
-        times.append(time.perf_counter())
-        on_token(ids[-1])
-    return ids, times
-
-
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     """Index of the first differing token (or the shorter length), None if equal."""
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
@@ -132,36 +124,57 @@ def run_role(role: Role, req: Request, transport: Transport, on_token: OnToken =
     mode = req.mode(cfg.num_layers)
     agree_runtime(transport, attention_backend(cfg, params["embed"].dtype), req.timeout)
     transport.agree("request", dataclasses.asdict(req), req.timeout)
-    tokens = jnp.asarray([req.token_ids], jnp.int32)  # [1, S]
-    S = tokens.shape[1]
-    result = None
-    for tag in ("warmup", "timed"):
-        if role == "prefill":
-            send_prompt(transport, cfg, params, tokens, mode, tag, timeout=req.timeout)
-            continue
-        result = receive_handoff(transport, cfg, params, mode, 1, S, tag, req.fallback,
-                                 timeout=req.timeout)
-        t_first = time.perf_counter()
-        if tag == "warmup":  # compile the decode step on the padded cache too
-            timed(greedy_tokens(cfg, params, result.kv, result.first_token, 2,
-                                S + req.max_new_tokens))
+    S = len(req.token_ids)
+    # the warm-up request (id 0) compiles the steps of the first width bucket
+    asked = [(0, min(2, req.max_new_tokens)), (1, req.max_new_tokens)]
     if role == "prefill":
+        worker = PrefillWorker(cfg, params, [transport], timeout=req.timeout)
+        for request_id, _ in asked:
+            done = worker.prefill(Prefill(request_id, req.token_ids, mode, 0))
+            if done.error is not None:
+                raise TransportError(done.error)
         return None
-    ids, times = timed(greedy_tokens(cfg, params, result.kv, result.first_token,
-                                     req.max_new_tokens), on_token)
-    decode_s = times[-1] - t_first
-    gaps = np.diff(times)
+    pool = PoolConfig.holding(S + req.max_new_tokens)
+    engine = DecodeEngine(cfg, params, [transport],
+                          EngineConfig(pool, None, req.fallback, req.timeout))
+    for request_id, steps in asked:
+        finished, times = _decode(engine, Admit(request_id, S, steps, mode, 0, 0.0),
+                                  on_token if request_id else lambda t: None)
+    return _generation(req, cfg, params, tok, mode, finished, times)
+
+
+def _decode(engine: DecodeEngine, admit: Admit, on_token: OnToken
+            ) -> tuple[Finished, list[float]]:
+    """Run one request alone on the engine: its record and when each token was known."""
+    engine.admit(admit)
+    times: list[float] = []
+    while True:
+        for item in engine.step():
+            if isinstance(item, Token):
+                times.append(item.t_s)
+                on_token(item.token)
+            elif isinstance(item, Finished):
+                if item.error is not None:
+                    raise TransportError(item.error)
+                return item, times
+
+
+def _generation(req: Request, cfg: ModelConfig, params: Params, tok: Tokenizer | None,
+                mode: Mode, out: Finished, times: list[float]) -> Generation:
+    """The record of the timed request (`compare`: against single-process greedy decoding)."""
+    ids, gaps = list(out.tokens), np.diff(times)
     divergence = None
     if req.compare:
+        tokens = jnp.asarray([req.token_ids], jnp.int32)
         reference = greedy_decode(cfg, params, *prefill(cfg, params, tokens), req.max_new_tokens)
         divergence = first_divergence(ids, np.asarray(reference)[0].tolist())
     return Generation(
-        tokens=ids, text=tok.decode(ids) if tok else None, ttft_ms=result.total_ms,
+        tokens=ids, text=tok.decode(ids) if tok else None, ttft_ms=out.handoff_ms,
         tpot_ms=1e3 * float(np.median(gaps)) if gaps.size else 0.0,
-        tokens_per_s=len(ids) / (result.total_ms / 1e3 + decode_s),
-        payload_bytes=action_bytes(cfg, mode.action, S).total_bytes, action=str(mode.action),
-        prefill=req.prefill, chunks=req.chunks, fallback=result.fallback,
-        first_divergence=divergence)
+        tokens_per_s=len(ids) / (out.handoff_ms / 1e3 + times[-1] - times[0]),
+        payload_bytes=action_bytes(cfg, mode.action, len(req.token_ids)).total_bytes,
+        action=str(mode.action), prefill=req.prefill, chunks=req.chunks,
+        fallback=out.fell_back, first_divergence=divergence)
 
 
 def run_side(side: Side, req: Request) -> Generation | None:

@@ -1,0 +1,401 @@
+"""The decode worker of a serving system: one engine thread that admits ReKV handoffs into a paged
+cache between the decode steps of the requests already running (continuous batching).
+
+Each iteration (`DecodeEngine.step`), with every device call dispatched asynchronously:
+  1. join: the requests whose cache completed last iteration enter the decode batch;
+  2. decode: one batched step of the running requests is dispatched (`paged.decode_step`,
+     one program for all layers; its tokens stay on the device);
+  3. handoffs: each in-flight `Reception` advances in admission order, together dispatching at
+     most `suffix_budget` token-layers of suffix compute (a serving request's suffix runs in
+     token chunks, `serving_mode`: Sarathi-style interleaving, so running requests keep
+     stepping); a reception's restored and recomputed layers go straight into its pages;
+  4. collect: the step's tokens are pulled to the host (the one sync of an iteration: emitting
+     them needs it) and emitted; a request whose handoff completed emits its first token and
+     joins next iteration; a request with all its tokens retires (`Finished`) and its pages go
+     back.
+When nothing runs and no queued suffix work waits, it sleeps on the receptions' `waitables()`
+(bounded), never spinning.
+
+A request takes every page it can need at admission (`admit`): with too few free it is `Held`
+(nothing reserved; the router sends it again), and so is every request after it until it is
+admitted (first come, first served); its prefill side holds its sends until the decode side
+posts `TAG/admitted` on the control connection (back-pressure; nothing is dropped).
+Faults stay with their request: a reception's error (a lost or corrupt prefix without the
+recompute fallback, its prefill process gone) fails that request alone, in one line.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rekv_jax.action import Action, ActionKind
+from rekv_jax.config import ModelConfig
+from rekv_jax.errors import TransportError
+from rekv_jax.handoff.check import HostReference, check_cache, reference
+from rekv_jax.handoff.prefix_format import KeyBias
+from rekv_jax.handoff.receiver import Reception, WorkBudget
+from rekv_jax.kv import KVCache
+from rekv_jax.launch.child import Member
+from rekv_jax.mode import Fallback, Interval, Mode, PrefillMode, Reference, Schedule
+from rekv_jax.model import paged
+from rekv_jax.model.transformer import Params
+from rekv_jax.serving.inbox import MemberInbox, Requests
+from rekv_jax.serving.pages import (
+    BlockTable,
+    PageAllocator,
+    PoolConfig,
+    StepRow,
+    batch_bucket,
+    step_inputs,
+)
+from rekv_jax.serving.requests import Admit, Finished, Held, Load, Token, tag
+from rekv_jax.transport import Transport
+
+CHUNK_TOKENS = 64  # a serving request's suffix runs in token chunks of at most this many
+SUFFIX_BUDGET = 8 * CHUNK_TOKENS  # token-layers of suffix compute per iteration (8 layers' chunk)
+OUTCOME_WAIT_S = 1.0  # the longest a retiring request waits for its prefill side's times
+
+
+def serving_mode(action: Action, prompt_len: int, chunk_tokens: int = CHUNK_TOKENS) -> Mode:
+    """How a serving request of `action` is handed off, timed from the prompt, so that its
+    decode-side compute comes in units of at most `chunk_tokens` tokens through one layer: a
+    joint action under the chunked schedule; a recomputation as a pipelined prefill of no
+    layers (only the ids cross; the decode side prefills in chunks); transfer-only as it is.
+    Its cache's reference is `Mode.reference` either way."""
+    chunks = -(-prompt_len // chunk_tokens)
+    if chunks < 2 or action.kind == ActionKind.TRANSFER:
+        return Mode.of(action, interval=Interval.PROMPT)
+    if action.kind == ActionKind.JOINT:
+        return Mode.of(action, Schedule.CHUNKED, chunks=chunks, interval=Interval.PROMPT)
+    return Mode.of(action, None, PrefillMode.PIPELINED, chunks, Interval.PROMPT)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How a decode engine runs."""
+
+    pool: PoolConfig
+    suffix_budget: int | None = SUFFIX_BUDGET  # token-layers per iteration (None: no limit)
+    fallback: str = Fallback.ERROR  # what a request whose prefix fails does
+    timeout: float = 60.0  # seconds each message of a handoff may take
+    idle_wait_s: float = 0.05  # the longest wait before looking for new requests again
+    # check each request's paged cache against its single-process reference (a prefill per
+    # request on this worker: for tests)
+    check: bool = False
+    attention: str | None = None  # `paged.PAGED_ATTENTIONS`; None: the platform's default
+    worker: int = 0  # this decode worker's index
+
+    def __post_init__(self) -> None:
+        if self.fallback not in tuple(Fallback):
+            raise ValueError(f"fallback must be one of {tuple(f.value for f in Fallback)}, "
+                             f"got {self.fallback!r}")
+        if self.suffix_budget is not None and self.suffix_budget < 1:
+            raise ValueError(f"suffix_budget must be >= 1 token-layer, got {self.suffix_budget}")
+
+
+@dataclasses.dataclass
+class _Request:
+    """An admitted request: its pages, its handoff, and what it generated so far."""
+
+    admit: Admit
+    table: BlockTable
+    reception: Reception
+    admitted_s: float  # time.monotonic()
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    times_s: list[float] = dataclasses.field(default_factory=list)
+    checks: str = ""
+
+    @property
+    def position(self) -> int:
+        """The position its last token is decoded at."""
+        return self.admit.prompt_len + len(self.tokens) - 1
+
+    @property
+    def complete(self) -> bool:
+        return len(self.tokens) >= self.admit.max_new_tokens
+
+
+@jax.jit
+def _argmax(logits: jax.Array) -> jax.Array:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
+
+
+def one_line(error: BaseException) -> str:
+    """An error as the one line a failed request reports."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+class DecodeEngine:
+    """The decode side of a serving worker: the paged cache of every admitted request, handed
+    off over `links[p]` from prefill worker p (`Admit.prefill_worker`), one thread. `admit`
+    requests, call `step` in a loop (or `run` a group member)."""
+
+    def __init__(self, cfg: ModelConfig, params: Params, links: Sequence[Transport],
+                 config: EngineConfig) -> None:
+        self._cfg, self._params, self._links, self.config = cfg, params, list(links), config
+        self._alloc = PageAllocator(config.pool)
+        self._weights = paged.stack_weights(cfg, params)
+        self._pool = paged.new_pool(cfg, config.pool.num_pages, config.pool.page_size,
+                                    params["embed"].dtype)
+        self._handoffs: list[_Request] = []  # receptions in flight, in admission order
+        self._joining: list[_Request] = []  # cache complete: join the batch next iteration
+        self._running: list[_Request] = []  # in the decode batch, in the order they joined
+        # held requests, first come first: (id, when first held)
+        self._held: list[tuple[int, float]] = []
+        self._changed = True  # since the last `Load`
+
+    # -- the loop's interface ----------------------------------------------------------------
+
+    def admit(self, request: Admit) -> bool:
+        """Take the request's pages and start its handoff; False (nothing reserved: held) when
+        too few pages are free, or while a request held before it waits (first come, first
+        served: prefill workers send in that order, so a later request admitted first could
+        wait on its prefill behind the held one, which waits on its pages). ValueError if it
+        could never fit."""
+        link = self._link(request)
+        now = time.monotonic()
+        while self._held and now - self._held[0][1] > self.config.timeout:
+            self._held.pop(0)  # never sent again (its router gave up on it): it holds none up
+        ids = [i for i, _ in self._held]
+        table = (self._alloc.admit(request.prompt_len + request.max_new_tokens)
+                 if ids[:1] in ([], [request.request_id]) else None)
+        if table is None:
+            if request.request_id not in ids:
+                self._held.append((request.request_id, now))
+            return False
+        if ids:
+            self._held.pop(0)
+        name = tag(request.request_id)
+        reception = Reception(link, self._cfg, self._params, request.mode, 1,
+                              request.prompt_len, name, self.config.fallback,
+                              timeout=self.config.timeout,
+                              sink=functools.partial(self._write, table))
+        reception.start()
+        link.send_meta(f"{name}/admitted", {})  # its prefill side may send now
+        self._handoffs.append(_Request(request, table, reception, time.monotonic()))
+        self._changed = True
+        return True
+
+    def _link(self, request: Admit) -> Transport:
+        """The link to the request's prefill worker; ValueError if there is none."""
+        if not 0 <= request.prefill_worker < len(self._links):
+            raise ValueError(f"no prefill worker {request.prefill_worker} (this decode worker "
+                             f"links to {len(self._links)})")
+        return self._links[request.prefill_worker]
+
+    @property
+    def idle(self) -> bool:
+        """Nothing admitted is left."""
+        return not (self._handoffs or self._joining or self._running)
+
+    @property
+    def busy(self) -> bool:
+        """Work can be dispatched now without waiting for anything."""
+        return bool(self._joining or self._running
+                    or any(r.reception.pending_work for r in self._handoffs))
+
+    def step(self) -> list[object]:
+        """One iteration (the module's docstring); what it emitted: `Token`s, `Finished`s and,
+        when something changed, a `Load`. With nothing to dispatch it waits (bounded) for a
+        handoff to be able to move."""
+        if self._joining:
+            self._running += self._joining
+            self._joining, self._changed = [], True
+        tokens = self._dispatch_step() if self._running else None
+        items = self._advance_handoffs()
+        if tokens is not None:
+            items += self._collect(tokens)
+        items += self._retire()
+        if not self.busy and self._handoffs:
+            self._wait()
+        if self._changed:
+            items.append(self.load())
+            self._changed = False
+        return items
+
+    def _wait(self) -> None:
+        """Sleep until a reception can move, at most `idle_wait_s`."""
+        waitables = [f for r in self._handoffs for f in r.reception.waitables()]
+        if waitables:
+            concurrent.futures.wait(waitables, self.config.idle_wait_s,
+                                    concurrent.futures.FIRST_COMPLETED)
+        else:  # nothing to wait on (it moves on its own next advance): no spinning either
+            time.sleep(self.config.idle_wait_s)
+
+    def load(self) -> Load:
+        """Its state: running requests, admitted suffix compute not yet done, free pages."""
+        return Load(self.config.worker, len(self._running),
+                    sum(r.admit.suffix_ms for r in self._handoffs), self._alloc.free_pages,
+                    None)
+
+    def step_ms(self, batches: Sequence[int], position: int, reps: int = 5
+                ) -> tuple[tuple[int, float], ...]:
+        """(batch, median ms) of a batched decode step of each size in `batches`, every row at
+        `position`, timed on this engine's pool while nothing is admitted (the rows' pages are
+        taken and given back; what the steps wrote there is never read: a request attends
+        only to positions it wrote). The first step of each size compiles and is not timed."""
+        if not self.idle:
+            raise RuntimeError("step costs are measured before any request is admitted")
+        out = []
+        for batch in batches:
+            tables = [self._alloc.admit(position + 1) for _ in range(batch)]
+            if None in tables:
+                raise ValueError(f"a pool of {self.config.pool.num_pages} pages holds fewer "
+                                 f"than {batch} rows at position {position}")
+            rows = [StepRow(0, position, t) for t in tables]
+            inputs = step_inputs(rows + [None] * (batch_bucket(batch) - batch),
+                                 self.config.pool.page_size)
+            times = []
+            for _ in range(reps + 1):
+                start = time.perf_counter()
+                logits, self._pool = paged.decode_step(
+                    self._cfg, self._weights, self._pool, inputs.tokens, inputs.positions,
+                    inputs.tables, inputs.width, self.config.attention)
+                jax.block_until_ready(logits)
+                times.append(1e3 * (time.perf_counter() - start))
+            for t in tables:
+                self._alloc.retire(t)
+            out.append((batch, float(np.median(times[1:]))))
+        return tuple(out)
+
+    @property
+    def free_pages(self) -> int:
+        return self._alloc.free_pages
+
+    @property
+    def used_pages(self) -> int:
+        return self._alloc.used_pages
+
+    def serve(self, requests: Requests, emit: Callable[[object], None]) -> None:
+        """Serve the `Admit`s taken from `requests` until there are no more and every admitted
+        request ended, emitting what each iteration produced."""
+        while not (requests.ended and self.idle):
+            for request in requests.take(None if self.idle else 0.0):
+                for item in self._take(request):
+                    emit(item)
+            if not self.idle:
+                for item in self.step():
+                    emit(item)
+
+    def run(self, member: Member) -> None:
+        """Serve the `Admit`s the router hands this group member."""
+        self.serve(MemberInbox(member), member.emit)
+
+    def _take(self, request: object) -> list[object]:
+        """Admit one request from the parent: [] once admitted, else what it is told."""
+        if not isinstance(request, Admit):
+            raise ValueError(f"a decode engine takes Admit requests, got {type(request).__name__}")
+        try:
+            if self.admit(request):
+                return []
+        except ValueError as e:  # it could never fit: its prefill side is told not to send
+            if 0 <= request.prefill_worker < len(self._links):
+                self._links[request.prefill_worker].send_meta(
+                    f"{tag(request.request_id)}/admitted", {"refused": one_line(e)})
+            return [Finished(request.request_id, (), 0.0, 0.0, 0.0, None, "", False,
+                             one_line(e))]
+        pages = self.config.pool.pages_for(request.prompt_len + request.max_new_tokens)
+        return [Held(request.request_id, self._alloc.free_pages, pages)]
+
+    # -- an iteration ------------------------------------------------------------------------
+
+    def _write(self, table: BlockTable, kv: KVCache, first: int, start: int) -> None:
+        """A reception's sink: layers first.. of kv [n, 1, T, K, H] into the request's pages
+        at positions start..start+T-1 (the pool donated: written in place)."""
+        self._pool = paged.write_cache(self._pool, kv, first, table.rows(start, start + kv.seq_len))
+
+    def _dispatch_step(self) -> jax.Array:
+        """One decode step of the running requests, each at its position; their next tokens
+        [B] on the device (slots in `_running`'s order, padding after)."""
+        rows: list[StepRow | None] = [StepRow(r.tokens[-1], r.position, r.table)
+                                      for r in self._running]
+        rows += [None] * (batch_bucket(len(rows)) - len(rows))
+        inputs = step_inputs(rows, self.config.pool.page_size)
+        logits, self._pool = paged.decode_step(self._cfg, self._weights, self._pool,
+                                               inputs.tokens, inputs.positions, inputs.tables,
+                                               inputs.width, self.config.attention)
+        return _argmax(logits)
+
+    def _advance_handoffs(self) -> list[object]:
+        """Advance every reception within the iteration's suffix budget; a completed one emits
+        its first token and joins next iteration; a failed one fails alone."""
+        budget = WorkBudget(self.config.suffix_budget)
+        items: list[object] = []
+        for r in list(self._handoffs):
+            try:
+                if not r.reception.advance(budget):
+                    continue
+                self._handoffs.remove(r)
+                items.append(self._first_token(r))
+            except Exception as e:  # the request's own fault: it fails alone
+                self._handoffs.remove(r)
+                items.append(self._end(r, one_line(e)))
+        return items
+
+    def _first_token(self, r: _Request) -> Token:
+        token = int(np.asarray(r.reception.first_token)[0])
+        r.tokens.append(token)
+        r.times_s.append(time.monotonic())
+        if self.config.check:
+            r.checks = self._check(r)
+        self._joining.append(r)
+        self._changed = True
+        return Token(r.admit.request_id, 0, token, r.times_s[-1])
+
+    def _collect(self, tokens: jax.Array) -> list[Token]:
+        """The step's tokens, pulled to the host once, each appended to its request."""
+        host, now = np.asarray(tokens), time.monotonic()
+        out = []
+        for slot, r in enumerate(self._running):
+            r.tokens.append(int(host[slot]))
+            r.times_s.append(now)
+            out.append(Token(r.admit.request_id, len(r.tokens) - 1, r.tokens[-1], now))
+        return out
+
+    def _retire(self) -> list[Finished]:
+        """Retire the requests that have all their tokens (those that just joined too)."""
+        done = [r for r in self._running + self._joining if r.complete]
+        self._running = [r for r in self._running if not r.complete]
+        self._joining = [r for r in self._joining if not r.complete]
+        return [self._end(r, None) for r in done]
+
+    def _end(self, r: _Request, error: str | None) -> Finished:
+        """Free the request's pages; its record."""
+        self._alloc.retire(r.table)
+        self._changed = True
+        if error is not None:
+            r.reception.abandon()
+            return Finished(r.admit.request_id, tuple(r.tokens), 0.0, 0.0, 0.0, None, "",
+                            r.reception.fell_back, error)
+        gaps = np.diff(r.times_s)
+        try:  # the prefill side's times are there unless it failed after its last message
+            handoff = r.reception.outcome(OUTCOME_WAIT_S)
+        except TransportError as e:
+            return Finished(r.admit.request_id, tuple(r.tokens), r.times_s[0] - r.admitted_s,
+                            float(gaps.mean()) if gaps.size else 0.0, 0.0, None, r.checks,
+                            r.reception.fell_back, one_line(e))
+        return Finished(r.admit.request_id, tuple(r.tokens), r.times_s[0] - r.admitted_s,
+                        float(gaps.mean()) if gaps.size else 0.0, handoff.total_ms,
+                        handoff.phases_ms, r.checks, handoff.fallback)
+
+    def _check(self, r: _Request) -> str:
+        """What holds of the request's pages against its single-process reference (the plain
+        prefill's after a fallback), as `check_cache` says it."""
+        cfg, mode, S = self._cfg, r.admit.mode, r.admit.prompt_len
+        rows = r.table.rows(0, S)
+        layers = [paged.read_layer(self._pool, layer, rows) for layer in range(cfg.num_layers)]
+        kv = KVCache(tuple(k for k, _ in layers), tuple(v for _, v in layers))
+        handoff = dataclasses.replace(r.reception.outcome(OUTCOME_WAIT_S), kv=kv)
+        ref = Reference() if handoff.fallback else mode.reference
+        want, _ = reference(cfg, self._params, r.reception.tokens, ref, mode.action.cut)
+        return check_cache(HostReference(want, KeyBias.of(cfg, self._params)), mode.action,
+                           handoff, ref.name)
