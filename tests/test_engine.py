@@ -154,6 +154,16 @@ def test_every_action_in_one_process_with_a_pool_that_makes_requests_wait():
     assert sum(isinstance(i, PrefillDone) and i.error is None for i in out.items) == len(asked)
 
 
+def test_requests_decoding_across_an_attention_bucket_give_greedy_decodes_tokens():
+    """Prompts that end just below a power of two decode past it: each step attends over its
+    whole bucket in the pages, as in the single process's greedy decode (whose cache is padded
+    to a power of two, not to the prompt plus its tokens)."""
+    asked = [dataclasses.replace(a, request=dataclasses.replace(a.request, max_new_tokens=12))
+             for a in asks((("bf16:full", 60), ("bf16:r=2", 123), ("bf16:full", 250)))]
+    out = serve_local(ServeSetup(MODEL, pool=PoolConfig(40, 16)), asked, model=model())
+    check_served(asked, out.finished, checked=False)
+
+
 def test_requests_admitted_together_share_decode_steps():
     """Four requests admitted at once, their prefill sides done before the engine's first
     iteration (which dispatches all of their suffix work): they join the batch as their

@@ -476,9 +476,11 @@ def greedy_tokens(cfg: ModelConfig, params: Params, kv: KVCache, token: jax.Arra
                   capacity: int | None = None) -> Iterator[jax.Array]:
     """`steps` greedy tokens [B], `token` first, continuing a prompt cache [L, B, S, K, H], each
     yielded as soon as it is dispatched (the next step runs once the caller asks for it). The
-    steps decode on a copy padded to `capacity` (default S + steps): one compiled program."""
+    steps decode on a copy padded to `capacity` (default: the power of two covering S + steps,
+    so that every step attends over its whole bucket, `attention_width`, as a paged step does:
+    a step's bits then do not depend on how many tokens were asked for)."""
     S = kv.seq_len
-    kv = kv.pad(capacity or S + steps).held_as_bits()
+    kv = kv.pad(capacity or attention_width(S + steps, 2 * (S + steps))).held_as_bits()
     for i in range(steps):
         yield token
         if i + 1 < steps:  # the last token needs no step of its own

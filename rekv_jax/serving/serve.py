@@ -6,7 +6,7 @@ policy, on one set of workers) or answers clients over HTTP (one policy), never 
 
 `serve` starts the group (`launch.group.Group`: decode members first, each running
 `member.serving_member`) and waits until every member is `Ready`; the decode members' timed
-steps give the router its `DecodeCosts`. Before each policy serves a stream, a warm-up burst
+steps give the router its `DecodeCosts`. Before each policy serves its first stream, a warm-up burst
 (`WARMUP` requests at once of each prompt length, not recorded) compiles its programs and the
 batched steps it will run; then the router (`router.Router`, one per stream and policy, over a
 fresh ledger) drives the stream. The group is closed whatever happens, and a decode member that
@@ -252,9 +252,10 @@ def _serve_streams(group: Group, config: ServeConfig, setup: MemberSetup,
     served: list[Served] = []
     summaries: list[ServeSummary] = []
     ids = itertools.count()
-    for stream in config.streams:
+    for k, stream in enumerate(config.streams):
         for policy in policies:
-            _warm(group, config, setup, policy, costs, stream, ids)
+            if k == 0:  # a policy's programs are the same at every rate
+                _warm(group, config, setup, policy, costs, stream, ids)
             router = _router(group, config, setup, policy, costs, stream.rate)
             requests = [dataclasses.replace(r, id=next(ids)) for r in stream.requests]
             run = drive(group, router, Scheduled(requests), on_event)
