@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from rekv_jax.planning.costmodel import Profile
+from rekv_jax.serving.metrics import TTFT_QUANTILES
 from rekv_jax.study.records import Rep, Summary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,6 +18,20 @@ def _same(line: dict, written: dict) -> None:
     """`written` says what `line` says, in its key order; fields added since (with their
     defaults) may follow."""
     assert json.dumps({k: written[k] for k in line}) == json.dumps(line)
+
+
+def _serve_record(d: dict) -> None:
+    """A serving run's record holds what its kind promises (`serving.metrics` writes them)."""
+    keys = {"served_request": {"id", "policy", "rate", "prompt_len", "arrival_s", "ttft_ms",
+                               "completed", "assignment", "token_times_s", "error"},
+            "serve_summary": {"policy", "rate", "requests", "completed", "ttft_ms", "tpot_ms",
+                              "goodput_rps", "handoff_error", "choices"},
+            "serve_capacity": {"policy", "rate", "share", "slo"}}[d["kind"]]
+    assert keys <= set(d), sorted(keys - set(d))
+    if d["kind"] == "serve_summary":
+        assert set(d["ttft_ms"]) == {f"p{round(q * 100)}" for q in TTFT_QUANTILES}
+    if d["kind"] == "served_request" and d["completed"]:
+        assert len(d["tokens"]) == d["max_new_tokens"] == len(d["token_times_s"])
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -31,6 +46,8 @@ def test_committed_results_round_trip(path):
             _same(d, Rep.from_json(d, layers[d["action"]]).to_json())
         elif d.get("kind") == "profile":
             _same(d, Profile.from_json(d).to_json())
+        elif d.get("kind", "").startswith("serve"):  # rekv serve --json
+            _serve_record(d)
         else:  # quality gate rows (rekv quality --json): read by the gate's own records
             continue
         read += 1
