@@ -37,7 +37,8 @@ from pallas_kernels import paged as pallas_paged
 from rekv_jax.config import ModelConfig
 from rekv_jax.kv import KVCache
 from rekv_jax.model.layers import causal_mask, rope_tables, row_blocks, xla_attention
-from rekv_jax.model.transformer import Params, _checked, _layer_def, _logits
+from rekv_jax.model.param_spec import layer_def
+from rekv_jax.model.transformer import Params, _checked, _logits
 
 # How the step attends: each request's pages gathered for XLA (any platform), or JAX's Pallas
 # paged-attention kernel, compiled (a CUDA GPU) or interpreted (anywhere; slow)
@@ -208,7 +209,7 @@ def _layer_step(cfg: ModelConfig, attention: str, width: int, pool_shape: tuple[
     x, pages_k, pages_v = carry
     weights = jax.tree.map(lambda w: jax.lax.bitcast_convert_type(w, dtype), xs[0])
     index = xs[1]
-    layer = nnx.merge(_layer_def(cfg), weights)
+    layer = nnx.merge(layer_def(cfg), weights)
     q, k, v = row_blocks(lambda x, c, s: layer.attn.project(layer.input_norm(x), (c, s)),
                          x, *batch.rope)  # q [B, 1, N, H]; k, v [B, 1, K, H]
     at = index * P * S + batch.rows

@@ -16,12 +16,10 @@ rebuilds that cache from the token ids and both sides go on.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import itertools
 import json
 import os
-import time
 from collections.abc import Callable, Iterable
 
 import jax
@@ -30,9 +28,6 @@ import numpy as np
 
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
-from rekv_jax.handoff.check import HostReference, check_cache, reference, split_reference
-from rekv_jax.handoff.outcome import Handoff
-from rekv_jax.handoff.prefix_format import KeyBias
 from rekv_jax.handoff.receiver import receive_handoff
 from rekv_jax.handoff.sender import prepare, send_handoff, send_prompt
 from rekv_jax.launch.child import Side
@@ -52,15 +47,15 @@ from rekv_jax.mode import (
     Interval,
     Mode,
     PrefillMode,
-    Reference,
 )
 from rekv_jax.model.loader import load_model
-from rekv_jax.model.transformer import Params, attention_backend, prefill, run_prefix, run_suffix
+from rekv_jax.model.transformer import Params, attention_backend
 from rekv_jax.phases import PROMPT_PHASES, Phases
 from rekv_jax.sharding import shard_params
 from rekv_jax.sizes import action_bytes
 from rekv_jax.study.device import Device
-from rekv_jax.study.records import Fidelity, Rep, Summary, serializes
+from rekv_jax.study.records import Fidelity, Rep, Summary
+from rekv_jax.study.references import References
 from rekv_jax.transport import (
     JobKey,
     LocalTransport,
@@ -255,7 +250,10 @@ class _Run:
                  progress: Callable[[int], None]) -> None:
         self.role, self.exp, self.link, self.cfg, self.params = role, exp, link, cfg, params
         self.tokens, self.name, self.emit, self.progress = tokens, name, emit, progress
-        self.references = References(cfg, params, tokens, exp) if role == "decode" else None
+        first = exp.modes(exp.actions[0])[0].reference if exp.actions else None
+        self.references = (References(cfg, params, tokens,
+                                      (exp.prefill_devices, exp.decode_devices), first)
+                           if role == "decode" else None)
 
     def action(self, action: Action, weights: str) -> None:
         modes = self.exp.modes(action)
@@ -303,78 +301,7 @@ class _Run:
         self.progress(1)
         if rep < exp.warmup:
             return None
-        return self.references.rep(exp, mode, rep - exp.warmup, result, use)
-
-
-class References:
-    """The single-process caches and first tokens a handoff is checked against (`Mode.reference`
-    at its cut), each computed once and kept on the host with its error bounds (`HostReference`);
-    between sharded sides, the same split in this process (`split_reference`: bits differ across
-    meshes). Also what a rep's suffix costs alone (`fidelity`)."""
-
-    def __init__(self, cfg: ModelConfig, params: Params, tokens: jax.Array, exp: Experiment
-                 ) -> None:
-        self._cfg, self._params, self._tokens = cfg, params, tokens
-        self._devices = (exp.prefill_devices, exp.decode_devices)
-        self._sharded = self._devices != (1, 1)
-        self._cache: dict[tuple, tuple[HostReference, np.ndarray, str]] = {}
-        self._boundaries: dict[int, jax.Array] = {}  # h_c [B, S, D] per cut (`fidelity`)
-        if not self._sharded and exp.actions:  # compile the model's programs now, beside the
-            self._reference(exp.modes(exp.actions[0])[0].reference, 0)  # prefill side's
-
-    def _reference(self, ref: Reference, cut: int) -> tuple[HostReference, np.ndarray, str]:
-        """(the reference cache `ref` at `cut`, its first token, its name), once."""
-        # one (chunked) prefill serves every cut of one-device sides
-        key = (cut if self._sharded or ref.split_at_cut else -1, ref)
-        if key not in self._cache:
-            args = self._cfg, self._params, self._tokens
-            cache, logits = (split_reference(*args, cut, *self._devices) if self._sharded
-                             else reference(*args, ref, cut))
-            self._cache[key] = (HostReference(cache, KeyBias.of(self._cfg, self._params)),
-                                np.asarray(jnp.argmax(logits, axis=-1)), ref.name)
-        return self._cache[key]
-
-    def rep(self, exp: Experiment, mode: Mode, rep: int, result: Handoff,
-            use: cores.CoreUse | None) -> Rep:
-        """The record of timed rep `rep`: its checks (`check`) and its `fidelity`."""
-        first_ok, cache_check = self.check(mode, result)
-        return Rep(mode.action, mode.schedule_text, rep, result.total_ms, result.phases_ms,
-                   result.fallback, result.timeline_ms, result.sent_bytes, first_ok, cache_check,
-                   serializes(exp.transport, mode, jax.default_backend()), mode.chunks,
-                   self.fidelity(mode, result, use))
-
-    def fidelity(self, mode: Mode, result: Handoff, use: cores.CoreUse | None
-                 ) -> Fidelity | None:
-        """The handoff's suffix phase beside the same layers run alone here, now (one-device
-        sides; None where nothing was recomputed)."""
-        suffix_ms, cut = result.phases_ms.suffix, mode.action.cut
-        if self._sharded or suffix_ms <= 0:
-            return None
-        args = self._cfg, self._params
-        if result.fallback or not cut:  # the whole prompt from its ids
-            run = functools.partial(prefill, *args, self._tokens,
-                                    1 if result.fallback else mode.suffix_chunks)
-        else:
-            if cut not in self._boundaries:
-                self._boundaries[cut] = run_prefix(*args, self._tokens, cut)[0]
-            run = functools.partial(run_suffix, *args, self._boundaries[cut], cut,
-                                    chunks=mode.suffix_chunks)
-        start = time.perf_counter()
-        jax.block_until_ready(run())
-        alone_ms = 1e3 * (time.perf_counter() - start)
-        return Fidelity(alone_ms, suffix_ms / alone_ms, use and use.device_wait_ms,
-                        use and use.host_ms)
-
-    def check(self, mode: Mode, result: Handoff) -> tuple[bool, str]:
-        """(first token matches, what held of the cache: `check_cache`, plus for sharded sides
-        what the cache was compared with)."""
-        # a fallback rebuilt the cache from the ids: a plain prefill
-        ref, cut = (Reference(), 0) if result.fallback else (mode.reference, mode.action.cut)
-        reference_cache, first, name = self._reference(ref, cut)
-        text = check_cache(reference_cache, mode.action, result, name)
-        if self._sharded:
-            text += _reference_text(self._cfg, cut, *self._devices)
-        return bool(np.array_equal(result.first_token, first)), text
+        return self.references.rep(exp.transport, mode, rep - exp.warmup, result, use)
 
 
 def handoff_order(exp: Experiment, modes: list[Mode]) -> list[tuple[Mode, int]]:
@@ -410,16 +337,6 @@ def summarize(cfg: ModelConfig, exp: Experiment, mode: Mode, reps: list[Rep], we
         sent_bytes=max(r.sent_bytes for r in reps), serialized=any(r.serialized for r in reps),
         pinning=os.environ.get(PINNING_ENV, ""), chunks=mode.chunks,
         fidelity=Fidelity.median(r.fidelity for r in reps))
-
-
-def _reference_text(cfg: ModelConfig, cut: int, prefill_devices: int, decode_devices: int
-                    ) -> str:
-    """What the sharded sides' cache was compared with (see `split_reference`)."""
-    if cut == 0:
-        return f" to a prefill on {decode_devices} devices"
-    if cut == cfg.num_layers:
-        return f" to a prefill on {prefill_devices} devices"
-    return f" to a prefix on {prefill_devices} devices and a suffix on {decode_devices}"
 
 
 def run_side(side: Side, exp: Experiment, session: bool = False) -> None:

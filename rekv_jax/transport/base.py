@@ -140,6 +140,50 @@ class Transport(Protocol):
     def close(self, timeout: float = 10.0) -> None: ...
 
 
+class Wrapper:
+    """A `Transport` over another (`paced.Paced`, `mesh.MeshTransport`): everything is the
+    wrapped transport's unless a subclass says otherwise."""
+
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
+        self.role, self.peer, self.kind = transport.role, transport.peer, transport.kind
+
+    @property
+    def sent_bytes(self) -> int:
+        return self._transport.sent_bytes
+
+    def send(self, tag: str, arrays: Sequence[jax.Array], timeout: float = 60.0) -> None:
+        self._transport.send(tag, arrays, timeout)
+
+    def recv(self, tag: str, specs: Sequence[jax.ShapeDtypeStruct], timeout: float = 60.0
+             ) -> Arrival:
+        return self._transport.recv(tag, specs, timeout)
+
+    def wait_ack(self, tag: str, timeout: float = 60.0) -> None:
+        self._transport.wait_ack(tag, timeout)
+
+    def send_meta(self, tag: str, meta: dict[str, Any]) -> None:
+        self._transport.send_meta(tag, meta)
+
+    def recv_meta(self, tag: str, timeout: float = 60.0) -> dict[str, Any]:
+        return self._transport.recv_meta(tag, timeout)
+
+    def agree(self, tag: str, meta: dict[str, Any], timeout: float = 60.0) -> None:
+        self._transport.agree(tag, meta, timeout)
+
+    def peer_alive(self) -> bool:
+        return self._transport.peer_alive()
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._transport.close(timeout)
+
+    def __enter__(self) -> Wrapper:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class Endpoint:
     """A `Transport` over a control `Channel`: the protocol every transport shares (headers,
     checksums, verdicts, metadata); a subclass moves the buffers (`_send`, `_receive`). Tags

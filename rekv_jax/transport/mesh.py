@@ -7,7 +7,6 @@ import dataclasses
 import enum
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +15,7 @@ from jax.sharding import NamedSharding
 from rekv_jax import sizes
 from rekv_jax.config import ModelConfig
 from rekv_jax.sharding import KV_LAYER_AXIS, kv_layer_sharding, make_mesh, replicated
-from rekv_jax.transport.base import Arrival, Transport
+from rekv_jax.transport.base import Arrival, Transport, Wrapper
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +134,7 @@ def layout_of(shape: tuple[int, ...]) -> Layout:
     return {4: Layout.KV_LAYER, 3: Layout.HIDDEN}.get(len(shape), Layout.WHOLE)
 
 
-class MeshTransport:
+class MeshTransport(Wrapper):
     """A `Transport` whose two sides are meshes of `prefill_devices` and `decode_devices` (each
     from `make_mesh`, data parallelism 1), over `transport` (one process per side): `send` and
     `recv` move every buffer as pieces (`split`, then `assemble` in the decode mesh's layout), so
@@ -143,8 +142,7 @@ class MeshTransport:
 
     def __init__(self, transport: Transport, cfg: ModelConfig, prefill_devices: int,
                  decode_devices: int) -> None:
-        self._transport = transport
-        self.role, self.peer, self.kind = transport.role, transport.peer, transport.kind
+        super().__init__(transport)
         self._devices = (prefill_devices, decode_devices)
         self._kv_pieces = math.lcm(*(sizes.kv_shards(cfg, n) for n in self._devices))
         self.mesh = make_mesh(cfg, self._devices[transport.role == "decode"])
@@ -158,10 +156,6 @@ class MeshTransport:
         if layout_of(shape) == Layout.KV_LAYER:
             return kv_layer_sharding(self.mesh, shape)
         return replicated(self.mesh)
-
-    @property
-    def sent_bytes(self) -> int:
-        return self._transport.sent_bytes
 
     def send(self, tag: str, arrays: Sequence[jax.Array], timeout: float = 60.0) -> None:
         """Prefill side: send the pieces of every buffer (see `Transport.send`)."""
@@ -187,21 +181,3 @@ class MeshTransport:
 
         inner.add_done_callback(assembled)
         return arrival
-
-    def wait_ack(self, tag: str, timeout: float = 60.0) -> None:
-        self._transport.wait_ack(tag, timeout)
-
-    def send_meta(self, tag: str, meta: dict[str, Any]) -> None:
-        self._transport.send_meta(tag, meta)
-
-    def recv_meta(self, tag: str, timeout: float = 60.0) -> dict[str, Any]:
-        return self._transport.recv_meta(tag, timeout)
-
-    def agree(self, tag: str, meta: dict[str, Any], timeout: float = 60.0) -> None:
-        self._transport.agree(tag, meta, timeout)
-
-    def peer_alive(self) -> bool:
-        return self._transport.peer_alive()
-
-    def close(self, timeout: float = 10.0) -> None:
-        self._transport.close(timeout)

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 
-from rekv_jax.transport.base import Arrival, Transport
+from rekv_jax.transport.base import Arrival, Transport, Wrapper
 from rekv_jax.transport.workers import Worker
 
 
-class Paced:
+class Paced(Wrapper):
     """`transport` whose receives complete as over a FIFO link of `gbps` GB/s: message i, whose
     bytes landed at t_i, completes at d_i = max(t_i, d_{i-1}) + n_i / gbps (and never before the
     transport verified it). Messages are paced in the order they are received (`recv`), which is
@@ -23,9 +22,8 @@ class Paced:
     def __init__(self, transport: Transport, gbps: float) -> None:
         if not gbps > 0:
             raise ValueError(f"link bandwidth must be positive GB/s, got {gbps}")
-        self._transport = transport
+        super().__init__(transport)
         self.gbps = gbps
-        self.role, self.peer, self.kind = transport.role, transport.peer, transport.kind
         self._free_at = 0.0  # when the link delivered its last message (time.monotonic)
         self._pacer = Worker(f"rekv-{transport.role}-pacer")
 
@@ -56,28 +54,6 @@ class Paced:
         arrival.landed = inner.landed
         arrival.set_result(inner.result())
 
-    @property
-    def sent_bytes(self) -> int:
-        return self._transport.sent_bytes
-
-    def send(self, tag: str, arrays: Sequence[jax.Array], timeout: float = 60.0) -> None:
-        self._transport.send(tag, arrays, timeout)
-
-    def wait_ack(self, tag: str, timeout: float = 60.0) -> None:
-        self._transport.wait_ack(tag, timeout)
-
-    def send_meta(self, tag: str, meta: dict[str, Any]) -> None:
-        self._transport.send_meta(tag, meta)
-
-    def recv_meta(self, tag: str, timeout: float = 60.0) -> dict[str, Any]:
-        return self._transport.recv_meta(tag, timeout)
-
-    def agree(self, tag: str, meta: dict[str, Any], timeout: float = 60.0) -> None:
-        self._transport.agree(tag, meta, timeout)
-
-    def peer_alive(self) -> bool:
-        return self._transport.peer_alive()
-
     def stop(self) -> None:
         """Stop pacing (its thread ends once the messages it holds are delivered); the transport
         stays open, for another link over it."""
@@ -86,12 +62,6 @@ class Paced:
     def close(self, timeout: float = 10.0) -> None:
         self.stop()
         self._transport.close(timeout)
-
-    def __enter__(self) -> Paced:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def paced(transport: Transport, gbps: float | None) -> Transport:
