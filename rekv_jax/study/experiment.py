@@ -54,7 +54,7 @@ from rekv_jax.phases import PROMPT_PHASES, Phases
 from rekv_jax.sharding import shard_params
 from rekv_jax.sizes import action_bytes
 from rekv_jax.study.device import Device
-from rekv_jax.study.records import Fidelity, Rep, Summary
+from rekv_jax.study.records import Fidelity, Rep, Summary, serializes
 from rekv_jax.study.references import References
 from rekv_jax.transport import (
     JobKey,
@@ -301,7 +301,8 @@ class _Run:
         self.progress(1)
         if rep < exp.warmup:
             return None
-        return self.references.rep(exp.transport, mode, rep - exp.warmup, result, use)
+        serialized = serializes(exp.transport, mode, jax.default_backend())
+        return self.references.rep(mode, rep - exp.warmup, result, serialized, use)
 
 
 def handoff_order(exp: Experiment, modes: list[Mode]) -> list[tuple[Mode, int]]:

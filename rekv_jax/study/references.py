@@ -17,7 +17,7 @@ from rekv_jax.handoff.outcome import Handoff
 from rekv_jax.handoff.prefix_format import KeyBias
 from rekv_jax.mode import Mode, Reference
 from rekv_jax.model.transformer import Params, prefill, run_prefix, run_suffix
-from rekv_jax.study.records import Fidelity, Rep, serializes
+from rekv_jax.study.records import Fidelity, Rep
 from rekv_jax.transport import cores
 
 
@@ -50,13 +50,13 @@ class References:
                                 np.asarray(jnp.argmax(logits, axis=-1)), ref.name)
         return self._cache[key]
 
-    def rep(self, transport: str, mode: Mode, rep: int, result: Handoff,
+    def rep(self, mode: Mode, rep: int, result: Handoff, serialized: bool,
             use: cores.CoreUse | None) -> Rep:
         """The record of timed rep `rep`: its checks (`check`) and its `fidelity`."""
         first_ok, cache_check = self.check(mode, result)
         return Rep(mode.action, mode.schedule_text, rep, result.total_ms, result.phases_ms,
                    result.fallback, result.timeline_ms, result.sent_bytes, first_ok, cache_check,
-                   serializes(transport, mode, jax.default_backend()), mode.chunks,
+                   serialized, mode.chunks,
                    self.fidelity(mode, result, use))
 
     def fidelity(self, mode: Mode, result: Handoff, use: cores.CoreUse | None
