@@ -32,21 +32,37 @@ def _checksum(x: jax.Array) -> jax.Array:
     return jnp.sum(w * (2 * i + 1), dtype=jnp.uint32)
 
 
-def _host_checksum(x: np.ndarray) -> int:
-    """`_checksum` in numpy, on a buffer in host memory."""
+def _words(x: np.ndarray) -> np.ndarray:
+    """A host buffer's bytes as little-endian 32-bit words, the last zero-padded as on the
+    device (a view where no padding is needed)."""
     b = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
-    b = np.pad(b, (0, -b.size % 4))
-    w = b.view("<u4")  # [words], little-endian as on the device
-    odd = np.arange(1, 2 * w.size, 2, dtype=np.uint32)  # 2i + 1, wrapping as on the device
-    return int(np.sum(w * odd, dtype=np.uint32))
+    if b.size % 4:
+        b = np.concatenate([b, np.zeros(-b.size % 4, np.uint8)])
+    return b.view("<u4")
+
+
+_odd = np.ones(0, np.uint32)  # 2i + 1 for i < its size, grown as needed (shared, read-only)
+
+
+def _odd_weights(n: int) -> np.ndarray:
+    """`2i + 1` for i < n, as uint32 (wrapping as on the device)."""
+    global _odd
+    if _odd.size < n:
+        _odd = np.arange(n, dtype=np.uint32) * np.uint32(2) + np.uint32(1)
+    return _odd[:n]
 
 
 def _on_host(arrays: Sequence[jax.Array]) -> bool:
     return all(d.platform == "cpu" for a in arrays for d in a.devices())
 
 
-def _host_checksums(arrays: Sequence[jax.Array]) -> list[int]:
-    return [_host_checksum(np.asarray(a)) for a in arrays]
+def _host_checksums(arrays: Sequence[jax.Array | np.ndarray]) -> list[int]:
+    """`_checksum` of each buffer in host memory (the weights are shared, not made per call)."""
+    out = []
+    for a in arrays:
+        w = _words(np.asarray(a))
+        out.append(int(np.add.reduce(w * _odd_weights(w.size), dtype=np.uint32)))
+    return out
 
 
 _checksum_one = jax.jit(_checksum)  # one program per buffer shape, whatever the count
