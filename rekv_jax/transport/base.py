@@ -29,7 +29,7 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
 import jax
@@ -43,7 +43,7 @@ from rekv_jax.transport.checksums import (
     verdict_collect,
     verdict_dispatch,
 )
-from rekv_jax.transport.workers import LIVENESS_S, Worker, wait_for
+from rekv_jax.transport.workers import LIVENESS_S, Watchdog, Worker
 
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, Role] = ("prefill", "decode")
@@ -270,23 +270,22 @@ class Endpoint:
                 if not _left(arrival.deadline):
                     raise
 
-    def _guard(self, arrival: Arrival, worker: Worker) -> bool:
-        """Settle `arrival` with the error of its deadline, of its peer gone or of its
-        abandonment, should it come before `worker` (receiving it) settles it; that worker is
-        then left to its stuck job and later receives get a fresh thread. Whether it was."""
-        try:
-            wait_for(arrival, arrival.deadline, self._channel.peer_alive, arrival.tag,
-                     arrival.abandoned)
-            return False
-        except TransportError as e:
-            error = e
-        except ValueError:  # the sides disagree: settled so by the worker
-            return False
-        if arrival.done():  # the worker settled it with its own error
-            return False
-        worker.abandon()
-        self._settle(arrival, error=error)
-        return True
+    def _bound(self, arrival: Arrival, worker: Worker, watchdog: Watchdog,
+               stuck: Callable[[], None] | None = None) -> None:
+        """Have `watchdog` settle `arrival` with the error of its deadline, of its peer gone or
+        of its abandonment, should one come before `worker` (receiving it) settles it; that
+        worker is then left to its stuck job (later receives get a fresh thread) and `stuck`
+        is called."""
+
+        def expire(error: TransportError) -> None:
+            if arrival.done():  # the worker settled it meanwhile
+                return
+            worker.abandon()
+            self._settle(arrival, error=error)
+            if stuck is not None:
+                stuck()
+
+        watchdog.add(arrival, arrival.deadline, arrival.tag, arrival.abandoned, expire)
 
     def _check_header(self, arrival: Arrival, expected: list) -> bool:
         """Read the header of `arrival`'s message; settle it with a ValueError (and tell the

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from rekv_jax.errors import TransportError
 from rekv_jax.transport import distributed
 from rekv_jax.transport.base import Arrival, Endpoint, Role, mismatch_text, spec_of
-from rekv_jax.transport.workers import Worker, wait_for
+from rekv_jax.transport.workers import Watchdog, Worker, wait_for
 
 _SRC_TIMEOUT_S = 60.0  # the sender puts the pieces' devices before it enters the program
 
@@ -85,9 +85,11 @@ class CollectiveTransport(Endpoint):
             mesh=mesh, in_specs=P("p"), out_specs=P("p")))
         # The program's results come once the peer joined, and waiting for them has no timeout:
         # run it on a worker thread, which keeps the programs in call order, so that every wait
-        # stays bounded (the sender's by its own wait, a receive's by `_guard`)
+        # stays bounded (the sender's by its own wait, a receive's by the watchdog)
         self._runner = Worker("rekv-collective")
-        self._guard_worker = Worker("rekv-receive-guard") if role == "decode" else None
+        self._watchdog = (Watchdog("rekv-receive-watchdog", channel.peer_alive)
+                          if role == "decode" else None)
+        self._verifier = Worker("rekv-verify") if role == "decode" else None
         self._blanks: dict[tuple, jax.Array] = {}
         self._placed: dict[tuple, tuple] = {}  # (devices, pairs) -> (sharding, program)
         self._broken: str | None = None
@@ -119,13 +121,16 @@ class CollectiveTransport(Endpoint):
                 f"{arrival.tag}: collective link unusable after {self._broken}"))
             return
         self._runner.submit(self._take, arrival, specs, wire, expected)
-        self._guard_worker.submit(self._guard_program, arrival)
+        self._bound(arrival, self._runner, self._watchdog, self._stuck(arrival.tag))
 
-    def _guard_program(self, arrival: Arrival) -> None:
-        """`_guard`, and a receive that did not complete leaves the link unusable (the next
-        program would queue behind the stuck one)."""
-        if self._guard(arrival, self._runner):
-            self._broken = self._broken or f"{arrival.tag} did not complete"
+    def _stuck(self, tag: str) -> Callable[[], None]:
+        """A receive that did not complete leaves the link unusable (the next program would
+        queue behind the stuck one)."""
+
+        def broken() -> None:
+            self._broken = self._broken or f"{tag} did not complete"
+
+        return broken
 
     def _take(self, arrival: Arrival, specs: list[jax.ShapeDtypeStruct],
               wire: list[jax.ShapeDtypeStruct], expected: list) -> None:
@@ -134,15 +139,25 @@ class CollectiveTransport(Endpoint):
                 return
             *arrays, sums = self._pull(arrival.tag, wire)
             arrival.landed = time.monotonic()
-            if not self._verify(arrival, arrays, sums, specs):  # the header matched
-                self._settle(arrival, error=TransportError(
-                    f"{arrival.tag}: the checksums' spec word is corrupted"))
+            # checked on another thread: the runner may enter the next message's program
+            self._verifier.submit(self._check, arrival, arrays, sums, specs)
         except TransportError as e:
             self._settle(arrival, error=e)
         except Exception as e:  # gloo/NCCL report a peer that died inside the program
             self._broken = f"{arrival.tag} failed"
             self._settle(arrival, error=TransportError(
                 f"{arrival.tag}: collective failed (peer died?): {e}"))
+
+    def _check(self, arrival: Arrival, arrays: list[jax.Array], sums: jax.Array,
+               specs: list[jax.ShapeDtypeStruct]) -> None:
+        """Compare the checksums of what landed and settle `arrival` (its header matched)."""
+        try:
+            if self._verify(arrival, arrays, sums, specs):
+                return
+            error = TransportError(f"{arrival.tag}: the checksums' spec word is corrupted")
+        except Exception as e:  # a buffer that landed as an error
+            error = TransportError(f"{arrival.tag}: checking what landed failed: {e}")
+        self._settle(arrival, error=error)
 
     def _pull(self, tag: str, specs: list[jax.ShapeDtypeStruct]) -> list[jax.Array]:
         """The decode side's program, run here (on the runner: `_receive`)."""
@@ -230,6 +245,7 @@ class CollectiveTransport(Endpoint):
 
     def _close(self, timeout: float) -> None:
         self._runner.close()
-        if self._guard_worker is not None:
-            self._guard_worker.close()
+        if self._watchdog is not None:
+            self._watchdog.close()
+            self._verifier.close()
         distributed.shutdown(self._channel, timeout)

@@ -20,7 +20,7 @@ from rekv_jax.errors import TransportError
 from rekv_jax.transport import distributed
 from rekv_jax.transport.base import Arrival, Endpoint, Role, spec_of
 from rekv_jax.transport.secret import JobKey
-from rekv_jax.transport.workers import Worker
+from rekv_jax.transport.workers import Watchdog, Worker
 
 PURPOSE = "transfer-server pull ids"  # the key pull ids are keyed by (`JobKey.derive`)
 
@@ -56,12 +56,14 @@ class TransferServerTransport(Endpoint):
         if role == "decode":
             self._connection = self._server.connect(channel.get("transfer-server/prefill", timeout))
         self._pending: dict[str, list[jax.Array]] = {}  # sent, not yet acknowledged
-        # a pull returns at once and its buffers fill in from the server's threads: `_lander`
-        # waits for them, checksums them and settles the receive, first in, first out; `_guard`
-        # bounds each receive by its deadline and its peer's liveness (its lander, stuck on
-        # bytes that never come, is then abandoned)
-        self._lander = Worker("rekv-landing")
-        self._guard_worker = Worker("rekv-receive-guard")
+        # a pull returns at once and its buffers fill in from the server's threads: a lander
+        # waits for them, checksums them and settles the receive; two take the receives in
+        # turn, so a message's bytes are waited for while the one before it is checked. The
+        # watchdog bounds each receive by its deadline and its peer's liveness (its lander,
+        # stuck on bytes that never come, is then abandoned)
+        self._landers = [Worker("rekv-landing"), Worker("rekv-landing")]
+        self._received = 0
+        self._watchdog = Watchdog("rekv-receive-watchdog", channel.peer_alive)
 
     def _send(self, tag: str, buffers: list[jax.Array], header: str, deadline: float) -> None:
         self._pending[tag] = buffers
@@ -80,8 +82,10 @@ class TransferServerTransport(Endpoint):
             pulled = self._connection.pull(_uuid(arrival.tag, self._secret), avals)
         except jax.errors.JaxRuntimeError as e:
             pulled = TransportError(f"{arrival.tag}: pull failed: {e}")
-        self._lander.submit(self._land, arrival, specs, pulled)
-        self._guard_worker.submit(self._guard, arrival, self._lander)
+        lander = self._landers[self._received % len(self._landers)]
+        self._received += 1
+        lander.submit(self._land, arrival, specs, pulled)
+        self._bound(arrival, lander, self._watchdog)
 
     def _land(self, arrival: Arrival, specs: list[jax.ShapeDtypeStruct],
               pulled: list[jax.Array] | TransportError) -> None:
@@ -116,6 +120,7 @@ class TransferServerTransport(Endpoint):
 
     def _close(self, timeout: float) -> None:
         self._pending.clear()
-        self._lander.close()
-        self._guard_worker.close()
+        for lander in self._landers:
+            lander.close()
+        self._watchdog.close()
         distributed.shutdown(self._channel, timeout)

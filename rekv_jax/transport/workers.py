@@ -1,6 +1,7 @@
 """The threads a transport waits on, and its bounded waits: a persistent `Worker` per owner (no
-thread is started inside a timed interval) and `wait_for`, which blocks in slices of `LIVENESS_S`
-and checks between them that the peer is alive."""
+thread is started inside a timed interval); `wait_for`, which blocks in slices of `LIVENESS_S`
+and checks between them that the peer is alive; and a `Watchdog`, which bounds many pending
+receives from one thread that wakes every `LIVENESS_S`, not once per message."""
 
 from __future__ import annotations
 
@@ -73,7 +74,73 @@ class Worker:
             self._jobs = None
 
 
-_workers: weakref.WeakSet[Worker] = weakref.WeakSet()
+class Watchdog:
+    """One persistent daemon thread that bounds many pending futures without waking for each:
+    every `LIVENESS_S` (or at a nearer deadline) it hands each one not yet done whose deadline
+    passed, whose peer is gone or that was abandoned to its `expire` callback, with the error
+    (`expired`); done ones are dropped."""
+
+    def __init__(self, name: str, peer_alive: Callable[[], bool]) -> None:
+        self._peer_alive = peer_alive
+        self._pending: list[tuple[concurrent.futures.Future, float, str,
+                                  threading.Event | None, Callable[[TransportError], None]]] = []
+        self._cond = threading.Condition()
+        self._wake_at = float("inf")
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+        _workers.add(self)
+
+    def add(self, future: concurrent.futures.Future, deadline: float, what: str,
+            abandoned: threading.Event | None, expire: Callable[[TransportError], None]) -> None:
+        """Bound `future` by `deadline` (time.monotonic), the peer's liveness and `abandoned`."""
+        with self._cond:
+            self._pending.append((future, deadline, what, abandoned, expire))
+            if deadline < self._wake_at:  # sooner than the thread will look: wake it
+                self._cond.notify()
+
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                self._wake_at = min([time.monotonic() + LIVENESS_S,
+                                     *(deadline for _, deadline, *_ in self._pending)])
+                self._cond.wait(max(0.0, self._wake_at - time.monotonic()))
+                if self._closed:
+                    return
+                pending, self._pending = self._pending, []
+            keep = []
+            for item in pending:  # outside the lock: an expiry settles a receive
+                future, deadline, what, abandoned, expire = item
+                error = None if future.done() else expired(deadline, self._peer_alive, what,
+                                                            abandoned)
+                if error is not None:
+                    expire(error)
+                elif not future.done():
+                    keep.append(item)
+            with self._cond:
+                self._pending = keep + self._pending
+
+    def close(self) -> None:
+        """The thread ends at once; what it bounded is no longer bounded."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+
+def expired(deadline: float, peer_alive: Callable[[], bool], what: str,
+            abandoned: threading.Event | None = None) -> TransportError | None:
+    """The error of a wait for `what` that must end now: TransportTimeout past `deadline`
+    (time.monotonic), TransportError once the peer is gone or nobody waits (`abandoned`)."""
+    if time.monotonic() >= deadline:
+        return TransportTimeout(f"{what}: payload did not arrive before the timeout")
+    if not peer_alive():
+        return TransportError(f"{what}: the peer process is gone (mid-transfer)")
+    if abandoned is not None and abandoned.is_set():
+        return TransportError(f"{what}: abandoned (its handoff failed)")
+    return None
+
+
+_workers: weakref.WeakSet[Worker | Watchdog] = weakref.WeakSet()
 
 
 @atexit.register
@@ -102,9 +169,6 @@ def wait_for(future: concurrent.futures.Future[T], deadline: float,
             return future.result(timeout=max(0.0, min(LIVENESS_S, remaining)))
         except concurrent.futures.TimeoutError:
             pass
-        if time.monotonic() >= deadline:
-            raise TransportTimeout(f"{what}: payload did not arrive before the timeout")
-        if not peer_alive():
-            raise TransportError(f"{what}: the peer process is gone (mid-transfer)")
-        if abandoned is not None and abandoned.is_set():
-            raise TransportError(f"{what}: abandoned (its handoff failed)")
+        error = expired(deadline, peer_alive, what, abandoned)
+        if error is not None:
+            raise error
