@@ -61,9 +61,10 @@ class Counted:
 
 
 def payload(kb: int) -> list[jax.Array]:
-    """Two bf16 buffers [c, 1, S, 2, 64] of about `kb` KiB in all (the K and V of a prefix)."""
+    """A BF16 prefix of `tiny`'s 6 layers as it crosses: each layer's K and V [1, S, 2, 64], about
+    `kb` KiB in all."""
     s = max(1, kb * 1024 // (2 * 6 * 2 * 64 * 2))
-    return [jnp.full((6, 1, s, 2, 64), i + 1, jnp.bfloat16) for i in range(2)]
+    return [jnp.full((1, s, 2, 64), i + 1, jnp.bfloat16) for i in range(12)]
 
 
 def prefill_side(t: Transport, kb: int, reps: int) -> list[float]:
