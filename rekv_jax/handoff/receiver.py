@@ -45,7 +45,15 @@ from rekv_jax.model.transformer import LayerPrograms, Params, new_cache, token_c
 from rekv_jax.transport import Arrival, Transport, checksums
 from rekv_jax.transport.workers import LIVENESS_S, Worker
 
-_lanes: dict[str, Worker] = {}  # one watcher thread per kind of device work, for the process
+LANES = ("prefix", "suffix", "join")  # the kinds of device work a reception watches
+_lanes: dict[str, Worker] = {}  # one watcher thread per lane, for the process
+
+
+def _start_lanes() -> None:
+    """Make the lanes' threads (once per process, before any handoff is timed)."""
+    for lane in LANES:
+        if lane not in _lanes:
+            _lanes[lane] = Worker(f"rekv-watch-{lane}")
 
 
 def watch(lane: str, arrays: object) -> concurrent.futures.Future[float]:
@@ -60,8 +68,7 @@ def watch(lane: str, arrays: object) -> concurrent.futures.Future[float]:
         except Exception as e:  # handed to whoever waits on the future
             out.set_exception(e)
         return out
-    if lane not in _lanes:
-        _lanes[lane] = Worker(f"rekv-watch-{lane}")
+    _start_lanes()
 
     def done() -> float:
         jax.block_until_ready(arrays)
@@ -135,6 +142,7 @@ class Reception:
         self._fallback, self._backend, self._timeout = Fallback(fallback), backend, timeout
         self._dtype = params["embed"].dtype
         self._programs = LayerPrograms.of(cfg, params)  # checked once, not per layer
+        _start_lanes()  # not inside the handoff's interval
         self._codec = PrefixCodec.of(cfg, params, mode.action)
         self._messages = mode.messages(seq_len, cfg.num_layers)
         self.clock: Clock | None = None
