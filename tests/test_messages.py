@@ -28,6 +28,7 @@ from rekv_jax.transport import (
 )
 from rekv_jax.transport.control import Board
 from rekv_jax.transport.transfer_server import TransferServerTransport
+from rekv_jax.transport.verdicts import Verdicts
 from rekv_jax.transport.workers import Worker, wait_for
 
 # one phase, both sides: the header posted by the prefill side, then the ack posted by the decode
@@ -179,3 +180,40 @@ def test_a_stuck_job_is_abandoned_and_later_jobs_still_run():
     worker.close()
     with pytest.raises(TransportError, match="closed"):
         worker.submit(lambda: None)
+
+
+def test_a_handoffs_verdicts_are_held_until_its_last_message_and_failures_are_not():
+    posted = []
+    verdicts = Verdicts(lambda tag, verdict: posted.append((tag, verdict)))
+    for tag in ("h/a", "h/b", "h/c", "g/a"):
+        verdicts.expect(tag)
+    verdicts.give("h/a", "ok")
+    verdicts.give("g/a", "ok")  # another handoff's: its last
+    assert posted == [("g/a", "ok")]
+    verdicts.give("h/b", "error: lost")  # a failure crosses at once
+    assert posted[-1] == ("h/b", "error: lost")
+    verdicts.give("h/c", "ok")  # the handoff's last: its held "ok"s follow
+    assert posted[2:] == [("h/a", "ok"), ("h/c", "ok")]
+    verdicts.expect("k/a")
+    verdicts.expect("k/b")
+    verdicts.give("k/a", "ok")
+    verdicts.flush()  # closing: nothing is kept back
+    assert posted[-1] == ("k/a", "ok")
+
+
+def test_the_transfer_servers_verdicts_cross_once_the_handoff_is_received(monkeypatch):
+    """Two messages of one handoff: the first's "ok" is not on the channel while the second is
+    being received; both are once it has been, and the sender's waits end."""
+    board = CountingBoard()
+    prefill, decode = transfer_server_pair(board, monkeypatch)
+    first, second = payload(), payload(rows=4)
+    arrivals = [decode.recv("p/a", specs(first), timeout=30),
+                decode.recv("p/b", specs(second), timeout=30)]
+    prefill.send("p/a", first)
+    arrivals[0].result(timeout=30)
+    assert board.counts["post ack"] == 0
+    prefill.send("p/b", second)
+    arrivals[1].result(timeout=30)
+    prefill.wait_ack("p/a", timeout=30)
+    prefill.wait_ack("p/b", timeout=30)
+    assert board.counts["post ack"] == 2

@@ -294,7 +294,7 @@ class Endpoint:
         if sent == expected:
             return True
         msg = mismatch_text(arrival.tag, sent, expected)
-        self._channel.post(f"{arrival.tag}/ack", "mismatch: " + msg)
+        self._verdict(arrival.tag, "mismatch: " + msg)
         _fail(arrival, ValueError(msg))
         return False
 
@@ -303,11 +303,11 @@ class Endpoint:
         """Post the verdict of `arrival`'s message and complete it (posted first: the sender may
         free its buffers)."""
         if error is None:
-            self._channel.post(f"{arrival.tag}/ack", "ok")
+            self._verdict(arrival.tag, "ok")
             with contextlib.suppress(concurrent.futures.InvalidStateError):  # failed meanwhile
                 arrival.set_result(arrays)
             return
-        self._channel.post(f"{arrival.tag}/ack", f"error: {error}")
+        self._verdict(arrival.tag, f"error: {error}")
         _fail(arrival, error)
 
     # -- metadata ------------------------------------------------------------------------------
@@ -359,6 +359,10 @@ class Endpoint:
         settle it on the transport's own threads (`_verify`, `_check_header`, `_settle`), by
         its deadline."""
         raise NotImplementedError
+
+    def _verdict(self, tag: str, verdict: str) -> None:
+        """Hook: post the decode side's verdict on `tag` ("ok", "mismatch: ...", "error: ...")."""
+        self._channel.post(f"{tag}/ack", verdict)
 
     def _acked(self, tag: str) -> None:
         """Hook: the decode side is done with `tag` (the sender may drop its buffers)."""

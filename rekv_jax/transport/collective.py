@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from rekv_jax.errors import TransportError
 from rekv_jax.transport import distributed
 from rekv_jax.transport.base import Arrival, Endpoint, Role, mismatch_text, spec_of
+from rekv_jax.transport.verdicts import Verdicts
 from rekv_jax.transport.workers import Watchdog, Worker, wait_for
 
 _SRC_TIMEOUT_S = 60.0  # the sender puts the pieces' devices before it enters the program
@@ -90,6 +91,7 @@ class CollectiveTransport(Endpoint):
         self._watchdog = (Watchdog("rekv-receive-watchdog", channel.peer_alive)
                           if role == "decode" else None)
         self._verifier = Worker("rekv-verify") if role == "decode" else None
+        self._verdicts = Verdicts(lambda tag, verdict: channel.post(f"{tag}/ack", verdict))
         self._blanks: dict[tuple, jax.Array] = {}
         self._placed: dict[tuple, tuple] = {}  # (devices, pairs) -> (sharding, program)
         self._broken: str | None = None
@@ -115,6 +117,7 @@ class CollectiveTransport(Endpoint):
     def _receive(self, arrival: Arrival, specs: list[jax.ShapeDtypeStruct],
                  wire: list[jax.ShapeDtypeStruct]) -> None:
         expected = [spec_of(s) for s in specs]
+        self._verdicts.expect(arrival.tag)
         self._channel.put(f"{arrival.tag}/ready", self._ready(wire, expected))
         if self._broken:
             self._settle(arrival, error=TransportError(
@@ -243,9 +246,13 @@ class CollectiveTransport(Endpoint):
             self._broken = f"{tag} failed"
             raise TransportError(f"{tag}: collective failed (peer died?): {e}") from e
 
+    def _verdict(self, tag: str, verdict: str) -> None:
+        self._verdicts.give(tag, verdict)  # a handoff's "ok"s together (`verdicts`)
+
     def _close(self, timeout: float) -> None:
         self._runner.close()
         if self._watchdog is not None:
             self._watchdog.close()
             self._verifier.close()
+        self._verdicts.flush()
         distributed.shutdown(self._channel, timeout)

@@ -20,6 +20,7 @@ from rekv_jax.errors import TransportError
 from rekv_jax.transport import distributed
 from rekv_jax.transport.base import Arrival, Endpoint, Role, spec_of
 from rekv_jax.transport.secret import JobKey
+from rekv_jax.transport.verdicts import Verdicts
 from rekv_jax.transport.workers import Watchdog, Worker
 
 PURPOSE = "transfer-server pull ids"  # the key pull ids are keyed by (`JobKey.derive`)
@@ -64,6 +65,7 @@ class TransferServerTransport(Endpoint):
         self._landers = [Worker("rekv-landing"), Worker("rekv-landing")]
         self._received = 0
         self._watchdog = Watchdog("rekv-receive-watchdog", channel.peer_alive)
+        self._verdicts = Verdicts(lambda tag, verdict: channel.post(f"{tag}/ack", verdict))
 
     def _send(self, tag: str, buffers: list[jax.Array], header: str, deadline: float) -> None:
         self._pending[tag] = buffers
@@ -75,6 +77,7 @@ class TransferServerTransport(Endpoint):
         """Pull at once, without waiting for the header (a pull that comes before the sender's
         registration waits for it; one of other shapes fails or brings a checksums buffer whose
         spec word differs, and the header is read then)."""
+        self._verdicts.expect(arrival.tag)
         default = SingleDeviceSharding(self._device)  # unless a spec names its device
         avals = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=s.sharding or default)
                  for s in wire]
@@ -115,6 +118,9 @@ class TransferServerTransport(Endpoint):
                 return
         self._settle(arrival, error=error)
 
+    def _verdict(self, tag: str, verdict: str) -> None:
+        self._verdicts.give(tag, verdict)  # a handoff's "ok"s together (`verdicts`)
+
     def _acked(self, tag: str) -> None:
         self._pending.pop(tag, None)
 
@@ -123,4 +129,5 @@ class TransferServerTransport(Endpoint):
         for lander in self._landers:
             lander.close()
         self._watchdog.close()
+        self._verdicts.flush()
         distributed.shutdown(self._channel, timeout)
