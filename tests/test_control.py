@@ -9,7 +9,6 @@ import socket
 import threading
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -137,8 +136,9 @@ def test_packed_buffers_unpack_to_the_same_bits():
                jnp.asarray(rng.integers(0, 256, (2, 3, 2)), jnp.uint8),
                jnp.asarray(rng.integers(-128, 128, (5,)), jnp.int8),
                jnp.asarray(rng.integers(0, 2**32 - 1, (3,), dtype=np.uint64), jnp.uint32))
-    flat = jax.jit(_packed)(buffers)
+    flat = _packed(list(buffers))
     assert flat.dtype == jnp.uint8 and flat.shape == (sum(b.nbytes for b in buffers),)
-    for got, want in zip(jax.jit(_unpacked)(flat, buffers), buffers, strict=True):
+    like = tuple((b.shape, b.dtype.name) for b in buffers)
+    for got, want in zip(_unpacked(flat, like), buffers, strict=True):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert np.array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))

@@ -185,18 +185,22 @@ def test_a_stuck_job_is_abandoned_and_later_jobs_still_run():
 def test_a_handoffs_verdicts_are_held_until_its_last_message_and_failures_are_not():
     posted = []
     verdicts = Verdicts(lambda tag, verdict: posted.append((tag, verdict)))
+
+    def give(tag, verdict):  # its receive is settled before any verdict crosses
+        verdicts.give(tag, verdict, lambda: posted.append((tag, "settled")))
+
     for tag in ("h/a", "h/b", "h/c", "g/a"):
         verdicts.expect(tag)
-    verdicts.give("h/a", "ok")
-    verdicts.give("g/a", "ok")  # another handoff's: its last
-    assert posted == [("g/a", "ok")]
-    verdicts.give("h/b", "error: lost")  # a failure crosses at once
-    assert posted[-1] == ("h/b", "error: lost")
-    verdicts.give("h/c", "ok")  # the handoff's last: its held "ok"s follow
-    assert posted[2:] == [("h/a", "ok"), ("h/c", "ok")]
+    give("h/a", "ok")
+    give("g/a", "ok")  # another handoff's: its last
+    assert posted == [("h/a", "settled"), ("g/a", "settled"), ("g/a", "ok")]
+    give("h/b", "error: lost")  # a failure crosses at once
+    assert posted[-2:] == [("h/b", "settled"), ("h/b", "error: lost")]
+    give("h/c", "ok")  # the handoff's last: its held "ok"s follow
+    assert posted[-3:] == [("h/c", "settled"), ("h/a", "ok"), ("h/c", "ok")]
     verdicts.expect("k/a")
     verdicts.expect("k/b")
-    verdicts.give("k/a", "ok")
+    give("k/a", "ok")
     verdicts.flush()  # closing: nothing is kept back
     assert posted[-1] == ("k/a", "ok")
 

@@ -294,21 +294,16 @@ class Endpoint:
         if sent == expected:
             return True
         msg = mismatch_text(arrival.tag, sent, expected)
-        self._verdict(arrival.tag, "mismatch: " + msg)
-        _fail(arrival, ValueError(msg))
+        self._verdict(arrival.tag, "mismatch: " + msg, lambda: _fail(arrival, ValueError(msg)))
         return False
 
     def _settle(self, arrival: Arrival, arrays: list[jax.Array] | None = None,
                 error: BaseException | None = None) -> None:
-        """Post the verdict of `arrival`'s message and complete it (posted first: the sender may
-        free its buffers)."""
+        """Post the verdict of `arrival`'s message and complete it."""
         if error is None:
-            self._verdict(arrival.tag, "ok")
-            with contextlib.suppress(concurrent.futures.InvalidStateError):  # failed meanwhile
-                arrival.set_result(arrays)
-            return
-        self._verdict(arrival.tag, f"error: {error}")
-        _fail(arrival, error)
+            self._verdict(arrival.tag, "ok", lambda: _complete(arrival, arrays))
+        else:
+            self._verdict(arrival.tag, f"error: {error}", lambda: _fail(arrival, error))
 
     # -- metadata ------------------------------------------------------------------------------
 
@@ -360,9 +355,11 @@ class Endpoint:
         its deadline."""
         raise NotImplementedError
 
-    def _verdict(self, tag: str, verdict: str) -> None:
-        """Hook: post the decode side's verdict on `tag` ("ok", "mismatch: ...", "error: ...")."""
+    def _verdict(self, tag: str, verdict: str, settle: Callable[[], None]) -> None:
+        """Hook: post the decode side's verdict on `tag` ("ok", "mismatch: ...", "error: ..."),
+        then `settle` its receive (posted first: the sender may free its buffers)."""
         self._channel.post(f"{tag}/ack", verdict)
+        settle()
 
     def _acked(self, tag: str) -> None:
         """Hook: the decode side is done with `tag` (the sender may drop its buffers)."""
@@ -383,6 +380,11 @@ def _note_settled(arrival: Arrival) -> None:
 
 def _left(deadline: float) -> float:
     return max(0.0, deadline - time.monotonic())
+
+
+def _complete(arrival: Arrival, arrays: list[jax.Array] | None) -> None:
+    with contextlib.suppress(concurrent.futures.InvalidStateError):  # failed meanwhile
+        arrival.set_result(arrays)
 
 
 def _fail(arrival: Arrival, error: BaseException) -> None:

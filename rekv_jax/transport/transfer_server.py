@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
+from collections.abc import Callable
 
 import jax
 from jax.experimental import transfer
@@ -118,8 +119,8 @@ class TransferServerTransport(Endpoint):
                 return
         self._settle(arrival, error=error)
 
-    def _verdict(self, tag: str, verdict: str) -> None:
-        self._verdicts.give(tag, verdict)  # a handoff's "ok"s together (`verdicts`)
+    def _verdict(self, tag: str, verdict: str, settle: Callable[[], None]) -> None:
+        self._verdicts.give(tag, verdict, settle)  # a handoff's "ok"s together (`verdicts`)
 
     def _acked(self, tag: str) -> None:
         self._pending.pop(tag, None)

@@ -5,7 +5,8 @@ last "/") is being received, then posts them all; a failure is posted at once.
 The prefill side reads its verdicts only once it has sent every message (`wait_ack`), so an
 "ok" is not needed earlier; but each control frame that crosses inside a handoff wakes a thread
 in both processes on the cores that are moving and checking the handoff's data. Held this way,
-a handoff's verdicts cross in one burst, as its last message is settled. A sender that waited
+a handoff's verdicts cross in one burst, just after its last message is settled (after: the
+decode side goes on meanwhile). A sender that waited
 for one message's verdict before sending the next of the same handoff would wait for that
 receive's deadline; none does."""
 
@@ -34,9 +35,10 @@ class Verdicts:
         with self._lock:
             self._receiving.setdefault(handoff_of(tag), set()).add(tag)
 
-    def give(self, tag: str, verdict: str) -> None:
-        """`tag` was settled with `verdict`: post it (an "ok" once its handoff has no receive
-        left), with the handoff's held ones."""
+    def give(self, tag: str, verdict: str, settle: Callable[[], None]) -> None:
+        """`settle` the receive of `tag` (its verdict `verdict`), then post the verdict (an "ok"
+        once its handoff has no receive left) with the handoff's held ones. Under the lock, so
+        that `flush` (closing) finds every verdict either held or posted."""
         handoff = handoff_of(tag)
         with self._lock:
             receiving = self._receiving.get(handoff, set())
@@ -49,14 +51,15 @@ class Verdicts:
                 out += [(t, "ok") for t in held]
                 self._held.pop(handoff, None)
                 self._receiving.pop(handoff, None)
-        for t, v in out:
-            self._post(t, v)
+            settle()
+            for t, v in out:
+                self._post(t, v)
 
     def flush(self) -> None:
         """Post every held verdict (the link is closing)."""
         with self._lock:
-            out = [t for held in self._held.values() for t in held]
+            for held in self._held.values():
+                for t in held:
+                    self._post(t, "ok")
             self._held.clear()
             self._receiving.clear()
-        for t in out:
-            self._post(t, "ok")
