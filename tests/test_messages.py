@@ -4,8 +4,11 @@ scripts/bench_messages.py, not asserted here.)"""
 
 from __future__ import annotations
 
+import concurrent.futures
+import gc
 import threading
 import time
+import weakref
 from collections import Counter
 
 import jax
@@ -29,7 +32,7 @@ from rekv_jax.transport import (
 from rekv_jax.transport.control import Board
 from rekv_jax.transport.transfer_server import TransferServerTransport
 from rekv_jax.transport.verdicts import Verdicts
-from rekv_jax.transport.workers import Worker, wait_for
+from rekv_jax.transport.workers import Watchdog, Worker, wait_for
 
 # one phase, both sides: the header posted by the prefill side, then the ack posted by the decode
 # side and collected at the end; no go-ahead, no separate checksums (they travel with the
@@ -221,3 +224,34 @@ def test_the_transfer_servers_verdicts_cross_once_the_handoff_is_received(monkey
     prefill.wait_ack("p/a", timeout=30)
     prefill.wait_ack("p/b", timeout=30)
     assert board.counts["post ack"] == 2
+
+
+def test_the_watchdog_forgets_a_receive_once_it_completes():
+    """What a completed receive holds (its buffers) is not kept until the watchdog next looks."""
+
+    class Buffers:
+        pass
+
+    watchdog = Watchdog("test-watchdog", lambda: True)
+    future = concurrent.futures.Future()
+    expired = []
+    watchdog.add(future, time.monotonic() + 60, "x", None, expired.append)
+    held = Buffers()
+    alive = weakref.ref(held)
+    future.set_result(held)
+    del held, future
+    gc.collect()
+    assert alive() is None and expired == []
+    watchdog.close()
+
+
+def test_the_watchdog_expires_a_receive_past_its_deadline():
+    watchdog = Watchdog("test-watchdog", lambda: True)
+    future, expired = concurrent.futures.Future(), []
+    start = time.monotonic()
+    watchdog.add(future, start + 0.2, "x", None, expired.append)
+    while not expired and time.monotonic() - start < 5:
+        time.sleep(0.01)
+    assert isinstance(expired[0], TransportTimeout)
+    assert time.monotonic() - start < 2  # at its deadline, not a liveness slice later
+    watchdog.close()

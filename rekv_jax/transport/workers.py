@@ -78,12 +78,14 @@ class Watchdog:
     """One persistent daemon thread that bounds many pending futures without waking for each:
     every `LIVENESS_S` (or at a nearer deadline) it hands each one not yet done whose deadline
     passed, whose peer is gone or that was abandoned to its `expire` callback, with the error
-    (`expired`); done ones are dropped."""
+    (`expired`). A future is forgotten the moment it completes (what it holds is not kept)."""
 
     def __init__(self, name: str, peer_alive: Callable[[], bool]) -> None:
         self._peer_alive = peer_alive
-        self._pending: list[tuple[concurrent.futures.Future, float, str,
-                                  threading.Event | None, Callable[[TransportError], None]]] = []
+        self._pending: dict[int, tuple[concurrent.futures.Future, float, str,
+                                       threading.Event | None,
+                                       Callable[[TransportError], None]]] = {}
+        self._added = 0
         self._cond = threading.Condition()
         self._wake_at = float("inf")
         self._closed = False
@@ -95,30 +97,31 @@ class Watchdog:
             abandoned: threading.Event | None, expire: Callable[[TransportError], None]) -> None:
         """Bound `future` by `deadline` (time.monotonic), the peer's liveness and `abandoned`."""
         with self._cond:
-            self._pending.append((future, deadline, what, abandoned, expire))
+            key, self._added = self._added, self._added + 1
+            self._pending[key] = (future, deadline, what, abandoned, expire)
             if deadline < self._wake_at:  # sooner than the thread will look: wake it
                 self._cond.notify()
+        future.add_done_callback(lambda _: self._forget(key))
+
+    def _forget(self, key: int) -> None:
+        with self._cond:
+            self._pending.pop(key, None)
 
     def _serve(self) -> None:
         while True:
             with self._cond:
                 self._wake_at = min([time.monotonic() + LIVENESS_S,
-                                     *(deadline for _, deadline, *_ in self._pending)])
+                                     *(item[1] for item in self._pending.values())])
                 self._cond.wait(max(0.0, self._wake_at - time.monotonic()))
                 if self._closed:
                     return
-                pending, self._pending = self._pending, []
-            keep = []
-            for item in pending:  # outside the lock: an expiry settles a receive
-                future, deadline, what, abandoned, expire = item
-                error = None if future.done() else expired(deadline, self._peer_alive, what,
-                                                            abandoned)
+                pending = list(self._pending.values())
+            for future, deadline, what, abandoned, expire in pending:  # outside the lock: an
+                if future.done():  # expiry settles a receive
+                    continue
+                error = expired(deadline, self._peer_alive, what, abandoned)
                 if error is not None:
                     expire(error)
-                elif not future.done():
-                    keep.append(item)
-            with self._cond:
-                self._pending = keep + self._pending
 
     def close(self) -> None:
         """The thread ends at once; what it bounded is no longer bounded."""
