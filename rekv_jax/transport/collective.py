@@ -72,9 +72,10 @@ def _nbytes(specs: list) -> int:
 
 
 class CollectiveTransport(Endpoint):
-    """Each buffer [n, ...] becomes the local block of a global [2n, ...] array sharded over the
-    process axis; the program moves the prefill blocks, packed into one byte buffer, to the
-    decode device (the decode side contributes cached zero blocks). Both sides must enter the
+    """A message's buffers, packed into one byte buffer on the prefill device (`_packed`), become
+    the local block of a global array sharded over the process axis; the program moves that
+    block to the decode device (the decode side contributes a cached zero block), which cuts it
+    apart (`_unpacked`). Both sides must enter the
     program, so mismatched shapes must never reach it: the decode side puts the specs it expects
     (`TAG/ready`, its go-ahead) before it reads the header, the sender compares them with its
     own before it pushes, and each side enters only on a match (one round trip)."""

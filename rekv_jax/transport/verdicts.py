@@ -6,9 +6,8 @@ The prefill side reads its verdicts only once it has sent every message (`wait_a
 "ok" is not needed earlier; but each control frame that crosses inside a handoff wakes a thread
 in both processes on the cores that are moving and checking the handoff's data. Held this way,
 a handoff's verdicts cross in one burst, just after its last message is settled (after: the
-decode side goes on meanwhile). A sender that waited
-for one message's verdict before sending the next of the same handoff would wait for that
-receive's deadline; none does."""
+decode side goes on meanwhile). A sender that waited for one message's verdict before sending
+the next of the same handoff would wait for that receive's deadline; none does."""
 
 from __future__ import annotations
 
