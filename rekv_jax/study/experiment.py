@@ -243,7 +243,9 @@ def run_role(role: Role, exp: Experiment, transport: Transport, emit: Emit,
 
 class _Run:
     """One side's handoffs of one experiment: per action, every rep of each of its modes; the
-    decode side checks and records them."""
+    decode side checks and records them. It hands its records and progress on once the action's
+    handoffs are done (or one failed): the process that takes them would otherwise run while the
+    next handoff is timed, on the cores the pair computes on."""
 
     def __init__(self, role: Role, exp: Experiment, link: Transport, cfg: ModelConfig,
                  params: Params, tokens: jax.Array, name: str, emit: Emit,
@@ -259,14 +261,23 @@ class _Run:
         modes = self.exp.modes(action)
         states: dict[int, object] = {}  # the prefill state per token chunks of its suffix
         results: dict[Mode, list[Rep]] = {m: [] for m in modes}
-        for mode, rep in handoff_order(self.exp, modes):
-            tag = f"{self.name}{action}/{mode.schedule_text}/{rep}"
-            if self.role == "prefill":
-                self._send(mode, tag, states)
-                continue
-            record = self._receive(mode, tag, rep)
-            if record is not None:
-                results[mode].append(record)
+        records: list[Rep] = []  # in run order, handed on after the action's last handoff
+        handoffs = 0
+        try:
+            for mode, rep in handoff_order(self.exp, modes):
+                tag = f"{self.name}{action}/{mode.schedule_text}/{rep}"
+                if self.role == "prefill":
+                    self._send(mode, tag, states)
+                    continue
+                record = self._receive(mode, tag, rep)
+                handoffs += 1
+                if record is not None:
+                    results[mode].append(record)
+                    records.append(record)
+        finally:
+            if handoffs:
+                self.progress(handoffs)
+            for record in records:
                 self.emit(record)
         if self.role == "decode":
             for mode in modes:
@@ -298,7 +309,6 @@ class _Run:
         result = receive_handoff(self.link, self.cfg, self.params, mode, exp.batch,
                                  exp.seq_len, tag, exp.fallback, exp.backend, exp.timeout)
         use = cores.core_use(before, cores.thread_times())
-        self.progress(1)
         if rep < exp.warmup:
             return None
         serialized = serializes(exp.transport, mode, jax.default_backend())
