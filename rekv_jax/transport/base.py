@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import json
 import threading
 import time
@@ -82,6 +83,19 @@ def mismatch_text(tag: str, sent: list, expected: list) -> str:
 def spec_of(x: jax.Array | jax.ShapeDtypeStruct) -> list:
     """JSON form of a buffer's shape and dtype, e.g. `[[2, 4, 8], "bfloat16"]`."""
     return [list(x.shape), jnp.dtype(x.dtype).name]
+
+
+@functools.lru_cache(maxsize=256)
+def _header(specs: tuple[tuple[tuple[int, ...], jnp.dtype], ...]) -> tuple[str, int]:
+    """The header of buffers of these (shape, dtype)s (their `spec_of`s as JSON) and its
+    `spec_word`: made once per list of buffer shapes, not per message."""
+    text = json.dumps([[list(shape), jnp.dtype(dtype).name] for shape, dtype in specs])
+    return text, spec_word(text)
+
+
+def _header_of(buffers: Sequence[jax.Array | jax.ShapeDtypeStruct]) -> tuple[str, int]:
+    """(the header, its spec word) of buffers or specs (`_header`)."""
+    return _header(tuple((tuple(b.shape), b.dtype) for b in buffers))
 
 
 def link_bytes(specs: Sequence[jax.ShapeDtypeStruct]) -> int:
@@ -213,8 +227,8 @@ class Endpoint:
         for i, a in enumerate(arrays):
             if a.ndim < 1:
                 raise ValueError(f"{tag}: buffer {i} must have at least one dimension")
-        header = json.dumps([spec_of(a) for a in arrays])
-        sums = checksums_buffer(arrays, spec_word(header))
+        header, word = _header_of(arrays)
+        sums = checksums_buffer(arrays, word)
         self._send(tag, [*arrays, sums], header, time.monotonic() + timeout)
         self.sent_bytes += sum(a.nbytes for a in arrays)
 
@@ -247,7 +261,7 @@ class Endpoint:
         differs (other buffers than expected, of the same bytes: the caller reads the header,
         then calls `_settle`)."""
         got, want = verdict_collect(verdict_dispatch(arrays, sums))
-        got.append(spec_word(json.dumps([spec_of(s) for s in expected])))
+        got.append(_header_of(expected)[1])
         if got[-1] != want[-1]:
             return False
         bad = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
