@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rekv_jax.transport import JobKey, TransportError, TransportTimeout, control, secret
+from rekv_jax.transport import JobKey, TransportError, TransportTimeout, checksums, control, secret
 from rekv_jax.transport.collective import _packed, _unpacked
 
 
@@ -139,6 +139,9 @@ def test_packed_buffers_unpack_to_the_same_bits():
     flat = _packed(list(buffers))
     assert flat.dtype == jnp.uint8 and flat.shape == (sum(b.nbytes for b in buffers),)
     like = tuple((b.shape, b.dtype.name) for b in buffers)
-    for got, want in zip(_unpacked(flat, like), buffers, strict=True):
+    unpacked, sums = _unpacked(flat, like)
+    for got, want in zip(unpacked, buffers, strict=True):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert np.array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+    # the checksums the program computes of all but the last are the host's, bit for bit
+    assert np.asarray(sums).tolist() == checksums(list(buffers[:-1]))

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from rekv_jax.errors import TransportError
 from rekv_jax.transport import distributed
 from rekv_jax.transport.base import Arrival, Endpoint, Role, mismatch_text, spec_of
+from rekv_jax.transport.checksums import checksums_in_program
 from rekv_jax.transport.verdicts import Verdicts
 from rekv_jax.transport.workers import Watchdog, Worker, wait_for
 
@@ -54,8 +55,11 @@ def _packed(xs: list[jax.Array]) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _unpacked(flat: jax.Array, like: tuple[tuple[tuple[int, ...], str], ...]) -> list[jax.Array]:
-    """`_packed`'s inverse: buffers of the (shape, dtype) in `like` from their bytes."""
+def _unpacked(flat: jax.Array, like: tuple[tuple[tuple[int, ...], str], ...]
+              ) -> tuple[list[jax.Array], jax.Array]:
+    """`_packed`'s inverse: buffers of the (shape, dtype) in `like` from their bytes, and the
+    checksums of all but the last (the sender's checksums, `checksums_buffer`), [n - 1] uint32,
+    computed where the program reads every byte anyway."""
     out, start = [], 0
     for shape, name in like:
         dtype = jnp.dtype(name)
@@ -64,7 +68,7 @@ def _unpacked(flat: jax.Array, like: tuple[tuple[tuple[int, ...], str], ...]) ->
         out.append(jax.lax.bitcast_convert_type(
             piece.reshape(shape if dtype.itemsize == 1 else (*shape, dtype.itemsize)), dtype))
         start += size
-    return out
+    return out, checksums_in_program(out[:-1])
 
 
 def _nbytes(specs: list) -> int:
@@ -116,7 +120,9 @@ class CollectiveTransport(Endpoint):
         if ready["expect"] != sent:  # the decode side finds the same in the header: neither
             raise ValueError(mismatch_text(tag, sent, ready["expect"]))  # enters the program
         if ready["placed"] is None:
-            run = self._exchange(_packed([jax.device_put(a, self._device) for a in buffers]))
+            here = {self._device}
+            run = self._exchange(_packed([a if a.devices() == here else
+                                          jax.device_put(a, self._device) for a in buffers]))
         else:
             src = [next(iter(a.devices())) for a in buffers]
             self._channel.put(f"{tag}/src", json.dumps([d.id for d in src]))
@@ -150,9 +156,12 @@ class CollectiveTransport(Endpoint):
         try:
             if not self._check_header(arrival, expected):
                 return
-            *arrays, sums = self._pull(arrival.tag, wire)
+            (*arrays, sums), got = self._pull(arrival.tag, wire)
             arrival.landed = time.monotonic()
-            if not self._verify(arrival, arrays, sums, specs):  # the header matched
+            judged = (self._verify(arrival, arrays, sums, specs) if got is None else
+                      self._judge(arrival, arrays, np.asarray(got).tolist(),
+                                  np.asarray(sums).tolist(), specs))
+            if not judged:  # the header matched
                 self._settle(arrival, error=TransportError(
                     f"{arrival.tag}: the checksums' spec word is corrupted"))
         except TransportError as e:
@@ -162,15 +171,17 @@ class CollectiveTransport(Endpoint):
             self._settle(arrival, error=TransportError(
                 f"{arrival.tag}: collective failed (peer died?): {e}"))
 
-    def _pull(self, tag: str, specs: list[jax.ShapeDtypeStruct]) -> list[jax.Array]:
-        """The decode side's program, run here (on the runner: `_receive`)."""
+    def _pull(self, tag: str, specs: list[jax.ShapeDtypeStruct]
+              ) -> tuple[list[jax.Array], jax.Array | None]:
+        """The decode side's program, run here (on the runner: `_receive`): the buffers (the
+        checksums last) and, unpacked from one byte buffer, the checksums of the others."""
         if _placement(specs) is None:
             like = tuple((tuple(s.shape), jnp.dtype(s.dtype).name) for s in specs)
             flat = self._exchange(self._blank(jax.ShapeDtypeStruct((_nbytes(specs),), jnp.uint8)))
             return _unpacked(flat(), like)
         src = json.loads(self._channel.get(f"{tag}/src", _SRC_TIMEOUT_S))
         return self._exchange_placed(tag, specs, [_devices_by_id()[i] for i in src],
-                                     [_device_of(s) for s in specs])()
+                                     [_device_of(s) for s in specs])(), None
 
     @staticmethod
     def _ready(specs: list[jax.ShapeDtypeStruct], expected: list) -> str:
