@@ -9,6 +9,7 @@ their pieces at once and neither side gathers. Processes may hold different devi
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import json
 import math
@@ -109,10 +110,12 @@ class CollectiveTransport(Endpoint):
         self._blanks: dict[tuple, jax.Array] = {}
         self._placed: dict[tuple, tuple] = {}  # (devices, pairs) -> (sharding, program)
         self._broken: str | None = None
+        self._exchanges: dict[str, tuple[concurrent.futures.Future, float]] = {}  # sent, running
 
     def _send(self, tag: str, buffers: list[jax.Array], header: str, deadline: float) -> None:
-        """Put the header, wait for the go-ahead (the specs the decode side expects), then run
-        the program; returns once the exchange is done."""
+        """Put the header, wait for the go-ahead (the specs the decode side expects), then start
+        the program on the runner; returns at once (`wait_ack` waits for the exchange), so the
+        next message is prepared while this one moves."""
         self._channel.put(f"{tag}/header", header)
         sent = json.loads(header)
         ready = json.loads(
@@ -128,7 +131,9 @@ class CollectiveTransport(Endpoint):
             self._channel.put(f"{tag}/src", json.dumps([d.id for d in src]))
             dst = [_devices_by_id()[i] for i in ready["placed"]]
             run = self._exchange_placed(tag, buffers, src, dst)
-        self._bounded(tag, run, deadline)
+        if self._broken:  # the next program would queue behind the stuck one on the runner
+            raise TransportError(f"{tag}: collective link unusable after {self._broken}")
+        self._exchanges[tag] = self._runner.submit(run), deadline
 
     def _receive(self, arrival: Arrival, specs: list[jax.ShapeDtypeStruct],
                  wire: list[jax.ShapeDtypeStruct]) -> None:
@@ -244,14 +249,19 @@ class CollectiveTransport(Endpoint):
 
         return run
 
-    def _bounded(self, tag: str, run: Callable[[], list[jax.Array]], deadline: float
-                 ) -> list[jax.Array]:
-        """Run a program on the worker thread, waiting at most until `deadline`; refused at once
-        once a program got stuck (the next would queue behind it on the one worker)."""
-        if self._broken:
-            raise TransportError(f"{tag}: collective link unusable after {self._broken}")
+    def wait_ack(self, tag: str, timeout: float = 60.0) -> None:
+        """Prefill side: wait for `tag`'s exchange to end (by its send's deadline), then for the
+        decode side's verdict (`Endpoint.wait_ack`)."""
+        exchange = self._exchanges.pop(tag, None)
+        if exchange is not None:
+            self._exchanged(tag, *exchange)
+        super().wait_ack(tag, timeout)
+
+    def _exchanged(self, tag: str, run: concurrent.futures.Future, deadline: float) -> None:
+        """Wait at most until `deadline` for a program started on the runner; one that did not
+        end, or failed, leaves the link unusable."""
         try:
-            return wait_for(self._runner.submit(run), deadline, self._channel.peer_alive, tag)
+            wait_for(run, deadline, self._channel.peer_alive, tag)
         except TransportError:  # timed out or the peer died before joining: the worker is stuck
             self._broken = f"{tag} did not complete"
             raise
@@ -263,6 +273,7 @@ class CollectiveTransport(Endpoint):
         self._verdicts.give(tag, verdict, settle)  # a handoff's "ok"s together (`verdicts`)
 
     def _close(self, timeout: float) -> None:
+        self._exchanges.clear()
         self._runner.close()
         if self._watchdog is not None:
             self._watchdog.close()
