@@ -5,7 +5,9 @@ of the buffers' specs (see `rekv_jax.transport.base` for the protocol).
 On an accelerator a jitted program sums the buffers on their device. Buffers on CPU devices are
 host memory, so numpy sums them in place (the same sums, bit for bit): a program would be
 compiled per list of buffer shapes, one per phase, cut and precision of a study, where numpy
-compiles nothing and sums as fast."""
+compiles nothing and sums as fast. A transport whose own program holds the buffers anyway (the
+collective's unpack, compiled per list of shapes already) sums them there
+(`checksums_in_program`)."""
 
 from __future__ import annotations
 

@@ -80,10 +80,11 @@ class CollectiveTransport(Endpoint):
     """A message's buffers, packed into one byte buffer on the prefill device (`_packed`), become
     the local block of a global array sharded over the process axis; the program moves that
     block to the decode device (the decode side contributes a cached zero block), which cuts it
-    apart (`_unpacked`). Both sides must enter the
+    apart and checksums the pieces in the same program (`_unpacked`). Both sides must enter the
     program, so mismatched shapes must never reach it: the decode side puts the specs it expects
     (`TAG/ready`, its go-ahead) before it reads the header, the sender compares them with its
-    own before it pushes, and each side enters only on a match (one round trip)."""
+    own before it pushes, and each side enters only on a match (one round trip). The sender's
+    program runs on a worker thread: `send` returns once it started, `wait_ack` waits for it."""
 
     kind = "collective"
 
