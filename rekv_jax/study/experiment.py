@@ -4,13 +4,13 @@ Each side's process runs `run_side`: one experiment (`run_role`), or, for a swee
 after another over the same transport and weights (`run_session`). On one machine `launch_pair`
 (or `open_session`) spawns both over loopback; on a multi-host allocation the scheduler starts
 one process per role, which runs its side in a spawned process (`run_process`, see the README).
-Records reach the launching process as objects, as they come. Both sides
-build the same weights (same seed, or the same checkpoint), agree on the experiment, then run
-`warmup + reps` handoffs per action and schedule. The decode side checks every timed rep's first
-token and complete cache against its own single-process prefill (`References`), and emits one
-JSON object per rep (`kind: "rep"`) and per action and schedule (`kind: "summary"`). Under
-`fallback="recompute"` a lost prefix costs one rep its transfer, not the run: the decode side
-rebuilds that cache from the token ids and both sides go on.
+Records reach the launching process as objects, an action's once its handoffs are done (not while
+the next is timed). Both sides build the same weights (same seed, or the same checkpoint), agree on
+the experiment, then run `warmup + reps` handoffs per action and schedule. The decode side checks
+every timed rep's first token and complete cache against its own single-process prefill
+(`References`), and emits one JSON object per rep (`kind: "rep"`) and per action and schedule
+(`kind: "summary"`). Under `fallback="recompute"` a lost prefix costs one rep its transfer, not the
+run: the decode side rebuilds that cache from the token ids and both sides go on.
 """
 
 from __future__ import annotations
@@ -353,7 +353,7 @@ def summarize(cfg: ModelConfig, exp: Experiment, mode: Mode, reps: list[Rep], we
 def run_side(side: Side, exp: Experiment, session: bool = False) -> None:
     """One side's process of a launched pair: `exp`, then, in a `session`, each experiment the
     launching process hands the decode side (`run_session`); records and `Progress` go to the
-    launching process as they come. Over the `local` transport the one process runs both
+    launching process after each action. Over the `local` transport the one process runs both
     sides. Each experiment paces its own link (`run_role`), so the transport is unpaced."""
     more = side.requests() if session and side.role == "decode" else ()
 
@@ -376,7 +376,7 @@ def run_local(exp: Experiment, emit: Emit, progress: Callable[[int], None] = lam
 def launch_pair(exp: Experiment, on_item: Callable[[object], None], pin: bool = True) -> None:
     """Run `exp` on this machine, each side spawned in its environment (`side_environments`:
     a GPU or a fair share each, or on CPU its own cores unless not `pin`) over loopback, under
-    a key made for it; records and `Progress` reach `on_item` as they come. A failed side is
+    a key made for it; records and `Progress` reach `on_item` after each action. A failed side is
     one line naming it and how it ended (`launch.pair`)."""
     run_pair(run_side, exp, envs=side_environments(exp, pin), key=JobKey.new(),
              coordinator=loopback(), grace=exp.timeout, on_item=on_item)
