@@ -82,14 +82,18 @@ def mismatch_text(tag: str, sent: list, expected: list) -> str:
 
 def spec_of(x: jax.Array | jax.ShapeDtypeStruct) -> list:
     """JSON form of a buffer's shape and dtype, e.g. `[[2, 4, 8], "bfloat16"]`."""
-    return [list(x.shape), jnp.dtype(x.dtype).name]
+    return _spec(x.shape, x.dtype)
+
+
+def _spec(shape: tuple[int, ...], dtype: jnp.dtype) -> list:
+    return [list(shape), jnp.dtype(dtype).name]
 
 
 @functools.lru_cache(maxsize=256)
 def _header(specs: tuple[tuple[tuple[int, ...], jnp.dtype], ...]) -> tuple[str, int]:
     """The header of buffers of these (shape, dtype)s (their `spec_of`s as JSON) and its
     `spec_word`: made once per list of buffer shapes, not per message."""
-    text = json.dumps([[list(shape), jnp.dtype(dtype).name] for shape, dtype in specs])
+    text = json.dumps([_spec(shape, dtype) for shape, dtype in specs])
     return text, spec_word(text)
 
 
@@ -378,8 +382,12 @@ class Endpoint:
     def _verdict(self, tag: str, verdict: str, settle: Callable[[], None]) -> None:
         """Hook: post the decode side's verdict on `tag` ("ok", "mismatch: ...", "error: ..."),
         then `settle` its receive (posted first: the sender may free its buffers)."""
-        self._channel.post(f"{tag}/ack", verdict)
+        self._post_verdict(tag, verdict)
         settle()
+
+    def _post_verdict(self, tag: str, verdict: str) -> None:
+        """Put a verdict where `wait_ack` reads it."""
+        self._channel.post(f"{tag}/ack", verdict)
 
     def _acked(self, tag: str) -> None:
         """Hook: the decode side is done with `tag` (the sender may drop its buffers)."""

@@ -83,7 +83,7 @@ def _checksums_device(arrays: list[jax.Array]) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnums=1)  # the word follows from the shapes: no new programs
 def _checksums_and_word(arrays: list[jax.Array], word: int) -> jax.Array:
-    return jnp.stack([*(_checksum(x) for x in arrays), jnp.uint32(word)])  # [n + 1] uint32
+    return jnp.append(checksums_in_program(arrays), jnp.uint32(word))  # [n + 1] uint32
 
 
 def spec_word(header: str) -> int:

@@ -107,7 +107,7 @@ class CollectiveTransport(Endpoint):
         self._runner = Worker("rekv-collective")
         self._watchdog = (Watchdog("rekv-receive-watchdog", channel.peer_alive)
                           if role == "decode" else None)
-        self._verdicts = Verdicts(lambda tag, verdict: self._channel.post(f"{tag}/ack", verdict))
+        self._verdicts = Verdicts(self._post_verdict)
         self._blanks: dict[tuple, jax.Array] = {}
         self._placed: dict[tuple, tuple] = {}  # (devices, pairs) -> (sharding, program)
         self._broken: str | None = None

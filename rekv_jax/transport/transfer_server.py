@@ -66,7 +66,7 @@ class TransferServerTransport(Endpoint):
         self._landers = [Worker("rekv-landing"), Worker("rekv-landing")]
         self._received = 0
         self._watchdog = Watchdog("rekv-receive-watchdog", channel.peer_alive)
-        self._verdicts = Verdicts(lambda tag, verdict: self._channel.post(f"{tag}/ack", verdict))
+        self._verdicts = Verdicts(self._post_verdict)
 
     def _send(self, tag: str, buffers: list[jax.Array], header: str, deadline: float) -> None:
         self._pending[tag] = buffers
