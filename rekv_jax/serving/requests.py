@@ -21,6 +21,9 @@ from typing import Any
 from rekv_jax.mode import Mode
 from rekv_jax.phases import Phases
 from rekv_jax.planning.queueing import ServedPrediction
+from rekv_jax.serving.sampling import Sampling, Stops
+
+FINISH_REASONS = ("length", "stop", "abort")  # why a request that did not fail ended
 
 
 def tag(request_id: int) -> str:
@@ -36,6 +39,8 @@ class ServeRequest:
     tokens: tuple[int, ...]  # the prompt's token ids
     max_new_tokens: int  # tokens to generate, the handoff's first token included
     arrival_s: float = 0.0  # when it arrives, seconds after the run's start
+    sampling: Sampling = Sampling()  # greedy unless asked
+    stops: Stops = Stops()  # what else ends it (EOS, stop strings and ids)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
@@ -114,6 +119,7 @@ class Prefill:
     tokens: tuple[int, ...]  # the prompt's ids
     mode: Mode
     decode_worker: int
+    sampling: Sampling = Sampling()  # of its first token, where the prefill side draws it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +134,8 @@ class Admit:
     prefill_worker: int
     suffix_ms: float  # the cost model's decode-side compute of its handoff, alone
     # (`costmodel.decode_busy_ms`): what it adds to `Load.queued_suffix_ms` until it has run
+    sampling: Sampling = Sampling()
+    stops: Stops = Stops()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +169,8 @@ class Token:
     index: int  # 0: the handoff's first token
     token: int
     t_s: float  # time.monotonic() on the decode worker
+    logprob: float | None = None  # its log probability under the model (`Sampling.logprobs`)
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # the likeliest (id, log probability)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +186,8 @@ class Finished:
     checks: str  # what held of its cache (`handoff.check.check_cache`'s text; "" unchecked)
     fell_back: bool  # its prefix failed and its cache was recomputed from the ids
     error: str | None = None  # one line if it failed (others keep decoding)
+    finish_reason: str = "length"  # `FINISH_REASONS` (meaningless when `error` is set)
+    stop: str | int | None = None  # the stop string or token id that ended it ("stop")
 
 
 @dataclasses.dataclass(frozen=True)
