@@ -29,7 +29,7 @@ import concurrent.futures
 import contextlib
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -128,12 +128,13 @@ Sink = Callable[[KVCache, int, int], None]
 class Reception:
     """The decode side of one handoff of `mode` (`tag`'s messages over `link`): `start`, then
     `advance` until it returns True, then `outcome`. With a `sink`, the cache's layers go there
-    as they complete and the outcome holds no cache."""
+    as they complete and the outcome holds no cache. `first`: the buffers of the first-token
+    part, as the prefill side's `FirstDraw` sends them (None: the token [B] int32 alone)."""
 
     def __init__(self, link: Transport, cfg: ModelConfig, params: Params, mode: Mode,
                  batch: int, seq_len: int, tag: str, fallback: str = Fallback.ERROR,
-                 backend: str | None = None, timeout: float = 60.0,
-                 sink: Sink | None = None) -> None:
+                 backend: str | None = None, timeout: float = 60.0, sink: Sink | None = None,
+                 first: Sequence[jax.ShapeDtypeStruct] | None = None) -> None:
         if fallback not in tuple(Fallback):
             raise ValueError(f"fallback must be one of {tuple(f.value for f in Fallback)}, "
                              f"got {fallback!r}")
@@ -141,6 +142,7 @@ class Reception:
         self._batch, self._seq_len, self.tag = batch, seq_len, tag
         self._fallback, self._backend, self._timeout = Fallback(fallback), backend, timeout
         self._dtype = params["embed"].dtype
+        self._first_specs = list(first or [jax.ShapeDtypeStruct((batch,), jnp.int32)])
         self._programs = LayerPrograms.of(cfg, params)  # checked once, not per layer
         _start_lanes()  # not inside the handoff's interval
         self._codec = PrefixCodec.of(cfg, params, mode.action)
@@ -211,6 +213,16 @@ class Reception:
         return self._first_token
 
     @property
+    def logits(self) -> jax.Array | None:
+        """The last position's logits [B, V] f32 if this side computed them (once done)."""
+        return self._logits
+
+    @property
+    def sent_first(self) -> tuple[jax.Array, ...] | None:
+        """The prefill side's first-token part (its `FirstDraw`'s buffers), once arrived."""
+        return self._sent_first
+
+    @property
     def tokens(self) -> jax.Array | None:
         """The prompt's token ids [B, S], once they arrived."""
         return self._tokens
@@ -251,7 +263,7 @@ class Reception:
     def _specs(self, message: Message) -> list[jax.ShapeDtypeStruct]:
         B, (start, stop) = self._batch, message.tokens
         specs = {Part.TOKENS: [jax.ShapeDtypeStruct((B, self._seq_len), jnp.int32)],
-                 Part.FIRST: [jax.ShapeDtypeStruct((B,), jnp.int32)],
+                 Part.FIRST: self._first_specs,
                  Part.BOUNDARY: [jax.ShapeDtypeStruct((B, stop - start, self._cfg.hidden_size),
                                                       self._dtype)]}
         out = []
@@ -268,7 +280,7 @@ class Reception:
             if part == Part.TOKENS:
                 self._tokens = rest.pop(0)
             elif part == Part.FIRST:
-                self._sent_first = rest.pop(0)
+                self._sent_first = tuple(rest.pop(0) for _ in self._first_specs)
             elif part == Part.BOUNDARY:
                 self._on_boundary(message, rest.pop(0))
             else:
@@ -419,7 +431,7 @@ class Reception:
         else:
             self._kv = suffix if prefix is None else prefix if suffix is None else (
                 KVCache.concat(prefix, suffix))
-        self._first_token = self._sent_first if self._logits is None else _first(self._logits)
+        self._first_token = self._sent_first[0] if self._logits is None else _first(self._logits)
         self._watches["end"] = watch("join", (self._kv, self._first_token)), Event.END
 
 

@@ -43,6 +43,10 @@ from rekv_jax.sizes import token_chunks
 from rekv_jax.transport import Transport, checksums
 
 T = TypeVar("T")
+# How the prefill side draws a handoff's first token from its logits [B, V] f32: the buffers its
+# first-token part carries, the token [B] int32 first (what else rides with it is the caller's,
+# e.g. the serving layer's log probabilities; the decode side expects the same, `Reception`)
+FirstDraw = Callable[[jax.Array], tuple[jax.Array, ...]]
 
 
 @jax.tree_util.register_dataclass
@@ -53,28 +57,38 @@ class PrefillState:
     tokens: jax.Array  # [B, S] int32
     h_c: jax.Array | None  # [B, S, D] boundary (joint actions)
     prefix: KVCache | None  # layers 0..c-1 (joint and transfer-only)
-    first_token: jax.Array  # [B] from the prefill's own logits (sent with the token ids)
+    first: tuple[jax.Array, ...]  # its `FirstDraw` of the prefill's own logits (sent with the ids)
     codec: PrefixCodec  # how the prefix travels
     # `checksums` of this process's suffix KV [K, V] (joint actions, when asked for): the decode
     # side compares its recomputed suffix with it (sent with the prefill side's times)
     suffix_sums: tuple[int, ...] = dataclasses.field(default=(), metadata={"static": True})
 
+    @property
+    def first_token(self) -> jax.Array:
+        """The first token [B]."""
+        return self.first[0]
+
+
+def argmax_first(logits: jax.Array) -> tuple[jax.Array]:
+    """The greedy `FirstDraw`: the argmax [B] alone."""
+    return (_argmax(logits),)
+
 
 def prepare(cfg: ModelConfig, params: Params, tokens: jax.Array, mode: Mode,
-            check_suffix: bool = False) -> PrefillState:
+            check_suffix: bool = False, first: FirstDraw = argmax_first) -> PrefillState:
     """The prefill worker's prompt processing for `mode` (untimed, as in the paper): the prefix,
-    `h_c` and its own suffix, in the mode's token chunks. `check_suffix`: also the checksums of
-    that suffix (joint actions; a device-to-host sync, so only outside a timed interval)."""
+    `h_c` and its own suffix, in the mode's token chunks, and the first token as `first` draws
+    it. `check_suffix`: also the checksums of that suffix (joint actions; a device-to-host sync,
+    so only outside a timed interval)."""
     action = mode.action
     codec = PrefixCodec.of(cfg, params, action)
     if not action.cut:
         _, logits = prefill(cfg, params, tokens)
-        return PrefillState(tokens, None, None, _argmax(logits), codec)
+        return PrefillState(tokens, None, None, first(logits), codec)
     h_c, prefix = run_prefix(cfg, params, tokens, action.cut)
     suffix, logits = run_suffix(cfg, params, h_c, action.cut, chunks=mode.suffix_chunks)
     sums = tuple(checksums(suffix.buffers)) if mode.joint and check_suffix else ()
-    return PrefillState(tokens, h_c if mode.joint else None, prefix, _argmax(logits), codec,
-                        sums)
+    return PrefillState(tokens, h_c if mode.joint else None, prefix, first(logits), codec, sums)
 
 
 @jax.jit
@@ -152,21 +166,20 @@ def send_handoff(link: Transport, state: PrefillState, mode: Mode, tag: str,
 
 
 def send_prompt(link: Transport, cfg: ModelConfig, params: Params, tokens: jax.Array, mode: Mode,
-                tag: str, backend: str | None = None, timeout: float = 60.0, go: bool = True
-                ) -> SendReport:
+                tag: str, backend: str | None = None, timeout: float = 60.0, go: bool = True,
+                first: FirstDraw = argmax_first) -> SendReport:
     """Prefill side of one handoff timed from the prompt's arrival (`mode.from_prompt`). `go`:
     start both sides' clocks together first (`TAG/go`, agreed with `receive_handoff`); a
     serving prefill worker sends at once instead (the decode side's clock starts at its
-    admission)."""
+    admission). `first`: how it draws the first token it sends."""
     if go:
         link.agree(f"{tag}/go", {}, timeout)
     sent = _Sent(link, time.perf_counter(), PrefixCodec.of(cfg, params, mode.action))
     if not mode.streams:
-        state = sent.timed("prefill_ms", prepare, cfg, params, tokens, mode)
+        state = sent.timed("prefill_ms", prepare, cfg, params, tokens, mode, False, first)
         return _send_state(state, mode, tag, backend, timeout, sent)
-    if mode.streams_layers:
-        return _send_layers(cfg, params, tokens, mode, tag, backend, timeout, sent)
-    return _send_chunks(cfg, params, tokens, mode, tag, backend, timeout, sent)
+    send = _send_layers if mode.streams_layers else _send_chunks
+    return send(cfg, params, tokens, mode, tag, backend, timeout, sent, first)
 
 
 def _send_state(state: PrefillState, mode: Mode, tag: str, backend: str | None, timeout: float,
@@ -179,7 +192,7 @@ def _send_state(state: PrefillState, mode: Mode, tag: str, backend: str | None, 
         buffers = []
         for part in message.parts:
             buffers += {Part.TOKENS: lambda: [state.tokens],
-                        Part.FIRST: lambda: [state.first_token],
+                        Part.FIRST: lambda: list(state.first),
                         Part.BOUNDARY: lambda m=message: [_tokens_of(state.h_c, *m.tokens)],
                         Part.PREFIX: lambda: payload}[part]()
         sent.send(tag, message, buffers, timeout)
@@ -187,7 +200,8 @@ def _send_state(state: PrefillState, mode: Mode, tag: str, backend: str | None, 
 
 
 def _send_layers(cfg: ModelConfig, params: Params, tokens: jax.Array, mode: Mode, tag: str,
-                 backend: str | None, timeout: float, sent: _Sent) -> SendReport:
+                 backend: str | None, timeout: float, sent: _Sent, first: FirstDraw
+                 ) -> SendReport:
     """A split prefill: compute the layers each message needs, one program per layer, then send
     it (a layer's payload once that layer is computed; h_c or the first token once layer c-1
     is)."""
@@ -199,12 +213,13 @@ def _send_layers(cfg: ModelConfig, params: Params, tokens: jax.Array, mode: Mode
             x, layer_kv = sent.timed("prefill_ms", _layer_step, cfg, params, tokens, x, done)
             done += 1
         sent.send(tag, message, _streamed(message, tokens, x, layer_kv, cfg, params, sent,
-                                          backend), timeout)
+                                          backend, first), timeout)
     return sent.finish(tag, timeout)
 
 
 def _send_chunks(cfg: ModelConfig, params: Params, tokens: jax.Array, mode: Mode, tag: str,
-                 backend: str | None, timeout: float, sent: _Sent) -> SendReport:
+                 backend: str | None, timeout: float, sent: _Sent, first: FirstDraw
+                 ) -> SendReport:
     """A pipelined prefill: compute the token chunks each message needs through layers 0..c-1
     (a chunked prefill with its own prefix cache), then send it (a chunk's h_c, then its
     prefix; transfer-only, the first token before the last chunk's prefix)."""
@@ -219,22 +234,22 @@ def _send_chunks(cfg: ModelConfig, params: Params, tokens: jax.Array, mode: Mode
             done += 1
         prefix = kv.span(*message.tokens) if message.parts == (Part.PREFIX,) else None
         sent.send(tag, message, _streamed(message, tokens, x, prefix, cfg, params, sent,
-                                          backend), timeout)
+                                          backend, first), timeout)
     return sent.finish(tag, timeout)
 
 
 def _streamed(message: Message, tokens: jax.Array, x: jax.Array, prefix: KVCache | None,
-              cfg: ModelConfig, params: Params, sent: _Sent, backend: str | None
-              ) -> list[jax.Array]:
+              cfg: ModelConfig, params: Params, sent: _Sent, backend: str | None,
+              first: FirstDraw) -> list[jax.Array]:
     """The buffers of one message of a streamed prefill: the ids, h_c (`x`), the first token
-    from `x` after the last layer, or the payload of `prefix`."""
+    drawn from `x` after the last layer, or the payload of `prefix`."""
     part, = message.parts
     if part == Part.TOKENS:
         return [tokens]
     if part == Part.BOUNDARY:
         return [x]
     if part == Part.FIRST:
-        return [sent.timed("prefill_ms", _first_token, cfg, params, x)]
+        return list(sent.timed("prefill_ms", _first_token, cfg, params, x, first))
     return sent.pack(prefix, backend, message)
 
 
@@ -246,6 +261,7 @@ def _layer_step(cfg: ModelConfig, params: Params, tokens: jax.Array, x: jax.Arra
     return run_layers(cfg, params, x, layer, layer + 1)
 
 
-def _first_token(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
-    """The first token from the residual after the last layer (transfer-only)."""
-    return _argmax(run_suffix(cfg, params, x, cfg.num_layers)[1])
+def _first_token(cfg: ModelConfig, params: Params, x: jax.Array, first: FirstDraw
+                 ) -> tuple[jax.Array, ...]:
+    """The first token drawn from the residual after the last layer (transfer-only)."""
+    return first(run_suffix(cfg, params, x, cfg.num_layers)[1])
