@@ -4,8 +4,9 @@ Reproduces `rekv_jax/assets/wt2-tiny/` (its training time: `train_seconds` in it
   python scripts/train_tiny.py [--out DIR] [--wikitext DIR]
 It fits a byte-level BPE on valid.txt, trains with optax (AdamW, warmup + cosine) through the
 project's own `forward`, first on short then on long sequences (so NIAH holds at 1024 tokens),
-and writes: tokenizer.json, the BF16 weights as an orbax checkpoint (`orbax/`) and as HF
-safetensors + config.json (top level, for `load_hf`), train_log.json and loss.png.
+and writes: tokenizer.json, generation_config.json (its EOS, the tokenizer's `<|endoftext|>`), the
+BF16 weights as an orbax checkpoint (`orbax/`) and as HF safetensors + config.json (top level,
+for `load_hf`), train_log.json and loss.png.
 It ends by printing JSON: training time, BF16 WikiText-2 test perplexity and NIAH pass rate.
 `test.txt` is read only for that final evaluation.
 """
@@ -217,6 +218,8 @@ def main() -> None:
     train_text = data.read_split("valid", args.wikitext)
     tok = data.train_tokenizer(train_text, args.vocab_size)
     tok.save(str(args.out / "tokenizer.json"))
+    (args.out / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": tok.token_to_id(data.EOS)}, indent=2) + "\n")
     ids = data.encode(tok, train_text)
     cfg = model_config(tok.get_vocab_size())
     phases = [dataclasses.replace(p, steps=max(1, round(p.steps * args.steps_scale)))

@@ -38,6 +38,21 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return Tokenizer.from_file(str(file))
 
 
+def eos_ids(spec: str) -> tuple[int, ...]:
+    """The EOS token ids of a trained-model folder or `hf:PATH` checkpoint: `eos_token_id` (an
+    id or a list) of its `generation_config.json`, else of its `config.json`; () for a preset
+    or a folder that names none (reads files only, like `tokenizer_of`)."""
+    if spec in MODEL_PRESETS:
+        return ()
+    folder = Path(spec.removeprefix("hf:"))
+    for name in ("generation_config.json", "config.json"):
+        file = folder / name
+        eos = json.loads(file.read_text()).get("eos_token_id") if file.is_file() else None
+        if eos is not None:
+            return tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]))
+    return ()
+
+
 def tokenizer_of(spec: str) -> Tokenizer | None:
     """The tokenizer beside a trained-model folder or `hf:PATH` checkpoint, if it has one
     (reads files only: no JAX call, so it may run before jax.distributed starts)."""
@@ -53,6 +68,7 @@ class LoadedModel:
     params: Params  # nested dict of arrays
     weights: str  # e.g. "synthetic (seed 0)", "hf:PATH", "orbax PATH"
     tokenizer: Tokenizer | None = None  # for checkpoints that ship a tokenizer.json
+    eos_ids: tuple[int, ...] = ()  # the tokens that end a generation (`eos_ids`)
 
 
 def _orbax_folder(spec: str) -> Path:
@@ -106,9 +122,10 @@ def load_model(spec: str, seed: int = 0, dtype: jnp.dtype = jnp.bfloat16, orbax:
 
     if spec.startswith("hf:") or not (orbax or spec in MODEL_PRESETS):
         cfg, params = load_hf(Path(spec.removeprefix("hf:")), dtype)
-        return LoadedModel(cfg, params, f"hf:{spec.removeprefix('hf:')}", tokenizer_of(spec))
+        return LoadedModel(cfg, params, f"hf:{spec.removeprefix('hf:')}", tokenizer_of(spec),
+                           eos_ids(spec))
     if spec in MODEL_PRESETS:
         return synthetic_model(ModelConfig.preset(spec), seed, dtype)
     folder = _orbax_folder(spec)
     cfg, params = restore_params(folder / "orbax")
-    return LoadedModel(cfg, params, f"orbax {folder}", load_tokenizer(folder))
+    return LoadedModel(cfg, params, f"orbax {folder}", load_tokenizer(folder), eos_ids(spec))
