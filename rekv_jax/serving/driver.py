@@ -75,8 +75,8 @@ class Ask:
         r = self.request
         mode = serving_mode(Action.parse(self.action, num_layers), r.prompt_len,
                             self.chunk_tokens)
-        return (Admit(r.id, r.prompt_len, r.max_new_tokens, mode, 0, 0.0),
-                Prefill(r.id, r.tokens, mode, 0))
+        return (Admit(r.id, r.prompt_len, r.max_new_tokens, mode, 0, 0.0, r.sampling, r.stops),
+                Prefill(r.id, r.tokens, mode, 0, r.sampling))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +137,8 @@ def serve_local(setup: ServeSetup, asks: Sequence[Ask], on_item: OnItem | None =
     model = model or setup.load()
     cfg, params = model.cfg, model.params
     prefill_end, decode_end = LocalTransport.pair(setup.link_gbps)
-    engine = DecodeEngine(cfg, params, [decode_end], setup.engine())
+    engine = DecodeEngine(cfg, params, [decode_end], setup.engine(), model.eos_ids,
+                          model.tokenizer)
     worker = PrefillWorker(cfg, params, [prefill_end], timeout=setup.timeout)
     stream = _Stream(asks, cfg.num_layers, on_item)
     decode_in, prefill_in = LocalInbox(), LocalInbox()

@@ -11,8 +11,13 @@ Each iteration (`DecodeEngine.step`), with every device call dispatched asynchro
      stepping); a reception's restored and recomputed layers go straight into its pages;
   4. collect: the step's tokens are pulled to the host (the one sync of an iteration: emitting
      them needs it) and emitted; a request whose handoff completed emits its first token and
-     joins next iteration; a request with all its tokens retires (`Finished`) and its pages go
-     back.
+     joins next iteration; a request that ended (`ends.Ending`: its EOS, a stop, its
+     `max_new_tokens`) retires (`Finished`) and its pages go back.
+Every token, the handoff's first included, is drawn by one batched program from its row's logits
+(`sampling.draw`, with the request's `Sampling` and the token's index): a request's tokens
+depend on its prompt, parameters and seed, never on what shares its steps. A transfer-only
+handoff's first token is drawn on the prefill side (which has the logits) by the same program,
+and its log probabilities, when asked, cross with it (`sampling.first_specs`).
 When nothing runs and no queued suffix work waits, it sleeps on the receptions' `waitables()`
 (bounded), never spinning.
 
@@ -31,9 +36,9 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from rekv_jax.action import Action, ActionKind
@@ -47,6 +52,7 @@ from rekv_jax.launch.child import Member
 from rekv_jax.mode import Fallback, Interval, Mode, PrefillMode, Reference, Schedule
 from rekv_jax.model import paged
 from rekv_jax.model.transformer import Params
+from rekv_jax.serving.ends import End, Ending
 from rekv_jax.serving.inbox import MemberInbox, Requests
 from rekv_jax.serving.pages import (
     BlockTable,
@@ -57,7 +63,11 @@ from rekv_jax.serving.pages import (
     step_inputs,
 )
 from rekv_jax.serving.requests import Admit, Finished, Held, Load, Token, tag
+from rekv_jax.serving.sampling import Drawn, Sampling, draw, first_specs, rows_of
 from rekv_jax.transport import Transport
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 CHUNK_TOKENS = 64  # a serving request's suffix runs in token chunks of at most this many
 SUFFIX_BUDGET = 8 * CHUNK_TOKENS  # token-layers of suffix compute per iteration (8 layers' chunk)
@@ -108,10 +118,12 @@ class _Request:
     admit: Admit
     table: BlockTable
     reception: Reception
+    ending: Ending
     admitted_s: float  # time.monotonic()
     tokens: list[int] = dataclasses.field(default_factory=list)
     times_s: list[float] = dataclasses.field(default_factory=list)
     checks: str = ""
+    end: End | None = None  # once it ended
 
     @property
     def position(self) -> int:
@@ -119,13 +131,15 @@ class _Request:
         return self.admit.prompt_len + len(self.tokens) - 1
 
     @property
-    def complete(self) -> bool:
-        return len(self.tokens) >= self.admit.max_new_tokens
+    def next_row(self) -> tuple[Sampling, int]:
+        """Its row of the next `draw`: its sampling and the index of the token drawn."""
+        return self.admit.sampling, len(self.tokens)
 
 
-@jax.jit
-def _argmax(logits: jax.Array) -> jax.Array:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
+def _host(drawn: Drawn, logprobs: bool) -> Drawn:
+    """A `Drawn` pulled to the host in one transfer: its tokens, and its log probabilities
+    only when `logprobs`."""
+    return Drawn(*jax.device_get(drawn.buffers(logprobs)))
 
 
 def one_line(error: BaseException) -> str:
@@ -137,11 +151,14 @@ def one_line(error: BaseException) -> str:
 class DecodeEngine:
     """The decode side of a serving worker: the paged cache of every admitted request, handed
     off over `links[p]` from prefill worker p (`Admit.prefill_worker`), one thread. `admit`
-    requests, call `step` in a loop (or `run` a group member)."""
+    requests, call `step` in a loop (or `run` a group member). `eos_ids`: the model's EOS
+    tokens; `tokenizer`: its tokenizer (requests with stop strings need one)."""
 
     def __init__(self, cfg: ModelConfig, params: Params, links: Sequence[Transport],
-                 config: EngineConfig) -> None:
+                 config: EngineConfig, eos_ids: Sequence[int] = (),
+                 tokenizer: Tokenizer | None = None) -> None:
         self._cfg, self._params, self._links, self.config = cfg, params, list(links), config
+        self._eos_ids, self._tokenizer = tuple(eos_ids), tokenizer
         self._alloc = PageAllocator(config.pool)
         self._weights = paged.stack_weights(cfg, params)
         self._pool = paged.new_pool(cfg, config.pool.num_pages, config.pool.page_size,
@@ -160,8 +177,9 @@ class DecodeEngine:
         too few pages are free, or while a request held before it waits (first come, first
         served: prefill workers send in that order, so a later request admitted first could
         wait on its prefill behind the held one, which waits on its pages). ValueError if it
-        could never fit."""
+        could never fit, or its stops cannot be honoured."""
         link = self._link(request)
+        ending = Ending(request.stops, request.max_new_tokens, self._eos_ids, self._tokenizer)
         now = time.monotonic()
         while self._held and now - self._held[0][1] > self.config.timeout:
             self._held.pop(0)  # never sent again (its router gave up on it): it holds none up
@@ -178,10 +196,11 @@ class DecodeEngine:
         reception = Reception(link, self._cfg, self._params, request.mode, 1,
                               request.prompt_len, name, self.config.fallback,
                               timeout=self.config.timeout,
-                              sink=functools.partial(self._write, table))
+                              sink=functools.partial(self._write, table),
+                              first=first_specs(request.sampling))
         reception.start()
         link.send_meta(f"{name}/admitted", {})  # its prefill side may send now
-        self._handoffs.append(_Request(request, table, reception, time.monotonic()))
+        self._handoffs.append(_Request(request, table, reception, ending, time.monotonic()))
         self._changed = True
         return True
 
@@ -240,9 +259,10 @@ class DecodeEngine:
     def step_ms(self, batches: Sequence[int], position: int, reps: int = 5
                 ) -> tuple[tuple[int, float], ...]:
         """(batch, median ms) of a batched decode step of each size in `batches`, every row at
-        `position`, timed on this engine's pool while nothing is admitted (the rows' pages are
-        taken and given back; what the steps wrote there is never read: a request attends
-        only to positions it wrote). The first step of each size compiles and is not timed."""
+        `position` and its greedy draw, timed on this engine's pool while nothing is admitted
+        (the rows' pages are taken and given back; what the steps wrote there is never read: a
+        request attends only to positions it wrote). The first step of each size compiles
+        (the handoff's first draw too) and is not timed."""
         if not self.idle:
             raise RuntimeError("step costs are measured before any request is admitted")
         out = []
@@ -252,16 +272,18 @@ class DecodeEngine:
                 raise ValueError(f"a pool of {self.config.pool.num_pages} pages holds fewer "
                                  f"than {batch} rows at position {position}")
             rows = [StepRow(0, position, t) for t in tables]
-            inputs = step_inputs(rows + [None] * (batch_bucket(batch) - batch),
-                                 self.config.pool.page_size)
+            slots = rows + [None] * (batch_bucket(batch) - batch)
+            inputs = step_inputs(slots, self.config.pool.page_size)
+            greedy = rows_of([None] * len(slots))
             times = []
             for _ in range(reps + 1):
                 start = time.perf_counter()
                 logits, self._pool = paged.decode_step(
                     self._cfg, self._weights, self._pool, inputs.tokens, inputs.positions,
                     inputs.tables, inputs.width, self.config.attention)
-                jax.block_until_ready(logits)
+                jax.block_until_ready(draw(logits, greedy))
                 times.append(1e3 * (time.perf_counter() - start))
+            draw(logits[:1], rows_of([None]))  # a handoff's first token's
             for t in tables:
                 self._alloc.retire(t)
             out.append((batch, float(np.median(times[1:]))))
@@ -313,17 +335,17 @@ class DecodeEngine:
         at positions start..start+T-1 (the pool donated: written in place)."""
         self._pool = paged.write_cache(self._pool, kv, first, table.rows(start, start + kv.seq_len))
 
-    def _dispatch_step(self) -> jax.Array:
+    def _dispatch_step(self) -> Drawn:
         """One decode step of the running requests, each at its position; their next tokens
-        [B] on the device (slots in `_running`'s order, padding after)."""
+        [B] drawn on the device (slots in `_running`'s order, padding after)."""
+        pad = [None] * (batch_bucket(len(self._running)) - len(self._running))
         rows: list[StepRow | None] = [StepRow(r.tokens[-1], r.position, r.table)
                                       for r in self._running]
-        rows += [None] * (batch_bucket(len(rows)) - len(rows))
-        inputs = step_inputs(rows, self.config.pool.page_size)
+        inputs = step_inputs(rows + pad, self.config.pool.page_size)
         logits, self._pool = paged.decode_step(self._cfg, self._weights, self._pool,
                                                inputs.tokens, inputs.positions, inputs.tables,
                                                inputs.width, self.config.attention)
-        return _argmax(logits)
+        return draw(logits, rows_of([r.next_row for r in self._running] + pad))
 
     def _advance_handoffs(self) -> list[object]:
         """Advance every reception within the iteration's suffix budget; a completed one emits
@@ -342,30 +364,38 @@ class DecodeEngine:
         return items
 
     def _first_token(self, r: _Request) -> Token:
-        token = int(np.asarray(r.reception.first_token)[0])
-        r.tokens.append(token)
-        r.times_s.append(time.monotonic())
+        """The handoff's first token: drawn here from its logits, or as the prefill side drew
+        it (transfer-only); it joins the batch next iteration."""
+        logits = r.reception.logits
+        drawn = (draw(logits, rows_of([r.next_row])) if logits is not None
+                 else Drawn(*r.reception.sent_first))
         if self.config.check:
             r.checks = self._check(r)
         self._joining.append(r)
         self._changed = True
-        return Token(r.admit.request_id, 0, token, r.times_s[-1])
+        return self._token(r, _host(drawn, r.admit.sampling.logprobs is not None), 0,
+                           time.monotonic())
 
-    def _collect(self, tokens: jax.Array) -> list[Token]:
-        """The step's tokens, pulled to the host once, each appended to its request."""
-        host, now = np.asarray(tokens), time.monotonic()
-        out = []
-        for slot, r in enumerate(self._running):
-            r.tokens.append(int(host[slot]))
-            r.times_s.append(now)
-            out.append(Token(r.admit.request_id, len(r.tokens) - 1, r.tokens[-1], now))
-        return out
+    def _collect(self, drawn: Drawn) -> list[Token]:
+        """The step's tokens (and log probabilities, if any request asked), pulled to the host
+        once, each appended to its request."""
+        asked = any(r.admit.sampling.logprobs is not None for r in self._running)
+        host, now = _host(drawn, asked), time.monotonic()
+        return [self._token(r, host, slot, now) for slot, r in enumerate(self._running)]
+
+    def _token(self, r: _Request, host: Drawn, row: int, now: float) -> Token:
+        """Append row `row` of a host `Drawn` to the request, see whether it ended; its Token."""
+        r.tokens.append(int(host.token[row]))
+        r.times_s.append(now)
+        r.end = r.ending.after(r.tokens)
+        logprob, top = host.reported(r.admit.sampling, row)
+        return Token(r.admit.request_id, len(r.tokens) - 1, r.tokens[-1], now, logprob, top)
 
     def _retire(self) -> list[Finished]:
-        """Retire the requests that have all their tokens (those that just joined too)."""
-        done = [r for r in self._running + self._joining if r.complete]
-        self._running = [r for r in self._running if not r.complete]
-        self._joining = [r for r in self._joining if not r.complete]
+        """Retire the requests that ended (those that just joined too): their pages go back."""
+        done = [r for r in self._running + self._joining if r.end]
+        self._running = [r for r in self._running if not r.end]
+        self._joining = [r for r in self._joining if not r.end]
         return [self._end(r, None) for r in done]
 
     def _end(self, r: _Request, error: str | None) -> Finished:
@@ -385,7 +415,8 @@ class DecodeEngine:
                             r.reception.fell_back, one_line(e))
         return Finished(r.admit.request_id, tuple(r.tokens), r.times_s[0] - r.admitted_s,
                         float(gaps.mean()) if gaps.size else 0.0, handoff.total_ms,
-                        handoff.phases_ms, r.checks, handoff.fallback)
+                        handoff.phases_ms, r.checks, handoff.fallback, None, r.end.reason,
+                        r.end.stop)
 
     def _check(self, r: _Request) -> str:
         """What holds of the request's pages against its single-process reference (the plain

@@ -66,7 +66,7 @@ def serving_member(member: Member, setup: MemberSetup) -> int | None:
             return None
         engine = DecodeEngine(cfg, params, links, EngineConfig(
             setup.pool, setup.suffix_budget, setup.fallback, setup.timeout, check=setup.check,
-            worker=member.index))
+            worker=member.index), model.eos_ids, model.tokenizer)
         member.emit(Ready(member.name, engine.step_ms(cost_batches(setup), setup.cost_position)))
         engine.run(member)
         return engine.used_pages

@@ -2,7 +2,8 @@
 
 For each `Prefill` it runs the prefill the request's mode asks for (a full prefill; a split or
 pipelined one stops at the cut) and sends the handoff's messages under the request's tag
-(`send_prompt` without the benchmark's `go` rendezvous), then reports `PrefillDone`. Before it
+(`send_prompt` without the benchmark's `go` rendezvous; the first token it sends drawn with the
+request's `Sampling`, `sampling.first_draw`), then reports `PrefillDone`. Before it
 sends it waits until the decode side has admitted the request (`TAG/admitted` on the control
 connection): a decode worker without free pages holds this worker's sends, and nothing is
 dropped; one that refuses the request (it could never fit) says so there instead. A request
@@ -23,6 +24,7 @@ from rekv_jax.launch.child import Member
 from rekv_jax.model.transformer import Params
 from rekv_jax.serving.inbox import MemberInbox, Requests
 from rekv_jax.serving.requests import Prefill, PrefillDone, tag
+from rekv_jax.serving.sampling import first_draw
 from rekv_jax.transport import Transport
 
 
@@ -45,7 +47,8 @@ class PrefillWorker:
                 return self._failed(request, admitted["refused"])
             report = send_prompt(link, self._cfg, self._params,
                                  jnp.asarray([request.tokens], jnp.int32), request.mode, name,
-                                 timeout=self._timeout, go=False)
+                                 timeout=self._timeout, go=False,
+                                 first=first_draw(request.sampling))
         except (TransportError, ValueError) as e:
             return self._failed(request, f"{type(e).__name__}: {e}")
         times = report.times

@@ -140,15 +140,16 @@ class Router:
         r = held.request
         a = self._policy.choose(r, self._ledger, now_s, pairs)
         p, d = a.prefill_worker, a.decode_worker
-        if not self._send(worker_name(PREFILL, p), Prefill(r.id, r.tokens, a.mode, d)):
+        if not self._send(worker_name(PREFILL, p), Prefill(r.id, r.tokens, a.mode, d,
+                                                           r.sampling)):
             self._live[PREFILL].discard(p)
             return self._waiting.appendleft(held)
         held.assignment, held.heard_s = a, now_s
         self._ledger = self._ledger.assigned(a, now_s)
         self._free[d] -= held.pages
         if not self._send(worker_name(DECODE, d), Admit(r.id, r.prompt_len, r.max_new_tokens,
-                                                       a.mode, p,
-                                                       a.why.predicted.decode_busy_ms)):
+                                                       a.mode, p, a.why.predicted.decode_busy_ms,
+                                                       r.sampling, r.stops)):
             self._live[DECODE].discard(d)
             self._end(held, f"decode worker {d} has ended")
 
