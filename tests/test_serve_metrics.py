@@ -1,6 +1,7 @@
 """A serving run's metrics: per-request latencies, summaries with CIs, goodput, capacity, the
 table and the figures, on synthetic records."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -44,6 +45,20 @@ def test_a_requests_latencies():
     record = json.loads(json.dumps(s.to_json(SLO)))
     assert record["meets_slo"] and record["assignment"]["action"] == "q8:full"
     assert record["phases_ms"]["suffix"] == 4 and record["tokens"] == [0, 1, 2, 3, 4]
+    assert record["finish_reason"] == "length" and record["sampling"]["temperature"] == 0
+
+
+def test_a_request_that_stopped_early_completed():
+    """A request its stop ended after 2 of 4 tokens completed (all its tokens arrived); one
+    whose 2 tokens say "length" did not, nor did an aborted one."""
+    short = _served(0, "p", 1.0, 0.1, 0.01, n=4, tokens=2)
+    stopped = dataclasses.replace(short, finished=dataclasses.replace(
+        short.finished, finish_reason="stop", stop="\n"))
+    assert stopped.completed and not short.completed
+    assert not dataclasses.replace(stopped, finished=dataclasses.replace(
+        stopped.finished, finish_reason="abort")).completed
+    record = json.loads(json.dumps(stopped.to_json()))
+    assert (record["finish_reason"], record["stop"]) == ("stop", "\n")
 
 
 def test_a_summary_of_known_latencies():

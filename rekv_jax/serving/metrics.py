@@ -52,9 +52,13 @@ class Served:
 
     @property
     def completed(self) -> bool:
-        """Every token arrived and nothing failed."""
-        return (self.error is None and self.finished is not None and self.finished.error is None
-                and len(self.token_times_s) == self.request.max_new_tokens)
+        """Every token it was to generate arrived (its `max_new_tokens`, or up to the stop that
+        ended it) and nothing failed."""
+        f = self.finished
+        if self.error is not None or f is None or f.error is not None:
+            return False
+        want = {"length": self.request.max_new_tokens, "stop": len(f.tokens)}.get(f.finish_reason)
+        return len(self.token_times_s) == want
 
     @property
     def ttft_ms(self) -> float | None:
@@ -85,7 +89,8 @@ class Served:
                "assignment": self.assignment.to_json() if self.assignment else None,
                "token_times_s": list(self.token_times_s), "error": self.error}
         if f is not None:
-            out |= {"tokens": list(f.tokens), "handoff_ms": f.handoff_ms,
+            out |= {"tokens": list(f.tokens), "finish_reason": f.finish_reason, "stop": f.stop,
+                    "handoff_ms": f.handoff_ms,
                     "phases_ms": f.phases.to_json() if f.phases else None, "checks": f.checks,
                     "fell_back": f.fell_back, "worker_error": f.error}
         return out | ({"meets_slo": self.meets(slo)} if slo else {})

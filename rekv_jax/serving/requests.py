@@ -59,9 +59,12 @@ class ServeRequest:
         return len(self.tokens)
 
     def to_json(self) -> dict[str, Any]:
-        """Its record without the token ids (a run's JSON names prompts by length)."""
+        """Its record without the token ids (a run's JSON names prompts by length), with what
+        replays its tokens (its sampling and seed) and what could end it early."""
         return {"id": self.id, "prompt_len": self.prompt_len,
-                "max_new_tokens": self.max_new_tokens, "arrival_s": self.arrival_s}
+                "max_new_tokens": self.max_new_tokens, "arrival_s": self.arrival_s,
+                "sampling": dataclasses.asdict(self.sampling),
+                "stops": dataclasses.asdict(self.stops)}
 
 
 @dataclasses.dataclass(frozen=True)
