@@ -261,8 +261,8 @@ class DecodeEngine:
         """(batch, median ms) of a batched decode step of each size in `batches`, every row at
         `position` and its greedy draw, timed on this engine's pool while nothing is admitted
         (the rows' pages are taken and given back; what the steps wrote there is never read: a
-        request attends only to positions it wrote). The first step of each size compiles
-        (the handoff's first draw too) and is not timed."""
+        request attends only to positions it wrote). The first step of each size compiles and
+        is not timed."""
         if not self.idle:
             raise RuntimeError("step costs are measured before any request is admitted")
         out = []
@@ -283,10 +283,10 @@ class DecodeEngine:
                     inputs.tables, inputs.width, self.config.attention)
                 jax.block_until_ready(draw(logits, greedy))
                 times.append(1e3 * (time.perf_counter() - start))
-            draw(logits[:1], rows_of([None]))  # a handoff's first token's
             for t in tables:
                 self._alloc.retire(t)
             out.append((batch, float(np.median(times[1:]))))
+        draw(logits[:1], rows_of([None]))  # compiles the draw of a handoff's first token
         return tuple(out)
 
     @property
@@ -393,9 +393,9 @@ class DecodeEngine:
 
     def _retire(self) -> list[Finished]:
         """Retire the requests that ended (those that just joined too): their pages go back."""
-        done = [r for r in self._running + self._joining if r.end]
-        self._running = [r for r in self._running if not r.end]
-        self._joining = [r for r in self._joining if not r.end]
+        done = [r for r in self._running + self._joining if r.end is not None]
+        self._running = [r for r in self._running if r.end is None]
+        self._joining = [r for r in self._joining if r.end is None]
         return [self._end(r, None) for r in done]
 
     def _end(self, r: _Request, error: str | None) -> Finished:

@@ -1,5 +1,8 @@
 """How a served request's tokens are drawn (`Sampling`) and when it ends before its
 `max_new_tokens` (`Stops`): frozen records that cross the launcher's pipes with the request.
+And the drawing itself: `draw`, one batched program from a decode step's logits to each row's
+token and log probabilities, whose bits for a row never depend on the rest of its batch; the
+prefill side draws a transfer-only handoff's first token with it too (`first_draw`).
 """
 
 from __future__ import annotations
@@ -154,7 +157,8 @@ def _sampled(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k:
     """Rows [R, V] drawn from the softmax at their temperatures, cut to the `top_k` likeliest
     tokens, then to the smallest set of the likeliest whose renormalized probability reaches
     `top_p` (top_p 1: no cut): a Gumbel-max draw whose noise for token v of the row's token i
-    is keyed by (seed, i) alone (`jax.random.key(seed)` folded with i) -> tokens [R]."""
+    is keyed by (seed, i) alone (threefry's `jax.random.key(seed)`, the seed's two 32-bit
+    words, folded with i) -> tokens [R]."""
     R, V = logits.shape
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     order = jnp.argsort(scaled, axis=-1, descending=True, stable=True)  # [R, V] ids
