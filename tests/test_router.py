@@ -1,6 +1,8 @@
 """The router's bookkeeping (pure Python, workers faked): pages counted before each Admit, first
 come first served, every request ends served, faults stay with their requests."""
 
+import dataclasses
+
 import pytest
 from test_queueing import _tiny7b_profile
 from test_serving_policy import COSTS
@@ -19,6 +21,7 @@ from rekv_jax.serving.requests import (
     Token,
 )
 from rekv_jax.serving.router import Router, Scheduled, parse_worker, worker_name
+from rekv_jax.serving.sampling import Sampling, Stops
 
 POOL = PoolConfig(num_pages=1 + 2 * 18)  # two requests of 256 + 32 tokens (18 pages each)
 
@@ -54,6 +57,16 @@ def finish(r, i, decode=0, n=32, now=1.0):
         r.on_item(worker_name("decode", decode), Token(i, k, 7, now), now)
     r.on_item(worker_name("decode", decode), Finished(i, (7,) * n, 0.1, 0.01, 50.0, None,
                                                       "bitwise", False), now)
+
+
+def test_a_requests_sampling_and_stops_reach_its_workers():
+    """The prefill worker draws a transfer-only first token with the request's sampling; the
+    decode worker draws the rest and decides its ends: each gets what the request says."""
+    r, w = router()
+    sampling, stops = Sampling(0.7, 0.9, 40, seed=2**62, logprobs=2), Stops(("\n",), (5,))
+    r.arrive(dataclasses.replace(request(0), sampling=sampling, stops=stops), 0.0)
+    (prefill,), (admit,) = w.to("prefill-0", Prefill), w.to("decode-0", Admit)
+    assert prefill.sampling == admit.sampling == sampling and admit.stops == stops
 
 
 def test_admits_what_the_pages_hold_and_the_rest_waits_in_order():
