@@ -157,7 +157,7 @@ def _generate_flags(p: argparse.ArgumentParser) -> None:
 def _serve_flags(p: argparse.ArgumentParser) -> None:
     from rekv_jax.cli.serve import add_flags
 
-    p.set_defaults(link_gbps=PAPER_LINK)
+    p.set_defaults(link_gbps=PAPER_LINK, model=None)  # None: the shipped wt2-tiny
     add_flags(p)
 
 
