@@ -72,15 +72,15 @@ serve --rate 1 --max-new-tokens 0       | --max-new-tokens; positive
 serve --rate 1 --prompt-lens 100..50    | 100..50; LO <= HI
 serve --rate 1 --prompt-lens 256,x      | --prompt-lens; 256,x
 serve --rate 1 --prompt-lens 5000       | 5000; 4096
-serve --rate 1 --prompts wikitext       | 2048; 512; --prompts synthetic
+serve --model tiny --rate 1 --prompts wikitext | 2048; 512; --prompts synthetic
 serve --rate 1 --policy q8:full,fast    | policy 'fast'; adaptive
 serve --rate 1 --policy bf16:full,bf16:full | name one twice
-serve --rate 1 --policy q8:r=9          | q8:r=9; 0..6
+serve --model tiny --rate 1 --policy q8:r=9 | q8:r=9; 0..6
 serve --rate 1 --adaptive-bits 8        | --adaptive-bits; holding 16
 serve --rate 1 --slo-ttft-ms 0          | --slo-ttft-ms; positive
 serve --rate 1 --slo-tpot-ms -5         | --slo-tpot-ms; positive
 serve --rate 1 --profile /missing.json  | /missing.json; cannot read
-serve --rate 1 --quality {tmp}/gate.jsonl | no results for tiny; other
+serve --model tiny --rate 1 --quality {tmp}/gate.jsonl | no results for tiny; other
 serve --link-gbps 0 --rate 1            | --link-gbps; positive
 serve --rate 1 --timeout 0              | --timeout; positive
 serve --requests 5                      | --rate R; --http

@@ -245,3 +245,22 @@ def test_drive_with_its_only_prefill_worker_dead_fails_the_rest_at_once():
                    clock=w.clock)
     assert len(served) == 3 and all("no prefill worker" in s.error for s in served)
     assert w.now < 1.0  # it did not wait for the later arrivals
+
+
+def test_drive_aborts_every_open_request_once_told_and_late_finishes_free_their_pages():
+    from rekv_jax.serving.router import drive
+
+    w = SimulatedWorkers(token_s=1.0)  # a request's 32 tokens take 32 s
+    r, _ = router()
+    r._send = w.send
+    served = drive(w, r, Scheduled([request(i) for i in range(3)]), clock=w.clock,
+                   abort=lambda: "stopped" if w.now >= 2.0 else None)
+    assert 2.0 <= w.now < 3.0  # it ended at the first turn told to
+    assert sorted(s.request.id for s in served) == [0, 1, 2]  # two decoding, one waiting
+    assert all(not s.completed and s.error == "stopped" for s in served)
+    assert [m.request_id for n, m in w.sent if isinstance(m, Admit)] == [0, 1]
+    for i in (0, 1):  # the decode worker reports them later: their pages come back
+        r.on_item("decode-0", Finished(i, (7,) * 32, 0.1, 0.01, 50.0, None, "", False), w.now)
+    r.arrive(request(3), w.now)
+    r.arrive(request(4), w.now)
+    assert [m.request_id for n, m in w.sent if isinstance(m, Admit)] == [0, 1, 3, 4]

@@ -1,11 +1,17 @@
 """`rekv serve`: flags that pass their checks become one ServeConfig, handed to `serve`."""
 
+import pytest
 
 from rekv_jax.cli import main as cli
 from rekv_jax.cli.serve import serve_config
 from rekv_jax.config import ModelConfig
+from rekv_jax.model.loader import SHIPPED_MODEL
 from rekv_jax.planning.costmodel import Profile
 from rekv_jax.serving import serve as serving
+
+FAKE = Profile.for_config(ModelConfig.preset("tiny"), 64, hardware="test", link="test",
+                          link_gbps=0.25, source="analytic", quantize_ms={16: 0, 8: 0.1},
+                          restore_ms={16: 0, 8: 0.1}, suffix_layer_ms=1.0, join_ms=0.1)
 
 
 def _config(argv: list[str]) -> serving.ServeConfig:
@@ -24,13 +30,12 @@ def test_a_sweep_serves_the_same_streams_under_every_policy():
                          "3", "--max-new-tokens", "8", "--policy", "bf16:full,adaptive",
                          "--slo-ttft-ms", "900", "--link-gbps", "0.01"])  # deterministic
     default = _config(["--rate", "2"])
+    assert default.model == str(SHIPPED_MODEL)  # it takes text, as `rekv generate`'s does
     assert len(default.streams[0].requests) == 100
     assert default.policies == ("bf16:full", "q8:full", "q8:balanced", "adaptive")
 
 
 def test_wikitext_prompts_with_the_shipped_tokenizer():
-    from rekv_jax.model.loader import SHIPPED_MODEL
-
     c = _config(["--model", str(SHIPPED_MODEL), "--rate", "1", "--requests", "3",
                  "--prompts", "wikitext", "--prompt-lens", "64"])
     assert all(r.prompt_len == 64 and max(r.tokens) < 2048 for r in c.streams[0].requests)
@@ -43,14 +48,26 @@ def test_http_serves_one_policy_and_the_command_reaches_serve(monkeypatch):
     assert c.http == serving.HttpBind("0.0.0.0", 8080, "k") and c.policies == ("adaptive",)
     assert c.streams == ()
     profiled, given = [], []
-    fake = Profile.for_config(ModelConfig.preset("tiny"), 64, hardware="test", link="test",
-                              link_gbps=0.25, source="analytic", quantize_ms={16: 0, 8: 0.1},
-                              restore_ms={16: 0, 8: 0.1}, suffix_layer_ms=1.0, join_ms=0.1)
     monkeypatch.setattr(cli_serve, "measured_profiles",
-                        lambda config, args: profiled.append(config) or (fake,))
+                        lambda config, args: profiled.append(config) or (FAKE,))
     monkeypatch.setattr(serving, "serve", lambda config, on_event, stop=None: given.append(config))
     cli.main(["serve", "--model", "tiny", "--rate", "1", "--requests", "2", "--prompt-lens",
               "64", "--link-gbps", "paper"])
     assert len(profiled) == 1 and not profiled[0].profiles  # measured: none was given
     # `paper` becomes the link the profiles were measured over
-    assert given[0].profiles == (fake,) and given[0].workers.link_gbps == 0.25
+    assert given[0].profiles == (FAKE,) and given[0].workers.link_gbps == 0.25
+
+
+def test_ctrl_c_before_the_server_is_up_is_one_line_exit_130(monkeypatch, capsys):
+    """An interrupt while the workers start (their group is killed on the way out)."""
+    from rekv_jax.cli import serve as cli_serve
+
+    def interrupted(config, on_event, stop=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_serve, "measured_profiles", lambda config, args: (FAKE,))
+    monkeypatch.setattr(serving, "serve", interrupted)
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["serve", "--model", "tiny", "--http", "127.0.0.1:0", "--link-gbps", "1"])
+    assert stop.value.code == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["rekv serve: interrupted"]

@@ -157,7 +157,7 @@ def _generate_flags(p: argparse.ArgumentParser) -> None:
 def _serve_flags(p: argparse.ArgumentParser) -> None:
     from rekv_jax.cli.serve import add_flags
 
-    p.set_defaults(link_gbps=PAPER_LINK)
+    p.set_defaults(link_gbps=PAPER_LINK, model=None)  # None: the shipped wt2-tiny
     add_flags(p)
 
 
@@ -215,6 +215,11 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"rekv {args.command}: error: {told.line}", file=sys.stderr, flush=True)
         raise SystemExit(told.status) from None
+    except KeyboardInterrupt:  # Ctrl-C: whatever the command started has been ended on the way
+        if args.debug:
+            raise
+        print(f"rekv {args.command}: interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -182,22 +182,23 @@ def report(run, config) -> None:
 
 def serve_config(args: argparse.Namespace):
     """The run `args` describe, every flag checked (a ValueError names the first bad one)."""
-    from rekv_jax.model.loader import load_config
+    from rekv_jax.model.loader import SHIPPED_MODEL, load_config
     from rekv_jax.serving.metrics import Slo
     from rekv_jax.serving.policy import check_policy_names
     from rekv_jax.serving.serve import HttpBind, ServeConfig, Workers
 
-    cfg = load_config(args.model)
+    model = args.model or str(SHIPPED_MODEL)  # one that takes text, as `rekv generate`'s
+    cfg = load_config(model)
     if args.api_key is not None and args.http is None:
         raise ValueError("--api-key guards the HTTP API: give --http HOST:PORT")
     http = None if args.http is None else HttpBind(*args.http, args.api_key)
     policies = check_policy_names(args.policy or (DEFAULT_POLICIES if http is None
                                                   else HTTP_POLICY), cfg.num_layers)
     bits = _adaptive_bits(args.adaptive_bits)
-    streams = _streams(args, cfg) if http is None else _no_load(args)
+    streams = _streams(args, model, cfg) if http is None else _no_load(args)
     workers = Workers(args.prefill_workers, args.decode_workers, args.transport, args.link_gbps,
                       args.fallback, args.timeout, not args.no_pin)
-    return ServeConfig(args.model, policies, Slo(args.slo_ttft_ms, args.slo_tpot_ms), workers,
+    return ServeConfig(model, policies, Slo(args.slo_ttft_ms, args.slo_tpot_ms), workers,
                        streams, http, _profiles(args.profile, cfg, bits), _gate(args.quality, cfg),
                        bits, args.json, args.plot)
 
@@ -225,7 +226,7 @@ def _no_load(args: argparse.Namespace) -> tuple:
     return ()
 
 
-def _streams(args: argparse.Namespace, cfg) -> tuple:
+def _streams(args: argparse.Namespace, model: str, cfg) -> tuple:
     """One request stream per rate (every policy serves the same streams)."""
     from rekv_jax.serving.load_gen import LoadSpec, PromptLens, generate
     from rekv_jax.serving.serve import Stream
@@ -238,7 +239,7 @@ def _streams(args: argparse.Namespace, cfg) -> tuple:
         raise ValueError(f"--prompt-lens up to {lens.longest} plus --max-new-tokens {new} need "
                          f"{lens.longest + new} positions; {cfg.name} holds "
                          f"{cfg.max_position_embeddings}")
-    corpus = _corpus(args.model, cfg) if args.prompts == "wikitext" else None
+    corpus = _corpus(model, cfg) if args.prompts == "wikitext" else None
     requests = args.requests if args.duration is None else None
     specs = [LoadSpec(rate, lens, new, args.seed,
                       REQUESTS if requests is None and args.duration is None else requests,

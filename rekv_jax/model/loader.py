@@ -80,7 +80,10 @@ def _orbax_folder(spec: str) -> Path:
 
 
 def load_config(spec: str) -> ModelConfig:
-    """The config of a spec, without loading any weights."""
+    """The config of a spec, without loading any weights. Its `name` is the model's one name
+    (what profiles, gate results and records call it), however its weights are read: a
+    preset's name, an `hf:PATH` checkpoint's PATH, a trained-model folder's own name (its
+    `rekv_config.json`, the same for a relative and an absolute path)."""
     if spec.startswith("hf:"):  # checked: config and weight files, none read yet
         from rekv_jax.model.params import open_hf
 
@@ -122,6 +125,7 @@ def load_model(spec: str, seed: int = 0, dtype: jnp.dtype = jnp.bfloat16, orbax:
 
     if spec.startswith("hf:") or not (orbax or spec in MODEL_PRESETS):
         cfg, params = load_hf(Path(spec.removeprefix("hf:")), dtype)
+        cfg = dataclasses.replace(cfg, name=load_config(spec).name)  # the spec's one name
         return LoadedModel(cfg, params, f"hf:{spec.removeprefix('hf:')}", tokenizer_of(spec),
                            eos_ids(spec))
     if spec in MODEL_PRESETS:

@@ -8,6 +8,7 @@ can, tells the router it is `Ready`, then serves what the router sends until the
 from __future__ import annotations
 
 import dataclasses
+import signal
 
 import jax.numpy as jnp
 
@@ -54,6 +55,8 @@ def cost_batches(setup: MemberSetup) -> tuple[int, ...]:
 def serving_member(member: Member, setup: MemberSetup) -> int | None:
     """One member's life (the module's docstring). A decode member returns the pages its
     requests still hold at its end (0: nothing leaked)."""
+    # A terminal's Ctrl-C reaches the whole process group; the router ends the group in order
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     links = list(member.links(setup.transport, setup.link_gbps, setup.timeout).values())
     try:
         model = load_model(setup.model, dtype=jnp.dtype(setup.dtype), orbax=False)

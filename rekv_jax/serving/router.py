@@ -221,6 +221,13 @@ class Router:
                      and now_s - h.heard_s > self._timeout]:
             self._end(held, f"nothing heard of it for {self._timeout:g} s")
 
+    def abort(self, why: str) -> None:
+        """End every open request now, failed with `why` (the server stops); a worker's later
+        report of one gives its pages back."""
+        self._waiting.clear()
+        for held in list(self._open.values()):
+            self._end(held, why)
+
     def _end(self, held: _Open, error: str | None, finished: Finished | None = None) -> None:
         del self._open[held.request.id]
         if held.assignment is not None and finished is None:  # its worker may still report it
@@ -281,11 +288,13 @@ class Scheduled:
 
 def drive(workers: Workers, router: Router, arrivals: Arrivals,
           on_item: Callable[[Event], None] | None = None,
-          clock: Callable[[], float] = time.monotonic) -> list[Served]:
+          clock: Callable[[], float] = time.monotonic,
+          abort: Callable[[], str | None] | None = None) -> list[Served]:
     """Serve what `arrivals` brings through `router` to its end: each request arrives at the
     router when it is due on `clock` (time since the start), the workers' events reach the
-    router as they come (each first shown to `on_item`: progress, records), and silent requests
-    expire. Every request ends `Served`, in the order they ended."""
+    router as they come (each first shown to `on_item`: progress, records), silent requests
+    expire, and, once `abort()` gives a reason at a turn, every open request fails with it.
+    Every request ends `Served`, in the order they ended."""
     start = clock()
     while not (arrivals.ended and router.done):
         now = clock() - start
@@ -301,4 +310,6 @@ def drive(workers: Workers, router: Router, arrivals: Arrivals,
             elif isinstance(event, Emitted):
                 router.on_item(event.name, event.item, now)
         router.expire(clock() - start)
+        if abort is not None and (why := abort()) is not None:
+            router.abort(why)
     return router.served

@@ -9,8 +9,9 @@ policy, on one set of workers) or answers clients over HTTP (one policy), never 
 steps give the router its `DecodeCosts`. Before each policy serves its first stream, a warm-up burst
 (`WARMUP` requests at once of each prompt length, not recorded) compiles its programs and the
 batched steps it will run; then the router (`router.Router`, one per stream and policy, over a
-fresh ledger) drives the stream. The group is closed whatever happens, and a decode member that
-ends holding pages fails the run.
+fresh ledger) drives the stream. An HTTP run serves until SIGINT, SIGTERM or its caller's `stop`,
+then ends as `shutdown` says. The group is closed whatever happens (an HTTP run's within
+`shutdown.CLOSE_S`), and a decode member that ends holding pages fails the run.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import json
 import os
 import queue
 import threading
@@ -26,7 +28,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 from rekv_jax.gate_result import GateResult
 from rekv_jax.launch.environments import group_environments, visible_gpus
-from rekv_jax.launch.group import Emitted, Event, Group, MemberEnded
+from rekv_jax.launch.group import Emitted, Event, Group, MemberEnded, failure_line
 from rekv_jax.model.loader import load_config
 from rekv_jax.planning.costmodel import Profile
 from rekv_jax.planning.queueing import DecodeCosts
@@ -45,6 +47,14 @@ from rekv_jax.serving.pages import PoolConfig
 from rekv_jax.serving.policy import Context, Policy, make_policies
 from rekv_jax.serving.requests import Ready, ServeRequest, Token
 from rekv_jax.serving.router import DECODE, Router, Scheduled, drive, parse_worker
+from rekv_jax.serving.shutdown import (
+    ABORTED,
+    CLOSE_S,
+    GRACE_S,
+    Closing,
+    Grace,
+    stopped_by_signals,
+)
 from rekv_jax.transport import JobKey
 
 POOL_REQUESTS = 16  # a decode worker's pool holds this many of the run's longest requests
@@ -153,7 +163,7 @@ OnEvent = Callable[[Event], None]
 def serve(config: ServeConfig, on_event: OnEvent | None = None,
           stop: threading.Event | None = None) -> ServeRun | None:
     """Run `config` on its workers: a generated load's `ServeRun`, or, with `--http`, answer
-    clients until interrupted or `stop` is set (None). `on_event`: each worker event as it
+    clients until SIGINT, SIGTERM or `stop` (None). `on_event`: each worker event as it
     comes (progress)."""
     link = config.workers.link_gbps
     if isinstance(link, str):
@@ -166,10 +176,10 @@ def serve(config: ServeConfig, on_event: OnEvent | None = None,
                key=JobKey.new()) as group:
         costs = _ready(group, config, setup)
         policies = make_policies(config.policies, _context(config, costs))
+        if config.http is not None:
+            return _serve_http(group, config, setup, policies[0], costs,
+                               stop or threading.Event())
         try:
-            if config.http is not None:
-                return _serve_http(group, config, setup, policies[0], costs,
-                                   stop or threading.Event())
             return _serve_streams(group, config, setup, policies, costs, on_event)
         finally:
             _close(group, config.workers.timeout)
@@ -284,7 +294,7 @@ def _warm(group: Group, config: ServeConfig, setup: MemberSetup, policy: Policy,
 def _close(group: Group, timeout: float) -> None:
     """Close the group; a decode member that held pages at its end, or failed, fails the run."""
     ends = group.close(timeout)
-    bad = [f"{name}: {e.error if not e.ok else f'{e.value} pages still held'}"
+    bad = [failure_line(e) if not e.ok else f"{name}: {e.value} pages still held"
            for name, e in ends.items()
            if not e.ok or (parse_worker(name)[0] == DECODE and e.value)]
     if bad:
@@ -352,19 +362,42 @@ class Clients:
 
 def _serve_http(group: Group, config: ServeConfig, setup: MemberSetup, policy: Policy,
                 costs: DecodeCosts, stop: threading.Event) -> None:
-    """Answer the OpenAI API at `config.http` until interrupted (Ctrl-C) or `stop` is set,
-    then end the requests in flight."""
+    """Answer the OpenAI API at `config.http` until SIGINT or SIGTERM or `stop`, then stop as
+    `shutdown` says: no request taken, those in flight given `GRACE_S`, the rest aborted, and
+    the group closed within `CLOSE_S` (killed after an abort: its decode members would run the
+    aborted requests to their ends). With `config.json`, stdout holds a record of the server,
+    then each request's record as it ends (before its client hears of the end)."""
     from rekv_jax.model.loader import tokenizer_of
 
     clients = Clients(stop)
-    router = _router(group, config, setup, policy, costs, 0.0, clients.on_served)
-    app = build_app(clients, ModelInfo(config.model, http_context(config.model),
-                                       tokenizer_of(config.model)), config.http.api_key)
-    with running(app, config.http.host, config.http.port) as url:
-        print(f"rekv serve: the OpenAI completions API at {url}/v1 ({policy.name}); Ctrl-C "
-              "stops it", flush=True)
-        try:
-            drive(group, router, clients, clients.on_event)
-        except KeyboardInterrupt:
-            clients.closed.set()
-            drive(group, router, clients, clients.on_event)
+
+    def served(s: Served) -> None:
+        if config.json:
+            _emit(s.to_json(config.slo))
+        clients.on_served(s)
+
+    router = _router(group, config, setup, policy, costs, 0.0, served)
+    model = ModelInfo(config.model, http_context(config.model), tokenizer_of(config.model))
+    app = build_app(Closing(clients, stop), model, config.http.api_key)
+    try:
+        with running(app, config.http.host, config.http.port) as url, stopped_by_signals(stop):
+            _announce(url, model.id, policy.name, config.json)
+            drive(group, router, clients, clients.on_event, abort=Grace(stop, GRACE_S))
+    finally:
+        if any(s.error == ABORTED for s in router.served):
+            group.kill()
+        else:
+            _close(group, min(config.workers.timeout, CLOSE_S))
+
+
+def _announce(url: str, model: str, policy: str, as_json: bool) -> None:
+    """Where the server listens, on stdout: a line for a person, or a JSON record."""
+    if as_json:
+        return _emit({"kind": "http_server", "url": f"{url}/v1", "model": model,
+                      "policy": policy})
+    print(f"rekv serve: the OpenAI completions API at {url}/v1, model {model!r} ({policy}); "
+          "Ctrl-C or SIGTERM stops it", flush=True)
+
+
+def _emit(record: dict) -> None:
+    print(json.dumps(record), flush=True)
