@@ -73,8 +73,10 @@ def test_the_variables_reach_the_template():
     t = ChatTemplate("{{ bos_token }}{% for m in messages %}{{ m.content | tojson }}{% endfor %}"
                      "{% if add_generation_prompt %}{{ eos_token }}{% endif %}{{ extra }}",
                      "<s>", "</s>")
-    assert t.render([{"role": "user", "content": "é\n"}], extra="!") == '<s>"é\\n"</s>!'
+    assert t.render([{"role": "user", "content": "é\n"}], True, {"extra": "!"}) == '<s>"é\\n"</s>!'
     assert t.render([{"role": "user", "content": "x"}], False) == '<s>"x"'
+    # the template's own four variables stay the model's
+    assert t.render([], True, {"eos_token": "no", "messages": 1}) == "<s></s>"
 
 
 @pytest.mark.parametrize("source, words", [

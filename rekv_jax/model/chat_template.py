@@ -32,14 +32,16 @@ class ChatTemplate:
     eos_token: str | None = None
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               **variables: Any) -> str:
+               variables: dict[str, Any] | None = None) -> str:
         """The prompt text of `messages` (each a dict with `role` and `content`), ending where
         the assistant's reply starts (`add_generation_prompt`); `variables` reach the template
-        too (e.g. a template's own switches). ValueError if the template refuses them."""
+        too (a template's own switches; they never replace the four above). ValueError if the
+        template refuses them."""
         try:
-            return _compiled(self.source).render(
-                **variables, messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            return _compiled(self.source).render({
+                **(variables or {}), "messages": messages,
+                "add_generation_prompt": add_generation_prompt,
+                "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""})
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template refused the messages: {e}") from None
 
