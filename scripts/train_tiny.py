@@ -4,9 +4,10 @@ Reproduces `rekv_jax/assets/wt2-tiny/` (its training time: `train_seconds` in it
   python scripts/train_tiny.py [--out DIR] [--wikitext DIR]
 It fits a byte-level BPE on valid.txt, trains with optax (AdamW, warmup + cosine) through the
 project's own `forward`, first on short then on long sequences (so NIAH holds at 1024 tokens),
-and writes: tokenizer.json, generation_config.json (its EOS, the tokenizer's `<|endoftext|>`), the
-BF16 weights as an orbax checkpoint (`orbax/`) and as HF safetensors + config.json (top level,
-for `load_hf`), train_log.json and loss.png.
+and writes: tokenizer.json, tokenizer_config.json (its EOS and a plain chat template),
+generation_config.json (its EOS id, the tokenizer's `<|endoftext|>`), the BF16 weights as an orbax
+checkpoint (`orbax/`) and as HF safetensors + config.json (top level, for `load_hf`),
+train_log.json and loss.png.
 It ends by printing JSON: training time, BF16 WikiText-2 test perplexity and NIAH pass rate.
 `test.txt` is read only for that final evaluation.
 """
@@ -38,6 +39,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "rekv_jax" / "assets" / "wt2-tiny"
+# "Role: content" lines, then "Assistant:" where the reply starts (a WikiText model has no chat
+# turns of its own; this gives /v1/chat/completions a prompt it can continue)
+CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] | capitalize }}: "
+                 "{{ message['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}Assistant:{% endif %}")
+TOKENIZER_CONFIG = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
+                    "eos_token": data.EOS, "model_max_length": 4096,
+                    "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE}
 
 
 def model_config(vocab_size: int) -> ModelConfig:
@@ -218,6 +227,7 @@ def main() -> None:
     train_text = data.read_split("valid", args.wikitext)
     tok = data.train_tokenizer(train_text, args.vocab_size)
     tok.save(str(args.out / "tokenizer.json"))
+    (args.out / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2) + "\n")
     (args.out / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": tok.token_to_id(data.EOS)}, indent=2) + "\n")
     ids = data.encode(tok, train_text)

@@ -40,11 +40,12 @@ class Workers:
         return [m for n, m in self.sent if n == name and isinstance(m, kind)]
 
 
-def router(policy="q8:full", prefill=1, decode=1, timeout=10.0):
+def router(policy="q8:full", prefill=1, decode=1, timeout=10.0, on_assigned=None):
     ctx = Context("tiny-7b", 28, (_tiny7b_profile(),), COSTS)
     (p,) = make_policies([policy], ctx)
     workers = Workers()
-    r = Router(p, Ledger.idle(prefill, decode, 0.01), POOL, COSTS, workers.send, 1.0, timeout)
+    r = Router(p, Ledger.idle(prefill, decode, 0.01), POOL, COSTS, workers.send, 1.0, timeout,
+               on_assigned=on_assigned)
     return r, workers
 
 
@@ -142,13 +143,18 @@ def test_silence_past_the_timeout_fails_a_request_and_its_late_finish_frees_its_
 
 
 def test_a_held_admit_waits_for_the_pages_the_worker_reports():
-    r, w = router()
+    assigned = []
+    r, w = router(on_assigned=assigned.append)
     r.arrive(request(0), 0.0)
     r.arrive(request(1), 0.0)
+    r.arrive(request(2), 0.0)  # no pages: not assigned
     r.on_item("decode-0", Held(1, free_pages=2, needed_pages=18), 0.1)
     assert len(w.to("decode-0", Admit)) == 2
     finish(r, 0)
     assert [m.request_id for m in w.to("decode-0", Admit)] == [0, 1, 1]
+    # each assignment is told once its Prefill is sent, the held one's twice
+    assert [a.request_id for a in assigned] == [m.request_id for m in w.to("prefill-0", Prefill)]
+    assert [a.request_id for a in assigned] == [0, 1, 1]
 
 
 def test_reports_move_the_ledger():

@@ -10,7 +10,7 @@ import pytest
 
 from rekv_jax.action import ACTION_KINDS
 from rekv_jax.config import ModelConfig
-from rekv_jax.model.loader import SHIPPED_MODEL, load_config, load_model
+from rekv_jax.model.loader import SHIPPED_MODEL, chat_template_of, load_config, load_model
 from rekv_jax.model.transformer import greedy_decode, prefill
 from rekv_jax.planning.costmodel import Profile
 from rekv_jax.serving.metrics import Slo
@@ -87,8 +87,12 @@ def _wait_healthy(url: str, timeout: float, serving: threading.Thread) -> None:
 def test_the_openai_client_streams_what_rekv_generate_writes():
     """`serve --http` on loopback for the shipped model under q8:full: the official client's
     streamed text equals `rekv generate`'s for the same prompt and action; refusals are 4xx
-    and leave the server serving."""
+    and leave the server serving; streamed chat equals completions of the templated prompt, and
+    /metrics counts what was served."""
+    import urllib.request
+
     import openai
+    from prometheus_client.parser import text_string_to_metric_families
 
     from rekv_jax.serving.generate import Request, generate
 
@@ -115,9 +119,10 @@ def test_the_openai_client_streams_what_rekv_generate_writes():
     try:
         _wait_healthy(url, 300.0, thread)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="secret")
-        stream = client.completions.create(model=spec, prompt=prompt, max_tokens=12, stream=True)
+        stream = client.completions.create(model=spec, prompt=prompt, max_tokens=12, stream=True,
+                                           temperature=0)
         assert "".join(c.choices[0].text for c in stream if c.choices) == want.text
-        for bad in ({"model": "nope"}, {"temperature": 0.7}, {"prompt": "word " * 5000}):
+        for bad in ({"model": "nope"}, {"n": 2}, {"prompt": "word " * 5000}):
             with pytest.raises(openai.APIStatusError) as e:
                 client.completions.create(**{"model": spec, "prompt": prompt,
                                              "max_tokens": 4, **bad})
@@ -125,8 +130,24 @@ def test_the_openai_client_streams_what_rekv_generate_writes():
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{url}/v1", api_key="wrong").completions.create(
                 model=spec, prompt=prompt, max_tokens=4)
-        again = client.completions.create(model=spec, prompt=prompt, max_tokens=12)
+        again = client.completions.create(model=spec, prompt=prompt, max_tokens=12,
+                                          temperature=0)
         assert again.choices[0].text == want.text
+        messages = [{"role": "user", "content": prompt}]
+        chat = client.chat.completions.create(model=spec, messages=messages, max_tokens=8,
+                                              temperature=0, stream=True)
+        templated = client.completions.create(
+            model=spec, prompt=chat_template_of(spec).render(messages), max_tokens=8,
+            temperature=0)
+        assert "".join(c.choices[0].delta.content for c in chat) == templated.choices[0].text
+        scrape = urllib.request.Request(f"{url}/metrics",
+                                        headers={"Authorization": "Bearer secret"})
+        with urllib.request.urlopen(scrape, timeout=10) as answer:
+            samples = {(s.name, tuple(s.labels.values())): s.value for f in
+                       text_string_to_metric_families(answer.read().decode()) for s in f.samples}
+        outcomes = {k[1][0]: v for k, v in samples.items() if k[0] == "rekv_requests_total"}
+        assert sum(outcomes.values()) == 4 and "error" not in outcomes  # the 4 served above
+        assert samples[("rekv_queue_depth", ("decode",))] == 0
     finally:
         stop.set()
         thread.join(120)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from tokenizers import Tokenizer
 
 from rekv_jax.config import MODEL_PRESETS, ModelConfig
+from rekv_jax.model.chat_template import ChatTemplate, read_chat_template
 
 if TYPE_CHECKING:
     from rekv_jax.model.transformer import Params
@@ -58,6 +59,13 @@ def tokenizer_of(spec: str) -> Tokenizer | None:
     (reads files only: no JAX call, so it may run before jax.distributed starts)."""
     folder = Path(spec.removeprefix("hf:"))
     return load_tokenizer(folder) if (folder / "tokenizer.json").is_file() else None
+
+
+def chat_template_of(spec: str) -> ChatTemplate | None:
+    """The chat template of a trained-model folder or `hf:PATH` checkpoint, if it has one
+    (`chat_template.read_chat_template`; reads files only, as `tokenizer_of`)."""
+    folder = Path(spec.removeprefix("hf:"))
+    return read_chat_template(folder) if folder.is_dir() else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,6 +61,13 @@ class Served:
         return len(self.token_times_s) == want
 
     @property
+    def failure(self) -> str | None:
+        """Why it failed (one line: the router's, else its worker's), None if it did not."""
+        if self.error is not None or self.finished is None:
+            return self.error or "no report"
+        return self.finished.error
+
+    @property
     def ttft_ms(self) -> float | None:
         t = self.token_times_s
         return (t[0] - self.request.arrival_s) * 1e3 if t else None

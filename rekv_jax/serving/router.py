@@ -75,13 +75,15 @@ class Router:
     The caller feeds it arrivals (`arrive`), what workers emit (`on_item`) and workers' ends
     (`on_ended`), each with the run clock's `now_s`, and calls `expire` now and then; `done`
     once every arrived request ended, each in `served` (in the order they ended) and handed to
-    `on_served` as it ends."""
+    `on_served` as it ends; each `Assignment` is handed to `on_assigned` once its `Prefill` is
+    sent (again if its decode worker holds it and it is assigned anew)."""
 
     def __init__(self, policy: Policy, ledger: Ledger, pool: PoolConfig, costs: DecodeCosts,
                  send: Callable[[str, object], bool], rate: float, timeout: float,
-                 on_served: Callable[[Served], None] | None = None) -> None:
+                 on_served: Callable[[Served], None] | None = None,
+                 on_assigned: Callable[[Assignment], None] | None = None) -> None:
         self._policy, self._ledger, self._pool, self._costs = policy, ledger, pool, costs
-        self._on_served = on_served
+        self._on_served, self._on_assigned = on_served, on_assigned
         self._send, self._rate, self._timeout = send, rate, timeout
         self._free = [pool.usable_pages] * len(ledger.decode)  # per decode worker
         self._live = {PREFILL: set(range(len(ledger.prefill))),
@@ -145,6 +147,8 @@ class Router:
             self._live[PREFILL].discard(p)
             return self._waiting.appendleft(held)
         held.assignment, held.heard_s = a, now_s
+        if self._on_assigned is not None:
+            self._on_assigned(a)
         self._ledger = self._ledger.assigned(a, now_s)
         self._free[d] -= held.pages
         if not self._send(worker_name(DECODE, d), Admit(r.id, r.prompt_len, r.max_new_tokens,

@@ -24,7 +24,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 
 from rekv_jax.gate_result import GateResult
 from rekv_jax.launch.environments import group_environments, visible_gpus
@@ -32,7 +32,7 @@ from rekv_jax.launch.group import Emitted, Event, Group, MemberEnded, failure_li
 from rekv_jax.model.loader import load_config
 from rekv_jax.planning.costmodel import Profile
 from rekv_jax.planning.queueing import DecodeCosts
-from rekv_jax.serving.http import ModelInfo, build_app, check_bind, running
+from rekv_jax.serving.http import build_app, check_bind, running
 from rekv_jax.serving.ledger import Ledger
 from rekv_jax.serving.member import MemberSetup, serving_member
 from rekv_jax.serving.metrics import (
@@ -43,9 +43,12 @@ from rekv_jax.serving.metrics import (
     capacities,
     summarize,
 )
+from rekv_jax.serving.openai_answer import Ended
+from rekv_jax.serving.openai_request import ModelInfo
 from rekv_jax.serving.pages import PoolConfig
 from rekv_jax.serving.policy import Context, Policy, make_policies
-from rekv_jax.serving.requests import Ready, ServeRequest, Token
+from rekv_jax.serving.prometheus import ServingMetrics
+from rekv_jax.serving.requests import Assignment, Ready, ServeRequest, Token
 from rekv_jax.serving.router import DECODE, Router, Scheduled, drive, parse_worker
 from rekv_jax.serving.shutdown import (
     ABORTED,
@@ -65,6 +68,13 @@ HTTP_CONTEXT = 2048  # the most positions (prompt and tokens) an HTTP request ma
 def http_context(model: str) -> int:
     """The positions an HTTP request may take: the model's, at most `HTTP_CONTEXT`."""
     return min(load_config(model).max_position_embeddings, HTTP_CONTEXT)
+
+
+def http_model(spec: str) -> ModelInfo:
+    """What the OpenAI API serves of model `spec`: its context, tokenizer and chat template."""
+    from rekv_jax.model.loader import chat_template_of, tokenizer_of
+
+    return ModelInfo(spec, http_context(spec), tokenizer_of(spec), chat_template_of(spec))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,11 +257,11 @@ def _context(config: ServeConfig, costs: DecodeCosts) -> Context:
 
 
 def _router(group: Group, config: ServeConfig, setup: MemberSetup, policy: Policy,
-            costs: DecodeCosts, rate: float, on_served=None) -> Router:
+            costs: DecodeCosts, rate: float, on_served=None, on_assigned=None) -> Router:
     w = config.workers
     link = setup.link_gbps or config.profiles[0].link_gbps
     return Router(policy, Ledger.idle(w.prefill, w.decode, link), setup.pool, costs, group.send,
-                  rate, w.timeout, on_served)
+                  rate, w.timeout, on_served, on_assigned)
 
 
 def _serve_streams(group: Group, config: ServeConfig, setup: MemberSetup,
@@ -307,13 +317,15 @@ def _close(group: Group, timeout: float) -> None:
 class Clients:
     """`Arrivals` from HTTP clients and the `Backend` that hands them their tokens: a client's
     request is queued by the server's thread (`submit`), taken by the router's loop at its
-    next turn, and its tokens reach the client's event loop as the decode worker emits them."""
+    next turn, and its tokens, then how it ended, reach the client's event loop as the decode
+    worker emits them. `metrics` sees each record on the way (`pages`: each decode worker's)."""
 
-    def __init__(self, closed: threading.Event) -> None:
+    def __init__(self, closed: threading.Event, pages: int | None = None) -> None:
         self._queue: queue.Queue[ServeRequest] = queue.Queue()
         self._streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self.closed = closed  # set: no more requests are taken
+        self.metrics = ServingMetrics(pages)
 
     @property
     def ended(self) -> bool:
@@ -323,41 +335,50 @@ class Clients:
         out = []
         while not self._queue.empty():
             out.append(dataclasses.replace(self._queue.get(), arrival_s=now_s))
+            self.metrics.arrived(out[-1])
         return out
 
     def wait_s(self, now_s: float) -> float:
         return 0.05  # a client's request waits at most this long for the loop to take it
 
-    async def submit(self, request: ServeRequest) -> AsyncIterator[int]:
-        tokens: asyncio.Queue = asyncio.Queue()
+    async def submit(self, request: ServeRequest) -> AsyncGenerator[Token | Ended, None]:
+        items: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            self._streams[request.id] = (asyncio.get_running_loop(), tokens)
+            self._streams[request.id] = (asyncio.get_running_loop(), items)
         self._queue.put(request)
         while True:
-            item = await tokens.get()
+            item = await items.get()
             if isinstance(item, BaseException):
                 raise item
-            if item is None:
-                return
             yield item
+            if isinstance(item, Ended):
+                return
 
     def _put(self, request_id: int, item: object, last: bool = False) -> None:
         with self._lock:
             stream = (self._streams.pop(request_id, None) if last
                       else self._streams.get(request_id))
         if stream is not None:
-            loop, tokens = stream
-            loop.call_soon_threadsafe(tokens.put_nowait, item)
+            loop, items = stream
+            loop.call_soon_threadsafe(items.put_nowait, item)
 
     def on_event(self, event: Event) -> None:
         """A worker's event: a token goes to its client."""
-        if isinstance(event, Emitted) and isinstance(event.item, Token):
-            self._put(event.item.request_id, event.item.token)
+        if isinstance(event, Emitted):
+            self.metrics.emitted(event.item)
+            if isinstance(event.item, Token):
+                self._put(event.item.request_id, event.item)
+
+    def on_assigned(self, assignment: Assignment) -> None:
+        self.metrics.assigned(assignment)
 
     def on_served(self, served: Served) -> None:
-        """A request ended: its stream ends, or fails with the request's one line."""
-        error = served.error or (served.finished.error if served.finished else "no report")
-        self._put(served.request.id, None if served.completed else RuntimeError(error), True)
+        """A request ended: its stream ends as its worker reported, or fails with the
+        request's one line."""
+        self.metrics.served(served)
+        f, failure = served.finished, served.failure
+        self._put(served.request.id, RuntimeError(failure) if failure
+                  else Ended(f.finish_reason, f.stop), True)
 
 
 def _serve_http(group: Group, config: ServeConfig, setup: MemberSetup, policy: Policy,
@@ -367,18 +388,16 @@ def _serve_http(group: Group, config: ServeConfig, setup: MemberSetup, policy: P
     the group closed within `CLOSE_S` (killed after an abort: its decode members would run the
     aborted requests to their ends). With `config.json`, stdout holds a record of the server,
     then each request's record as it ends (before its client hears of the end)."""
-    from rekv_jax.model.loader import tokenizer_of
-
-    clients = Clients(stop)
+    clients = Clients(stop, setup.pool.usable_pages)
 
     def served(s: Served) -> None:
         if config.json:
             _emit(s.to_json(config.slo))
         clients.on_served(s)
 
-    router = _router(group, config, setup, policy, costs, 0.0, served)
-    model = ModelInfo(config.model, http_context(config.model), tokenizer_of(config.model))
-    app = build_app(Closing(clients, stop), model, config.http.api_key)
+    router = _router(group, config, setup, policy, costs, 0.0, served, clients.on_assigned)
+    model = http_model(config.model)
+    app = build_app(Closing(clients, stop), model, config.http.api_key, clients.metrics)
     try:
         with running(app, config.http.host, config.http.port) as url, stopped_by_signals(stop):
             _announce(url, model.id, policy.name, config.json)
@@ -395,7 +414,7 @@ def _announce(url: str, model: str, policy: str, as_json: bool) -> None:
     if as_json:
         return _emit({"kind": "http_server", "url": f"{url}/v1", "model": model,
                       "policy": policy})
-    print(f"rekv serve: the OpenAI completions API at {url}/v1, model {model!r} ({policy}); "
+    print(f"rekv serve: the OpenAI API at {url}/v1, model {model!r} ({policy}); "
           "Ctrl-C or SIGTERM stops it", flush=True)
 
 

@@ -1,0 +1,260 @@
+"""How a request is answered in the OpenAI API's shapes, whole or streamed: a backend's `Token`s
+and its `Ended` become text (`Reply`), then the completions or chat bodies and chunks (`Answer`).
+
+The text is the tokens decoded as they come (`Detokenizer`: a token that ends inside a UTF-8
+character waits for the next), special tokens skipped unless asked. Once a request has its
+`min_tokens`, the text is cut before the first stop string that a new token completes, and the
+reply finishes ("stop") there whatever the backend goes on to send; a streamed reply holds back
+text that could be the start of a stop string until it is decided, so no stop text is ever sent.
+A token that can only be the last (the `max_new_tokens`-th) waits for `Ended`, so its chunk
+carries the finish reason the backend reports and each token is one chunk.
+
+Every body and chunk names the request's sampling seed in a top-level `seed` field (drawn when
+the client gave none), so any answer can be replayed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from rekv_jax.serving.openai_request import ApiError, Body, ChatBody, ModelInfo, StreamOptions
+from rekv_jax.serving.requests import FINISH_REASONS, ServeRequest, Token
+
+LOGPROB_FLOOR = -9999.0  # a log probability of -inf is written as this (JSON has no infinity)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ended:
+    """How a backend's request ended, after its last `Token`."""
+
+    finish_reason: str  # `FINISH_REASONS`
+    stop: str | int | None = None  # the stop string or token id that ended it ("stop")
+
+    def __post_init__(self) -> None:
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got "
+                             f"{self.finish_reason!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """What a reply adds at one step: its new text, the tokens it covers, and its finish reason
+    (None: more to come)."""
+
+    text: str
+    tokens: tuple[Token, ...]
+    finish: str | None = None
+
+
+def token_text(tokenizer: Tokenizer | None, token: int) -> str:
+    """One token's own text, special tokens included (its id as " 12" without a tokenizer)."""
+    return f" {token}" if tokenizer is None else tokenizer.decode([token], False)
+
+
+def _floor(logprob: float | None) -> float | None:
+    return None if logprob is None else max(logprob, LOGPROB_FLOOR)
+
+
+class Detokenizer:
+    """A request's generated ids as text, token by token (`token_text` without a tokenizer)."""
+
+    def __init__(self, tokenizer: Tokenizer | None, skip_special: bool = True) -> None:
+        self._tok, self._skip = tokenizer, skip_special
+        self._ids: list[int] = []
+        self._prefix = self._read = 0  # ids[prefix:read]: the context of the text given out
+
+    def _new(self) -> str:
+        before = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
+        return self._tok.decode(self._ids[self._prefix:], self._skip)[len(before):]
+
+    def add(self, token: int) -> str:
+        """The text `token` completes ("" while it ends inside a character)."""
+        self._ids.append(token)
+        if self._tok is None:
+            return token_text(None, token)
+        new = self._new()
+        if not new or new.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return new
+
+    def flush(self) -> str:
+        """The text still held, as the tokenizer writes it."""
+        new = "" if self._tok is None else self._new()
+        self._prefix = self._read = len(self._ids)
+        return new
+
+
+class Reply:
+    """The text a client may have of a request so far, and how it finished (`finish`)."""
+
+    def __init__(self, model: ModelInfo, request: ServeRequest, skip_special: bool = True
+                 ) -> None:
+        self._detok = Detokenizer(model.tokenizer, skip_special)
+        self._stops, self._max = request.stops, request.max_new_tokens
+        self._text = ""  # every character decoded so far, cut at a stop string
+        self._sent = 0  # characters of it given out
+        self._pending: list[Token] = []  # tokens no piece covered yet
+        self.count = 0  # tokens taken
+        self.finish: str | None = None
+
+    def add(self, item: Token | Ended) -> Piece | None:
+        """The piece `item` adds (None: wait for the next item)."""
+        if isinstance(item, Ended):
+            stop = self._extend(self._detok.flush())
+            return self._piece(item.finish_reason if stop is None else "stop")
+        self.count += 1
+        self._pending.append(item)
+        if self._extend(self._detok.add(item.token)) is not None:
+            return self._piece("stop")
+        return None if self.count == self._max else self._piece(None)
+
+    def _extend(self, new: str) -> str | None:
+        """Append `new`; the stop string it completes, if any (the text is cut before it)."""
+        start = len(self._text)
+        self._text += new
+        if not new or self.count < self._stops.min_tokens:
+            return None
+        found = [(i, s) for s in self._stops.stop
+                 if (i := self._text.find(s, max(0, start - len(s) + 1))) >= 0]
+        if not found:
+            return None
+        i, stop = min(found)
+        self._text = self._text[:i]
+        return stop
+
+    def _held(self) -> int:
+        """Characters at the end of the text that could begin a stop string."""
+        return max((k for s in self._stops.stop for k in range(1, len(s))
+                    if self._text.endswith(s[:k])), default=0)
+
+    def _piece(self, finish: str | None) -> Piece:
+        end = len(self._text) if finish else max(self._sent, len(self._text) - self._held())
+        piece = Piece(self._text[self._sent:end], tuple(self._pending), finish)
+        self._sent, self._pending, self.finish = end, [], finish
+        return piece
+
+
+async def pieces(items: AsyncGenerator[Token | Ended, None], reply: Reply
+                 ) -> AsyncIterator[Piece]:
+    """`reply`'s pieces as the backend's items come, to the finish; the backend's stream is
+    closed then (a reply that stops early drops what the backend sends after)."""
+    try:
+        async for item in items:
+            if (piece := reply.add(item)) is not None:
+                yield piece
+                if piece.finish is not None:
+                    return
+        raise RuntimeError("the backend ended the request without saying how")
+    finally:
+        await items.aclose()
+
+
+class _Logprobs:
+    """A request's tokens' log probabilities, in its API's shape."""
+
+    def __init__(self, model: ModelInfo, request: ServeRequest, chat: bool) -> None:
+        self._tok, self._top, self._chat = model.tokenizer, request.sampling.logprobs, chat
+        self._offset = 0  # completions: where the next token's text starts in the completion
+
+    def _entry(self, token: int, logprob: float | None) -> dict[str, Any]:
+        text = token_text(self._tok, token)
+        return {"token": text, "logprob": _floor(logprob), "bytes": list(text.encode())}
+
+    def of(self, tokens: tuple[Token, ...]) -> dict[str, Any] | None:
+        """Completions: tokens, token_logprobs, top_logprobs ({text: logprob}), text_offset;
+        chat: content, one entry per token with its top_logprobs; None unless asked."""
+        if self._top is None:
+            return None
+        if self._chat:
+            return {"content": [self._entry(t.token, t.logprob) | {"top_logprobs": [
+                self._entry(i, lp) for i, lp in t.top_logprobs[:self._top]]} for t in tokens]}
+        texts = [token_text(self._tok, t.token) for t in tokens]
+        offsets = [self._offset + sum(len(x) for x in texts[:k]) for k in range(len(texts))]
+        self._offset += sum(len(x) for x in texts)
+        return {"tokens": texts, "token_logprobs": [_floor(t.logprob) for t in tokens],
+                "top_logprobs": [{token_text(self._tok, i): _floor(lp)
+                                  for i, lp in t.top_logprobs[:self._top]} for t in tokens],
+                "text_offset": offsets}
+
+
+@dataclasses.dataclass
+class Answer:
+    """How one request is answered in its API's shape, whole or streamed."""
+
+    request: ServeRequest
+    chat: bool
+    model_id: str
+    logprobs: _Logprobs
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def of(cls, body: Body, model: ModelInfo, request: ServeRequest) -> Answer:
+        chat = isinstance(body, ChatBody)
+        return cls(request, chat, model.id, _Logprobs(model, request, chat))
+
+    def _body(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
+        kind = "text_completion" if not self.chat else (
+            "chat.completion.chunk" if chunk else "chat.completion")
+        return {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{self.request.id}",
+                "object": kind, "created": self.created, "model": self.model_id,
+                "choices": choices, "seed": self.request.sampling.seed}
+
+    def usage(self, completion: int) -> dict[str, int]:
+        prompt = self.request.prompt_len
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    def _choice(self, text: str, tokens: tuple[Token, ...], finish: str | None, part: str
+                ) -> dict[str, Any]:
+        """The one choice of a whole answer (`part` "whole") or of a chunk ("first", "next")."""
+        if not self.chat:
+            said = {"text": text}
+        elif part == "whole":
+            said = {"message": {"role": "assistant", "content": text}}
+        else:
+            role = {"role": "assistant"} if part == "first" else {}
+            said = {"delta": role | {"content": text}}
+        return {"index": 0, **said, "logprobs": self.logprobs.of(tokens),
+                "finish_reason": finish}
+
+    async def whole(self, replied: AsyncIterator[Piece]) -> dict[str, Any]:
+        """The whole answer: its text, finish reason, usage and logprobs."""
+        try:
+            got = [p async for p in replied]
+        except Exception as e:  # the backend failed this request; the server goes on
+            raise ApiError(500, f"the request failed: {e}", kind="server_error") from None
+        tokens = tuple(t for p in got for t in p.tokens)
+        choice = self._choice("".join(p.text for p in got), tokens, got[-1].finish, "whole")
+        return self._body([choice], False) | {"usage": self.usage(len(tokens))}
+
+    async def events(self, replied: AsyncIterator[Piece], options: StreamOptions | None
+                     ) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per piece (chat: the first with the role), the last
+        with the finish reason, usage if asked, then [DONE]; a failure ends the stream with
+        an error event."""
+        options, count, first = options or StreamOptions(), 0, True
+        try:
+            async for p in replied:
+                count += len(p.tokens)
+                choice = self._choice(p.text, p.tokens, p.finish, "first" if first else "next")
+                usage = {"usage": self.usage(count)} if options.continuous_usage_stats else {}
+                yield _event(self._body([choice], True) | usage)
+                first = False
+        except Exception as e:  # the backend failed this request; the server goes on
+            yield _event({"error": {"message": f"the request failed: {e}",
+                                    "type": "server_error"}})
+            return
+        if options.include_usage:
+            yield _event(self._body([], True) | {"usage": self.usage(count)})
+        yield "data: [DONE]\n\n"
+
+
+def _event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data)}\n\n"
