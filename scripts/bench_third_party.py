@@ -273,10 +273,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rekv", default=f"{shlex.quote(sys.executable)} -m rekv_jax.cli",
                    help="the command that runs rekv")
     p.add_argument("--apis", default=",".join(APIS), type=lambda s: s.split(","))
-    p.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals per second")
+    p.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second")
     p.add_argument("--requests", type=int, default=100, help="measured requests per API")
     p.add_argument("--warmup", type=int, default=10, help="warm-up requests per API")
-    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", type=int, default=512,
+                   help="long enough that TTFT stands well above the HTTP exchange's few ms")
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0, help="AIPerf's prompts and arrivals")
     p.add_argument("--tolerance", type=float, default=TOLERANCE)
