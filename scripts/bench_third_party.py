@@ -124,14 +124,21 @@ def stop(server: subprocess.Popen) -> str:
     return "SIGKILL"
 
 
-def run_aiperf(command: list[str], log: Path) -> None:
+def run_aiperf(command: list[str], artifacts: Path) -> None:
     """Run AIPerf (its tokenizer is an absolute local folder, which it loads without the hub;
-    HF_HUB_OFFLINE would send it to the hub's cache instead, where the folder is not)."""
+    HF_HUB_OFFLINE would send it to the hub's cache instead, where the folder is not); if it
+    fails, say why, with the server's answer to the first failed request."""
+    log = artifacts.with_suffix(".log")
     with log.open("w") as out:
         done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, check=False)
-    if done.returncode != 0:
-        tail = log.read_text().splitlines()[-20:]
-        raise SystemExit(f"aiperf exited {done.returncode}:\n" + "\n".join(tail))
+    if done.returncode == 0:
+        return
+    export = artifacts / "profile_export.jsonl"
+    lines = export.read_text().splitlines() if export.is_file() else []
+    errors = [e for e in (json.loads(line).get("error") for line in lines) if e]
+    first = f"; the first failed request: {errors[0]}" if errors else ""
+    tail = "\n".join(log.read_text().splitlines()[-12:])
+    raise SystemExit(f"aiperf exited {done.returncode}{first}\n{tail}")
 
 
 def metric(metrics: dict, tag: str) -> float | None:
@@ -246,7 +253,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
         model = wait_ready(url, server, log, args.start_timeout)
         for api in args.apis:
             commands[api] = aiperf_command(args, api, url, model, tokenizer, work / api)
-            run_aiperf(commands[api], work / f"aiperf-{api}.log")
+            run_aiperf(commands[api], work / api)
             runs.append(client_records(work / api / "profile_export.jsonl"))
     finally:
         stopped_by = stop(server)
