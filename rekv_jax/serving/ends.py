@@ -61,6 +61,12 @@ class Ending:
         text = self._tokenizer.decode(list(tokens))
         # the text before grew at its end only, but for a character it had not completed
         settled, self._text = len(self._text.rstrip(REPLACEMENT)), text
-        found = [(at, s) for s in self._stops.stop
-                 if (at := text.find(s, max(0, settled - len(s) + 1))) >= 0]
-        return min(found)[1] if found else None
+        found = first_stop(text, settled, self._stops.stop)
+        return found[1] if found else None
+
+
+def first_stop(text: str, settled: int, stops: Sequence[str]) -> tuple[int, str] | None:
+    """(where, which) of the earliest stop string in `text` that ends past its first `settled`
+    characters (an occurrence wholly inside them was judged before), else None."""
+    found = [(at, s) for s in stops if (at := text.find(s, max(0, settled - len(s) + 1))) >= 0]
+    return min(found) if found else None

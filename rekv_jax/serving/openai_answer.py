@@ -23,6 +23,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from rekv_jax.serving.ends import first_stop
 from rekv_jax.serving.openai_request import ApiError, Body, ChatBody, ModelInfo, StreamOptions
 from rekv_jax.serving.requests import FINISH_REASONS, ServeRequest, Token
 
@@ -121,11 +122,10 @@ class Reply:
         self._text += new
         if not new or self.count < self._stops.min_tokens:
             return None
-        found = [(i, s) for s in self._stops.stop
-                 if (i := self._text.find(s, max(0, start - len(s) + 1))) >= 0]
-        if not found:
+        found = first_stop(self._text, start, self._stops.stop)
+        if found is None:
             return None
-        i, stop = min(found)
+        i, stop = found
         self._text = self._text[:i]
         return stop
 

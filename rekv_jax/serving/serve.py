@@ -62,6 +62,7 @@ from rekv_jax.transport import JobKey
 
 POOL_REQUESTS = 16  # a decode worker's pool holds this many of the run's longest requests
 WARMUP = 8  # requests of each prompt length in a policy's warm-up burst
+TAKE_WAIT_S = 0.005  # the longest a client's request waits for the router's loop to take it
 HTTP_CONTEXT = 2048  # the most positions (prompt and tokens) an HTTP request may take
 
 
@@ -321,7 +322,9 @@ class Clients:
     worker emits them. `metrics` sees each record on the way (`pages`: each decode worker's)."""
 
     def __init__(self, closed: threading.Event, pages: int | None = None) -> None:
-        self._queue: queue.Queue[ServeRequest] = queue.Queue()
+        # each request with when it was submitted (time.monotonic()), so its arrival is that
+        # instant and not the loop's next turn
+        self._queue: queue.Queue[tuple[ServeRequest, float]] = queue.Queue()
         self._streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self.closed = closed  # set: no more requests are taken
@@ -334,18 +337,20 @@ class Clients:
     def take(self, now_s: float, all_now: bool) -> list[ServeRequest]:
         out = []
         while not self._queue.empty():
-            out.append(dataclasses.replace(self._queue.get(), arrival_s=now_s))
+            request, submitted = self._queue.get()
+            waited_s = time.monotonic() - submitted  # in the queue, on the run's clock too
+            out.append(dataclasses.replace(request, arrival_s=max(0.0, now_s - waited_s)))
             self.metrics.arrived(out[-1])
         return out
 
     def wait_s(self, now_s: float) -> float:
-        return 0.05  # a client's request waits at most this long for the loop to take it
+        return TAKE_WAIT_S
 
     async def submit(self, request: ServeRequest) -> AsyncGenerator[Token | Ended, None]:
         items: asyncio.Queue = asyncio.Queue()
         with self._lock:
             self._streams[request.id] = (asyncio.get_running_loop(), items)
-        self._queue.put(request)
+        self._queue.put((request, time.monotonic()))
         while True:
             item = await items.get()
             if isinstance(item, BaseException):
