@@ -12,10 +12,11 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 
 from rekv_jax.serving.http import ApiError, Backend
-from rekv_jax.serving.requests import ServeRequest
+from rekv_jax.serving.openai_answer import Ended
+from rekv_jax.serving.requests import ServeRequest, Token
 
 ABORTED = "aborted by shutdown"  # the error of a request the stop ended
 GRACE_S = 3.0  # after a stop, the requests in flight have this long to end
@@ -29,7 +30,7 @@ class Closing:
     def __init__(self, backend: Backend, stop: threading.Event) -> None:
         self._backend, self._stop = backend, stop
 
-    def submit(self, request: ServeRequest) -> AsyncIterator[int]:
+    def submit(self, request: ServeRequest) -> AsyncGenerator[Token | Ended, None]:
         if self._stop.is_set():
             raise ApiError(503, "the server is stopping", kind="server_error")
         return self._backend.submit(request)
