@@ -401,11 +401,14 @@ def test_sweep_cli_quick(monkeypatch, tmp_path, argv, preset, reps):
 
     seen = []
 
+    class Stop(Exception):  # stops before the report: only the arguments matter here
+        pass
+
     def fake_sweep(p, out, n, warmup, pin):
         seen.append((p, n, warmup, pin))
-        raise KeyboardInterrupt  # stop before the report: only the arguments matter here
+        raise Stop
 
     monkeypatch.setattr(sweep_module, "sweep", fake_sweep)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(Stop):
         cli.main(["sweep", "--preset", "gpu", "--out", str(tmp_path), *argv])
     assert seen == [(preset, *reps, True)]  # pinned unless --no-pin
