@@ -322,7 +322,7 @@ def _close(group: Members, timeout: float) -> None:
            for name, e in ends.items()
            if not e.ok or (parse_worker(name)[0] == DECODE and e.value)]
     if bad:
-        raise RuntimeError("the serving group ended badly: " + "; ".join(bad))
+        raise TransportError("the serving group ended badly: " + "; ".join(bad))
 
 
 # -------------------------------------------------------------------------------- --http
