@@ -2,6 +2,10 @@
 
 Every flag is checked before any process starts or any weight loads: its syntax by argparse (one
 line, exit 2), the rest while the config is built (a ValueError: one line, exit 2).
+
+With `--role` the process is one of a run across nodes (`launch.nodes`): the router runs the
+config as on one machine, its workers joining from their nodes; a worker joins the router and
+runs what it is handed.
 """
 
 from __future__ import annotations
