@@ -11,7 +11,9 @@ What passes through it, and why no public API serves:
   any other;
 - whether the backends started (`jax._src.xla_bridge.backends_are_initialized`), which fixes the
   GPUs, memory share, XLA_FLAGS and threads a process computes with;
-- the cuDNN version probe of JAX's fused attention, which the attention tests stub on CPU.
+- the cuDNN version probe of JAX's fused attention, which the attention tests stub on CPU;
+- the cluster detection of `jax.distributed.initialize` (`jax._src.clusters`: SLURM, Open MPI,
+  ...), whose coordinator address and process id a run across nodes starts from (`cluster`).
 
 Each is used as JAX 0.10-0.11 lays them out (`SUPPORTED`). Outside that range the error
 callback and the backends check fall back to public behaviour (JAX's own aborting callback; the
@@ -32,7 +34,8 @@ SUPPORTED = ((0, 10), (0, 11))  # (major, minor) of the JAX versions laid out as
 # module -> the attributes of it used here
 USED = {"jax._src.distributed": ("_jax", "global_state"),
         "jax._src.xla_bridge": ("backends_are_initialized",),
-        "jax._src.cudnn.fused_attention_stablehlo": ("check_cudnn_version",)}
+        "jax._src.cudnn.fused_attention_stablehlo": ("check_cudnn_version",),
+        "jax._src.clusters": ("ClusterEnv",)}
 _CLIENT_FACTORY = "get_distributed_runtime_client"  # on `jax._src.distributed._jax`
 
 
@@ -104,3 +107,13 @@ def backends_started() -> bool:
 def cudnn_attention() -> ModuleType:
     """JAX's fused-attention module, whose `check_cudnn_version` asks the CUDA plugin."""
     return importlib.import_module("jax._src.cudnn.fused_attention_stablehlo")
+
+
+def cluster() -> tuple[str, int, int] | None:
+    """(the coordinator's host:port, the process count, this process's id) as
+    `jax.distributed.initialize` would detect them (SLURM, Open MPI, ...; `$JAX_COORDINATOR_PORT`
+    overrides the port); None outside any cluster it knows."""
+    envs = importlib.import_module("jax._src.clusters").ClusterEnv
+    address, count, process_id, _ = envs.auto_detect_unset_distributed_params(
+        None, None, None, None, None, None)
+    return None if address is None else (address, count, process_id)

@@ -24,6 +24,8 @@ def _folders(tmp_path):
     unreadable = tmp_path / "unreadable"  # a config.json no one can read, even root
     (unreadable / "config.json").mkdir(parents=True)
     (tmp_path / "empty.json").write_text("{}")
+    (tmp_path / "key").write_bytes(b"a job's key, 32 bytes or so long")
+    (tmp_path / "key").chmod(0o600)
     (tmp_path / "gate.jsonl").write_text(json.dumps(  # a quality gate result of another model
         {"model": "other", "seq_len": 8192, "action": "q8:full", "eligible": True}) + "\n")
     return tmp_path
@@ -91,6 +93,15 @@ serve --http 127.0.0.1:8000 --rate 1    | --rate; generated load
 serve --http 127.0.0.1:8000 --policy adaptive,q8:full | one policy
 serve --http 127.0.0.1:8000 --plot {tmp}/p | --plot; --http
 serve --rate 1 --api-key k              | --api-key; --http
+serve --http 127.0.0.1:8000 --api-key-file /missing | /missing; cannot read the API key file
+serve --rate 1 --api-key-file {tmp}/key | --api-key-file; --http
+serve --http 127.0.0.1:8000 --api-key k --api-key-file {tmp}/key | not allowed with argument
+serve --role router --http 127.0.0.1:8000 | a run across nodes (--role); needs the job's key
+serve --role prefill                    | --role; 'prefill'; prefill-1
+serve --role auto --secret-file {tmp}/key --http 127.0.0.1:8000 | --role auto; none was found
+serve --role router --secret-file {tmp}/key --http 127.0.0.1:8000 | --coordinator HOST:PORT
+serve --coordinator 127.0.0.1:1 --http 127.0.0.1:8000 | --coordinator; --role
+serve --role decode-0 --coordinator 8000 | --coordinator; HOST:PORT
 serve --rate 1 --prefill-workers 0      | --prefill-workers; positive
 serve --rate 1 --decode-workers x       | --decode-workers; 'x'
 """
@@ -101,6 +112,8 @@ CASES = [(argv.split(), words.split("; ")) for argv, words in
 @pytest.mark.parametrize("argv,words", CASES, ids=[" ".join(c[0]) for c in CASES])
 def test_bad_input_is_one_line_exit_2(argv, words, tmp_path, capsys, monkeypatch):
     tmp = _folders(tmp_path)
+    for name in ("REKV_SECRET_FILE", "REKV_API_KEY", "SLURM_JOB_ID"):  # the rows give their own
+        monkeypatch.delenv(name, raising=False)
     started = []  # no process may start for bad input
     monkeypatch.setattr("subprocess.Popen", lambda *a, **k: started.append(a) or 1 / 0)
     monkeypatch.setattr("multiprocessing.process.BaseProcess.start",

@@ -1,10 +1,12 @@
 """The README stays a newcomer's page: its first screen says what ReKV is, gives the two set-up
-commands and a ten-line functional-API example that runs, then the headline results; every
+commands and a ten-line functional-API example that runs, then the headline results; its SLURM
+lines parse as the commands they start, one process a node; every
 relative link in it, in docs/ and in results/ points at a file that exists; and the docs, which
 are reference, hold no commit hash (one of this repository's commits, so checksums and other hex
 runs are left alone)."""
 import pathlib
 import re
+import shlex
 import subprocess
 
 import pytest
@@ -107,3 +109,42 @@ def test_the_check_finds_a_planted_commit_hash(with_history):
     text = (f"measured at {head[:7]}, see {head}; the checksum 3f2a9c41 and the count 1256449 "
             f"are not commits; nor is {head[:6]} (too short) or x{head[:7]} (inside a word)")
     assert commit_hashes(text, commits) == [head[:7], head] + ["3f2a9c41"] * (not with_history)
+
+
+def _slurm_block(command: str) -> list[str]:
+    """The README's bash block that runs `rekv COMMAND` under srun, as lines (each line ending
+    in a backslash joined with the next)."""
+    blocks = [b.split("```", 1)[0] for b in README.read_text().split("```bash\n")[1:]]
+    (block,) = [b for b in blocks if "srun" in b and f"rekv {command} " in b]
+    return block.replace("\\\n", " ").splitlines()
+
+
+def _srun_argv(line: str) -> tuple[list[str], list[str]]:
+    """An srun line's own words, and the argv of the `rekv` it runs (inside `bash -c '...'`,
+    each `$(...)` taken as its first `echo`'s word)."""
+    words = shlex.split(line)
+    if "bash" in words:
+        inner = re.sub(r"\$\(.*?echo (\w+).*?\)", r"\1", words[words.index("-c") + 1])
+        return words[:words.index("bash")], shlex.split(inner)[1:]
+    return words[:words.index("rekv")], words[words.index("rekv") + 1:]
+
+
+@pytest.mark.parametrize("command", ["handoff", "serve"])
+def test_the_readme_slurm_lines_parse_and_start_one_process_a_node(command):
+    """Its flags parse as `rekv COMMAND`'s, each node runs one process of the run (`serve`: the
+    router and its workers), and the job's key is made alike for both."""
+    from rekv_jax.cli.main import build_parser
+    from rekv_jax.launch.nodes import node_names
+
+    lines = _slurm_block(command)
+    srun, argv = _srun_argv(next(line for line in lines if line.startswith("srun")))
+    args = build_parser(command).parse_args(argv)
+    nodes = int(srun[srun.index("-N") + 1])
+    assert "--ntasks-per-node=1" in srun and args.secret_file == "~/rekv.key"
+    if command == "serve":
+        assert args.role == "auto"
+        assert nodes == len(node_names(args.prefill_workers, args.decode_workers)) == 5
+        assert (args.prefill_workers, args.decode_workers) == (2, 2)
+    else:
+        assert args.role in ("decode", "prefill") and nodes == 2
+    assert lines[0].split("#")[0].strip() == _slurm_block("handoff")[0].split("#")[0].strip()

@@ -71,3 +71,67 @@ def test_ctrl_c_before_the_server_is_up_is_one_line_exit_130(monkeypatch, capsys
         cli.main(["serve", "--model", "tiny", "--http", "127.0.0.1:0", "--link-gbps", "1"])
     assert stop.value.code == 130
     assert capsys.readouterr().err.strip().splitlines() == ["rekv serve: interrupted"]
+
+
+def _key_file(path, text: str | bytes) -> str:
+    path.write_bytes(text.encode() if isinstance(text, str) else text)
+    path.chmod(0o600)
+    return str(path)
+
+
+def test_the_api_key_comes_from_a_file_or_the_environment_and_on_the_command_line_warns(
+        tmp_path, monkeypatch, capsys):
+    from rekv_jax.cli import serve as cli_serve
+
+    monkeypatch.delenv("REKV_API_KEY", raising=False)
+    given = _key_file(tmp_path / "api.key", "from-file\n")
+    assert _config(["--http", "0.0.0.0:8080", "--api-key-file", given]).http.api_key == "from-file"
+    monkeypatch.setenv("REKV_API_KEY", "from-env")
+    assert _config(["--http", "0.0.0.0:8080"]).http.api_key == "from-env"
+    assert _config(["--http", "0.0.0.0:8080", "--api-key-file", given]).http.api_key == "from-file"
+    (tmp_path / "api.key").chmod(0o640)
+    with pytest.raises(ValueError, match="may be read by others"):
+        _config(["--http", "0.0.0.0:8080", "--api-key-file", given])
+    monkeypatch.setattr(cli_serve, "measured_profiles", lambda config, args: (FAKE,))
+    monkeypatch.setattr(serving, "serve", lambda config, on_event, stop=None: None)
+    cli.main(["serve", "--model", "tiny", "--http", "127.0.0.1:0", "--link-gbps", "1",
+              "--api-key", "on-the-line"])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "`ps` shows to every user" in line and "--api-key-file PATH or $REKV_API_KEY" in line
+
+
+SLURM = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "gpu[017-021]", "SLURM_NTASKS": "5",
+         "SLURM_LOCALID": "0"}
+
+
+def test_role_auto_maps_the_clusters_rank_router_first_then_decode_then_prefill(
+        tmp_path, monkeypatch):
+    """Under SLURM, --role auto takes each process's rank and the coordinator JAX would
+    detect (the step's first node, the port from the job id); --coordinator overrides it; a
+    cluster of another size is refused; a run across nodes takes the link as it is."""
+    from rekv_jax.cli.serve import across_nodes
+    from rekv_jax.transport import JobKey
+
+    key = _key_file(tmp_path / "key", b"the job's key, in one shared file")
+    monkeypatch.delenv("JAX_COORDINATOR_PORT", raising=False)
+    for name, value in SLURM.items():
+        monkeypatch.setenv(name, value)
+    parse = cli.build_parser("serve").parse_args
+    auto = ["serve", "--role", "auto", "--prefill-workers", "2", "--decode-workers", "2",
+            "--secret-file", key]
+    names = []
+    for rank in range(5):
+        monkeypatch.setenv("SLURM_PROCID", str(rank))
+        name, rendezvous = across_nodes(parse(auto))
+        names.append(name)
+        assert rendezvous.address == f"gpu017:{65536 - 4096 + 4242 % 4096}"
+        assert rendezvous.key == JobKey.from_file(key)
+    assert names == ["router", "decode-0", "decode-1", "prefill-0", "prefill-1"]
+    args = parse([*auto, "--coordinator", "10.0.0.1:7000", "--http", "127.0.0.1:0"])
+    name, rendezvous = across_nodes(args)
+    assert (name, rendezvous.address) == ("prefill-1", "10.0.0.1:7000")
+    workers = serve_config(args, rendezvous).workers
+    assert workers.rendezvous == rendezvous and workers.link_gbps is None  # `paper`: the real one
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    with pytest.raises(ValueError, match="the cluster runs 4 processes; .* need 5: router, "):
+        across_nodes(parse(auto))

@@ -102,15 +102,17 @@ def _handoff_flags(p: argparse.ArgumentParser) -> None:
                    help="run one side only (multi-host); default: start both here")
     p.add_argument("--coordinator", default=None,
                    help="host:port of the decode process (default: detected, e.g. SLURM)")
-    p.add_argument("--secret-file", default=None, metavar="PATH",
-                   help="with --role: the job's key, one owner-only file for both nodes "
-                        "(default: $REKV_SECRET_FILE)")
     p.add_argument("--insecure", action="store_true",
                    help="with --role and no key: run without one (anyone may join)")
     p.add_argument("--prefill-devices", type=int, default=1,
                    help="tensor-parallel devices of the prefill side (CPU: host devices)")
     p.add_argument("--decode-devices", type=int, default=1,
                    help="tensor-parallel devices of the decode side")
+
+def _secret_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--secret-file", default=None, metavar="PATH",
+                   help="with --role: the job's key, one file every node reads, readable by "
+                        "its owner only (default: $REKV_SECRET_FILE)")
 
 def _attention_flags(p: argparse.ArgumentParser) -> None:
     from rekv_jax.config import ATTENTION_BACKENDS
@@ -156,6 +158,7 @@ FLAG_GROUPS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "schedule": _schedule_flags,
     "failure": _failure_flags,
     "handoff": _handoff_flags,
+    "secret": _secret_flags,
     "attention": _attention_flags,
     "modes": _modes_flags,
     "bits": _bits_flags,

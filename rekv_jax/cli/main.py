@@ -72,7 +72,7 @@ def _plan_flags(p: argparse.ArgumentParser) -> None:
 
 @command("handoff", cmd_handoff, "timed handoffs between a prefill and a decode process",
          ("model", "seq_len", "batch", "actions", "link", "transport", "reps", "schedule",
-          "failure", "handoff", "modes", "attention", "pin", "json"))
+          "failure", "handoff", "secret", "modes", "attention", "pin", "json"))
 def _handoff_flags(p: argparse.ArgumentParser) -> None:
     p.set_defaults(seq_len=256, link_gbps=PAPER_LINK)
 
@@ -153,7 +153,7 @@ def _generate_flags(p: argparse.ArgumentParser) -> None:
 
 
 @command("serve", cmd_serve, "serve a request stream (or OpenAI API clients) under policies",
-         ("model", "link", "transport", "failure", "attention", "pin", "json"))
+         ("model", "link", "transport", "failure", "secret", "attention", "pin", "json"))
 def _serve_flags(p: argparse.ArgumentParser) -> None:
     from rekv_jax.cli.serve import add_flags
 

@@ -2,15 +2,24 @@
 
 Every flag is checked before any process starts or any weight loads: its syntax by argparse (one
 line, exit 2), the rest while the config is built (a ValueError: one line, exit 2).
+
+With `--role` the process is one of a run across nodes (`launch.nodes`): the router runs the
+config as on one machine, its workers joining from their nodes; a worker joins the router and
+runs what it is handed.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from rekv_jax.cli.flags import PAPER_LINK
+
+if TYPE_CHECKING:
+    from rekv_jax.launch.nodes import Rendezvous
 
 DEFAULT_POLICIES = "bf16:full,q8:full,q8:balanced,adaptive"  # of a generated load
 HTTP_POLICY = "adaptive"  # of --http
@@ -18,6 +27,8 @@ PROMPTS = ("synthetic", "wikitext")
 REQUESTS = 100  # per rate, unless --requests or --duration
 MAX_NEW_TOKENS = 32  # --prompts: uniform ids, or WikiText-2 test windows
 PROFILE_REPS = 5  # timed handoffs per action of a profile measured at the start
+API_KEY_ENV = "REKV_API_KEY"  # the API key, when neither --api-key nor --api-key-file is given
+AUTO = "auto"  # --role: this process's rank in the cluster picks its role (`nodes.node_names`)
 
 
 def _rates(text: str) -> tuple[float, ...]:
@@ -38,6 +49,26 @@ def _host_port(text: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit():
         raise argparse.ArgumentTypeError(f"expected HOST:PORT like 127.0.0.1:8000, got {text!r}")
     return host.strip("[]"), int(port)
+
+
+def _address(text: str) -> str:
+    """argparse type of `--coordinator HOST:PORT`, kept as given."""
+    _host_port(text)
+    return text
+
+
+def _role(text: str) -> str:
+    """argparse type of `--role`: router, a worker's name (decode-0, prefill-1, ...) or auto."""
+    from rekv_jax.launch.nodes import ROUTER
+    from rekv_jax.serving.router import parse_worker
+
+    if text not in (ROUTER, AUTO):
+        try:
+            parse_worker(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {ROUTER}, a worker's name like decode-0 "
+                                             f"or prefill-1, or {AUTO}; got {text!r}") from None
+    return text
 
 
 def _positive(kind: type) -> Callable[[str], int | float]:
@@ -95,19 +126,43 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, metavar="DIR", help="write the figures' PNGs here")
     p.add_argument("--http", type=_host_port, default=None, metavar="HOST:PORT",
                    help="answer the OpenAI completions API here instead of a generated load")
-    p.add_argument("--api-key", default=None,
-                   help="with --http: clients send Authorization: Bearer KEY (required beyond "
-                        "loopback)")
+    api_key = p.add_mutually_exclusive_group()
+    api_key.add_argument("--api-key-file", default=None, metavar="PATH",
+                         help="with --http: clients send Authorization: Bearer KEY, KEY the "
+                              "file's text (readable by its owner only; required beyond "
+                              f"loopback; default: ${API_KEY_ENV})")
+    api_key.add_argument("--api-key", default=None,
+                         help="--api-key-file's KEY on the command line, where `ps` shows it "
+                              "to every user of the node")
     p.add_argument("--prefill-workers", type=_positive(int), default=1)
     p.add_argument("--decode-workers", type=_positive(int), default=1)
+    nodes = p.add_argument_group("across nodes: one process per node, each given the job's key")
+    nodes.add_argument("--role", type=_role, default=None,
+                       metavar=f"router|decode-I|prefill-I|{AUTO}",
+                       help="this process: the router (it takes the flags above) or a worker "
+                            f"(it takes --coordinator, the key and --timeout); {AUTO}: the "
+                            "cluster's process id picks (0 the router, then decode-0.., then "
+                            "prefill-0..); default: the router here and every worker spawned "
+                            "on this machine")
+    nodes.add_argument("--coordinator", type=_address, default=None, metavar="HOST:PORT",
+                       help="with --role: where the router listens for its workers (default: "
+                            "the cluster's coordinator, e.g. SLURM's first node)")
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
     import dataclasses
 
+    from rekv_jax.launch.nodes import ROUTER
     from rekv_jax.serving.serve import serve
 
-    config = serve_config(args)
+    node = across_nodes(args)
+    if node is not None and node[0] != ROUTER:
+        return _run_worker(*node, args.timeout)
+    config = serve_config(args, node and node[1])
+    if args.api_key is not None:  # checked: the server will take it
+        print("rekv serve: warning: --api-key is on the command line, which `ps` shows to every "
+              f"user of this node; give it in --api-key-file PATH or ${API_KEY_ENV}",
+              file=sys.stderr, flush=True)
     if not config.profiles:
         config = dataclasses.replace(config, profiles=measured_profiles(config, args))
     link = config.workers.link_gbps
@@ -117,10 +172,56 @@ def cmd_serve(args: argparse.Namespace) -> None:
                                                                         link_gbps=link))
     progress = Progress(sum(len(s.requests) for s in config.streams) * len(config.policies),
                         sys.stderr)
+    if node is not None:
+        workers = config.workers
+        print(f"rekv serve: the router takes {workers.prefill} prefill and {workers.decode} "
+              f"decode workers at {node[1].address} (for up to {workers.timeout:g} s)",
+              file=sys.stderr, flush=True)
     run = serve(config, progress.on_event)
     progress.close()
     if run is not None:
         report(run, config)
+
+
+def across_nodes(args: argparse.Namespace) -> tuple[str, Rendezvous] | None:
+    """With --role: this process's name in a run across nodes (`nodes.node_names`) and the
+    router's `Rendezvous` (its address and the job's key); None without."""
+    from rekv_jax import jax_private
+    from rekv_jax.launch.nodes import Rendezvous, node_names
+    from rekv_jax.transport.secret import job_key
+
+    if args.role is None:
+        if args.coordinator is not None:
+            raise ValueError("--coordinator names the router of a run across nodes: give --role")
+        return None
+    key = job_key(args.secret_file, "a run across nodes (--role)")
+    cluster, name = jax_private.cluster(), args.role
+    if name == AUTO:
+        names = node_names(args.prefill_workers, args.decode_workers)
+        if cluster is None:
+            raise ValueError(f"--role {AUTO} takes this process's rank from the cluster (SLURM, "
+                             "Open MPI), and none was found: give --role router, decode-I or "
+                             "prefill-I")
+        if cluster[1] != len(names):
+            raise ValueError(f"--role {AUTO}: the cluster runs {cluster[1]} processes; "
+                             f"--prefill-workers {args.prefill_workers} --decode-workers "
+                             f"{args.decode_workers} need {len(names)}: {', '.join(names)}")
+        name = names[cluster[2]]
+    address = args.coordinator or (cluster and cluster[0])
+    if not address:
+        raise ValueError(f"--role {args.role}: give --coordinator HOST:PORT, where the router "
+                         "listens (no cluster was found to name it)")
+    return name, Rendezvous(address, key)
+
+
+def _run_worker(name: str, rendezvous: Rendezvous, timeout: float) -> None:
+    """This node's worker: it joins the router and runs what the router hands it."""
+    from rekv_jax.launch.environments import scheduled_environment
+    from rekv_jax.launch.nodes import run_member
+
+    print(f"rekv serve: {name} joins the router at {rendezvous.address}", file=sys.stderr,
+          flush=True)
+    run_member(name, rendezvous, timeout, scheduled_environment(os.environ))
 
 
 def measured_profiles(config, args: argparse.Namespace) -> tuple:
@@ -180,8 +281,10 @@ def report(run, config) -> None:
             print(f"wrote {path}", file=sys.stderr)
 
 
-def serve_config(args: argparse.Namespace):
-    """The run `args` describe, every flag checked (a ValueError names the first bad one)."""
+def serve_config(args: argparse.Namespace, rendezvous: Rendezvous | None = None):
+    """The run `args` describe, every flag checked (a ValueError names the first bad one);
+    `rendezvous`: the router's, across nodes (`across_nodes`), where the link is real
+    (`--link-gbps paper` is then unpaced, as for `rekv handoff --role`)."""
     from rekv_jax.model.loader import SHIPPED_MODEL, load_config
     from rekv_jax.serving.metrics import Slo
     from rekv_jax.serving.policy import check_policy_names
@@ -189,18 +292,33 @@ def serve_config(args: argparse.Namespace):
 
     model = args.model or str(SHIPPED_MODEL)  # one that takes text, as `rekv generate`'s
     cfg = load_config(model)
-    if args.api_key is not None and args.http is None:
-        raise ValueError("--api-key guards the HTTP API: give --http HOST:PORT")
-    http = None if args.http is None else HttpBind(*args.http, args.api_key)
+    http = None if args.http is None else HttpBind(*args.http, _api_key(args))
+    if http is None and (args.api_key or args.api_key_file) is not None:
+        flag = "--api-key" if args.api_key is not None else "--api-key-file"
+        raise ValueError(f"{flag} guards the HTTP API: give --http HOST:PORT")
     policies = check_policy_names(args.policy or (DEFAULT_POLICIES if http is None
                                                   else HTTP_POLICY), cfg.num_layers)
     bits = _adaptive_bits(args.adaptive_bits)
     streams = _streams(args, model, cfg) if http is None else _no_load(args)
-    workers = Workers(args.prefill_workers, args.decode_workers, args.transport, args.link_gbps,
-                      args.fallback, args.timeout, not args.no_pin)
+    link = None if rendezvous is not None and args.link_gbps == PAPER_LINK else args.link_gbps
+    workers = Workers(args.prefill_workers, args.decode_workers, args.transport, link,
+                      args.fallback, args.timeout, not args.no_pin, rendezvous)
     return ServeConfig(model, policies, Slo(args.slo_ttft_ms, args.slo_tpot_ms), workers,
                        streams, http, _profiles(args.profile, cfg, bits), _gate(args.quality, cfg),
                        bits, args.json, args.plot)
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The key HTTP clients must send: --api-key, the text of --api-key-file, else
+    $REKV_API_KEY; None: none."""
+    from rekv_jax.transport.secret import read_private
+
+    if args.api_key_file is None:
+        return args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    key = read_private(args.api_key_file, "the API key file").decode(errors="replace").strip()
+    if not key:
+        raise ValueError(f"the API key file {args.api_key_file} is empty")
+    return key
 
 
 def _adaptive_bits(text: str) -> tuple[int, ...]:

@@ -10,5 +10,7 @@ in Python objects.
 - `pair`: the launcher (`Pair`, `run_pair`, `run_child`);
 - `group`: the launcher of N member processes (`Group`), several per side, which the parent
   talks to while they run and outlives any one of them;
+- `nodes`: the same group across nodes (`NodeGroup`), each member started on its own node
+  (`run_member`) and joined to the parent over one connection authenticated by the job's key;
 - `runtime`: what both sides must share for their bits to agree.
 """

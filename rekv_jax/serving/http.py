@@ -69,8 +69,9 @@ def check_bind(host: str, api_key: str | None) -> None:
     except ValueError:  # a host name other than localhost
         loopback = False
     if not loopback and not api_key:
-        raise ValueError(f"--http {host}: serving beyond loopback needs --api-key (clients "
-                         "then send Authorization: Bearer KEY)")
+        raise ValueError(f"--http {host}: serving beyond loopback needs --api-key-file PATH "
+                         "(or $REKV_API_KEY, or --api-key; clients then send Authorization: "
+                         "Bearer KEY)")
 
 
 def build_app(backend: Backend, model: ModelInfo, api_key: str | None = None,

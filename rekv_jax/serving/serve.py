@@ -4,7 +4,8 @@
 A run either drives generated request streams (one per arrival rate, each served under every
 policy, on one set of workers) or answers clients over HTTP (one policy), never both.
 
-`serve` starts the group (`launch.group.Group`: decode members first, each running
+`serve` starts the group (`Workers.start`: a `launch.group.Group` spawned here, or a
+`launch.nodes.NodeGroup` joined from the workers' own nodes; decode members first, each running
 `member.serving_member`) and waits until every member is `Ready`; the decode members' timed
 steps give the router its `DecodeCosts`. Before each policy serves its first stream, a warm-up burst
 (`WARMUP` requests at once of each prompt length, not recorded) compiles its programs and the
@@ -26,9 +27,12 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 
+from rekv_jax.errors import TransportError
 from rekv_jax.gate_result import GateResult
+from rekv_jax.launch.child import member_names
 from rekv_jax.launch.environments import group_environments, visible_gpus
 from rekv_jax.launch.group import Emitted, Event, Group, MemberEnded, failure_line
+from rekv_jax.launch.nodes import NodeGroup, Rendezvous
 from rekv_jax.model.loader import load_config
 from rekv_jax.planning.costmodel import Profile
 from rekv_jax.planning.queueing import DecodeCosts
@@ -60,6 +64,7 @@ from rekv_jax.serving.shutdown import (
 )
 from rekv_jax.transport import JobKey
 
+Members = Group | NodeGroup  # a run's workers, as the router's loop drives them
 POOL_REQUESTS = 16  # a decode worker's pool holds this many of the run's longest requests
 WARMUP = 8  # requests of each prompt length in a policy's warm-up burst
 TAKE_WAIT_S = 0.005  # the longest a client's request waits for the router's loop to take it
@@ -111,6 +116,15 @@ class Workers:
     fallback: str = "error"
     timeout: float = 120.0  # seconds any wait may take
     pin: bool = True  # each CPU side on its own cores
+    rendezvous: Rendezvous | None = None  # across nodes, where the router takes its workers
+
+    def start(self, job: Callable[..., object], args: tuple) -> Members:
+        """The workers, each running `job(member, *args)`: spawned here under a fresh key, or
+        (with a rendezvous) each joined from a node of its own (`launch.nodes`)."""
+        if self.rendezvous is None:
+            return Group(job, args, self.environments(), key=JobKey.new())
+        return NodeGroup(job, args, member_names(self.prefill, self.decode), self.rendezvous,
+                         self.timeout)
 
     def environments(self) -> dict[str, dict[str, str]]:
         """Each member's environment (`group_environments`; unpinned: all share the cores)."""
@@ -183,8 +197,7 @@ def serve(config: ServeConfig, on_event: OnEvent | None = None,
     if not config.profiles:
         raise ValueError("serve() needs the cost model's profiles (the CLI measures them)")
     setup = member_setup(config, link)
-    with Group(serving_member, (setup,), config.workers.environments(),
-               key=JobKey.new()) as group:
+    with config.workers.start(serving_member, (setup,)) as group:
         costs = _ready(group, config, setup)
         policies = make_policies(config.policies, _context(config, costs))
         if config.http is not None:
@@ -212,14 +225,14 @@ def member_setup(config: ServeConfig, link_gbps: float | None) -> MemberSetup:
                        fallback=w.fallback, timeout=w.timeout, cost_position=position)
 
 
-def _ready(group: Group, config: ServeConfig, setup: MemberSetup) -> DecodeCosts:
+def _ready(group: Members, config: ServeConfig, setup: MemberSetup) -> DecodeCosts:
     """Wait until every member is `Ready`; the decode members' iteration costs (the slowest
     member's steps; the suffix budget from the shortest profile's suffix compute)."""
     waiting, steps = set(group.names), []
     deadline_s = config.workers.timeout * 4  # links, a model load and the steps' compiles
     for event in _events(group, deadline_s, lambda: bool(waiting)):
         if isinstance(event, MemberEnded):
-            raise RuntimeError(event.failure or f"{event.name} ended before it was ready")
+            raise TransportError(event.failure or f"{event.name} ended before it was ready")
         if isinstance(event, Emitted) and isinstance(event.item, Ready):
             waiting.discard(event.name)
             if parse_worker(event.name)[0] == DECODE:
@@ -229,7 +242,7 @@ def _ready(group: Group, config: ServeConfig, setup: MemberSetup) -> DecodeCosts
     return decode_costs(steps, config.profiles, setup.suffix_budget)
 
 
-def _events(group: Group, timeout_s: float, wanted: Callable[[], bool]) -> Iterator[Event]:
+def _events(group: Members, timeout_s: float, wanted: Callable[[], bool]) -> Iterator[Event]:
     """The group's events while `wanted()` holds, for at most `timeout_s` seconds."""
     deadline = time.monotonic() + timeout_s
     while wanted() and (left := deadline - time.monotonic()) > 0:
@@ -257,7 +270,7 @@ def _context(config: ServeConfig, costs: DecodeCosts) -> Context:
                    config.adaptive_bits)
 
 
-def _router(group: Group, config: ServeConfig, setup: MemberSetup, policy: Policy,
+def _router(group: Members, config: ServeConfig, setup: MemberSetup, policy: Policy,
             costs: DecodeCosts, rate: float, on_served=None, on_assigned=None) -> Router:
     w = config.workers
     link = setup.link_gbps or config.profiles[0].link_gbps
@@ -265,7 +278,7 @@ def _router(group: Group, config: ServeConfig, setup: MemberSetup, policy: Polic
                   rate, w.timeout, on_served, on_assigned)
 
 
-def _serve_streams(group: Group, config: ServeConfig, setup: MemberSetup,
+def _serve_streams(group: Members, config: ServeConfig, setup: MemberSetup,
                    policies: Sequence[Policy], costs: DecodeCosts, on_event: OnEvent | None
                    ) -> ServeRun:
     """Each stream under each policy, after the policy's warm-up burst. A request's id is its
@@ -286,7 +299,7 @@ def _serve_streams(group: Group, config: ServeConfig, setup: MemberSetup,
     return ServeRun(tuple(served), tuple(summaries), tuple(capacities(summaries)), costs)
 
 
-def _warm(group: Group, config: ServeConfig, setup: MemberSetup, policy: Policy,
+def _warm(group: Members, config: ServeConfig, setup: MemberSetup, policy: Policy,
           costs: DecodeCosts, stream: Stream, ids: Iterator[int]) -> None:
     """`WARMUP` requests of each prompt length of `stream` at once, under `policy`, unrecorded;
     a warm-up that fails fails the run (a worker that cannot serve would fail every request)."""
@@ -302,14 +315,14 @@ def _warm(group: Group, config: ServeConfig, setup: MemberSetup, policy: Policy,
                            f"{s.error or (s.finished and s.finished.error)}")
 
 
-def _close(group: Group, timeout: float) -> None:
+def _close(group: Members, timeout: float) -> None:
     """Close the group; a decode member that held pages at its end, or failed, fails the run."""
     ends = group.close(timeout)
     bad = [failure_line(e) if not e.ok else f"{name}: {e.value} pages still held"
            for name, e in ends.items()
            if not e.ok or (parse_worker(name)[0] == DECODE and e.value)]
     if bad:
-        raise RuntimeError("the serving group ended badly: " + "; ".join(bad))
+        raise TransportError("the serving group ended badly: " + "; ".join(bad))
 
 
 # -------------------------------------------------------------------------------- --http
@@ -386,7 +399,7 @@ class Clients:
                   else Ended(f.finish_reason, f.stop), True)
 
 
-def _serve_http(group: Group, config: ServeConfig, setup: MemberSetup, policy: Policy,
+def _serve_http(group: Members, config: ServeConfig, setup: MemberSetup, policy: Policy,
                 costs: DecodeCosts, stop: threading.Event) -> None:
     """Answer the OpenAI API at `config.http` until SIGINT or SIGTERM or `stop`, then stop as
     `shutdown` says: no request taken, those in flight given `GRACE_S`, the rest aborted, and

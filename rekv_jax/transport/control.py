@@ -26,6 +26,11 @@ from rekv_jax.transport.workers import LIVENESS_S
 
 _HELLO_S = 5.0  # how long a connection that opened may take to prove it holds the key
 PURPOSE = "control connection"  # the derived key the exchange uses (`JobKey.derive`)
+LOOPBACK = ("127.0.0.1", "localhost", "::1")  # hosts a one-machine run binds (loopback only)
+
+
+class WrongKey(TransportError):
+    """The other end of a control connection does not hold the job's key."""
 
 
 class Board:
@@ -126,11 +131,14 @@ def _read_exactly(sock: socket.socket, n: int) -> bytes:
     return bytes(data)
 
 
-def listen(host: str) -> tuple[socket.socket, str]:
-    """A listening socket on an ephemeral port of `host`, and its "host:port" address."""
+def listen(host: str, port: int = 0) -> tuple[socket.socket, str]:
+    """A listening socket on `port` of `host` (0: an ephemeral one), and its "host:port"
+    address."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
-    listener.bind((host, 0))
+    if port:  # a fixed port, bound again by the next run at once (not held in TIME_WAIT)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
     listener.listen(4)
     port = listener.getsockname()[1]
     return listener, f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -176,15 +184,15 @@ def connect(address: str, key: secret.JobKey | None, timeout: float, purpose: st
             ) -> socket.socket:
     """Open the control connection to `address` ("host:port") and prove this side holds `key`
     once the listener proved it does (None: no exchange), both proofs keyed by
-    `key.derive(purpose)`. TransportError if it cannot, or if the listener does not hold the
-    key (or listens for another purpose)."""
+    `key.derive(purpose)`. TransportError if it cannot; WrongKey if the listener does not hold
+    the key (or listens for another purpose)."""
     host, port = address.rsplit(":", 1)
     try:
         sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
         if key is not None and not _connector_exchange(sock, key.derive(purpose)):
             sock.close()
-            raise TransportError(f"the control listener at {address} does not hold the job's "
-                                 "key (another job's, or not the peer)")
+            raise WrongKey(f"the control listener at {address} does not hold the job's key "
+                           "(another job's, or not the peer)")
     except (OSError, EOFError) as e:
         raise TransportError(f"could not open the control connection to {address}: {e}") from e
     return sock

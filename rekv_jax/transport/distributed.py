@@ -87,7 +87,7 @@ def initialize(coordinator: str | None, process_id: int | None, *, init_timeout_
     # JAX's coordination service binds every interface by default; a loopback coordinator (one
     # machine, `launch.pair.loopback`) keeps it to loopback
     host = coordinator.rsplit(":", 1)[0].strip("[]") if coordinator else None
-    bind = coordinator if host in ("127.0.0.1", "localhost", "::1") else None
+    bind = coordinator if host in control.LOOPBACK else None
     try:
         with jax_private.client_errors_recorded(_record_client_error):
             jax.distributed.initialize(

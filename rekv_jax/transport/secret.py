@@ -36,15 +36,7 @@ class JobKey:
     def from_file(cls, path: str | Path) -> JobKey:
         """The key in `path` (its bytes, hashed: any length of at least MIN_FILE_BYTES). A
         ValueError, one line, if it cannot be read, is too short, or others may read it."""
-        path = Path(path)
-        try:
-            mode = path.stat().st_mode
-            data = path.read_bytes()
-        except OSError as e:
-            raise ValueError(f"cannot read the secret file {path}: {e.strerror}") from None
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ValueError(f"the secret file {path} may be read by others (mode "
-                             f"{stat.S_IMODE(mode):o}): chmod 600 {path}")
+        data = read_private(path, "the secret file")
         if len(data.strip()) < MIN_FILE_BYTES:
             raise ValueError(f"the secret file {path} holds {len(data.strip())} bytes; a key "
                              f"needs at least {MIN_FILE_BYTES} (e.g. head -c 32 /dev/urandom)")
@@ -56,18 +48,37 @@ class JobKey:
         return hmac.new(self.secret, b"rekv/" + purpose.encode(), hashlib.sha256).digest()
 
 
-def key_of(secret_file: str | None, insecure: bool, what: str) -> JobKey | None:
-    """The key of a side started on its own (a multi-host run): from `secret_file`, else the
-    file $REKV_SECRET_FILE names; None only if `insecure`. A ValueError (one line) names the
-    way out when there is neither."""
+def read_private(path: str | Path, what: str) -> bytes:
+    """The bytes of `path`, a file only its owner may read (`what` names it in the one-line
+    ValueError if it cannot be read or others may read it)."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+        data = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read {what} {path}: {e.strerror}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ValueError(f"{what} {path} may be read by others (mode "
+                         f"{stat.S_IMODE(mode):o}): chmod 600 {path}")
+    return data
+
+
+def job_key(secret_file: str | None, what: str, otherwise: str = "") -> JobKey:
+    """The key of a process started on its own (a run across nodes): from `secret_file`, else
+    the file $REKV_SECRET_FILE names. A ValueError (one line) names the way out when there is
+    neither (`otherwise`: another way, appended)."""
     path = secret_file or os.environ.get(SECRET_FILE_ENV)
-    if path:
-        return JobKey.from_file(path)
-    if insecure:
+    if not path:
+        raise ValueError(f"{what} needs the job's key: --secret-file PATH or ${SECRET_FILE_ENV} "
+                         f"(the same file on every node, readable by its owner only){otherwise}")
+    return JobKey.from_file(path)
+
+
+def key_of(secret_file: str | None, insecure: bool, what: str) -> JobKey | None:
+    """`job_key`, or None if there is none and `insecure` (`--insecure`)."""
+    if insecure and not (secret_file or os.environ.get(SECRET_FILE_ENV)):
         return None
-    raise ValueError(f"{what} needs the job's key: --secret-file PATH or ${SECRET_FILE_ENV} "
-                     "(the same file on both nodes, readable by its owner only), or --insecure "
-                     "to run without one")
+    return job_key(secret_file, what, ", or --insecure to run without one")
 
 
 def new_nonce() -> bytes:
