@@ -124,8 +124,17 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot-ms", type=_positive(float), default=100.0,
                    help="... and this mean time per later token")
     p.add_argument("--plot", default=None, metavar="DIR", help="write the figures' PNGs here")
+    _http_flags(p)
+    p.add_argument("--prefill-workers", type=_positive(int), default=1)
+    p.add_argument("--decode-workers", type=_positive(int), default=1)
+    _node_flags(p)
+
+
+def _http_flags(p: argparse.ArgumentParser) -> None:
+    """`--http` and its API key."""
     p.add_argument("--http", type=_host_port, default=None, metavar="HOST:PORT",
-                   help="answer the OpenAI completions API here instead of a generated load")
+                   help="answer the OpenAI API (completions, chat, /metrics) here instead of a "
+                        "generated load")
     api_key = p.add_mutually_exclusive_group()
     api_key.add_argument("--api-key-file", default=None, metavar="PATH",
                          help="with --http: clients send Authorization: Bearer KEY, KEY the "
@@ -134,8 +143,10 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     api_key.add_argument("--api-key", default=None,
                          help="--api-key-file's KEY on the command line, where `ps` shows it "
                               "to every user of the node")
-    p.add_argument("--prefill-workers", type=_positive(int), default=1)
-    p.add_argument("--decode-workers", type=_positive(int), default=1)
+
+
+def _node_flags(p: argparse.ArgumentParser) -> None:
+    """`--role` and `--coordinator`: one process per node."""
     nodes = p.add_argument_group("across nodes: one process per node, each given the job's key")
     nodes.add_argument("--role", type=_role, default=None,
                        metavar=f"router|decode-I|prefill-I|{AUTO}",
