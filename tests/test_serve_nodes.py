@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import openai
 from echo_member import echo
+from stdout_lines import StdoutLines
 from test_serve import greedy
 from test_serve_start import QUICK, REPO, STOP_S, _analytic_profile, _env
 
@@ -123,28 +123,16 @@ class Node:
             self.process = subprocess.Popen(_serve("--role", role, *args), cwd=REPO, env=_env(),
                                             stdout=subprocess.PIPE, stderr=err, text=True,
                                             start_new_session=True)
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            self._lines.put(line.rstrip("\n"))
-        self._lines.put(None)
+        self._lines = StdoutLines(self.process)
 
     def line(self, timeout: float) -> str:
-        try:
-            line = self._lines.get(timeout=timeout)
-        except queue.Empty:
-            line = None
+        line = self._lines.next(timeout)
         assert line is not None, f"{self.role}: no line on stdout in {timeout} s: {self.tail()}"
         return line
 
     def rest(self) -> list[str]:
         """Its remaining lines on stdout, once it ended."""
-        lines = []
-        while (line := self._lines.get(timeout=STOP_S)) is not None:
-            lines.append(line)
-        return lines
+        return self._lines.rest(STOP_S)
 
     def wait(self, timeout: float) -> int:
         try:

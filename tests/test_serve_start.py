@@ -5,7 +5,6 @@ the server within `STOP_S`, the requests in flight finished or aborted, no worke
 
 import json
 import os
-import queue
 import re
 import shutil
 import signal
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from stdout_lines import StdoutLines
 
 from rekv_jax.action import ACTION_KINDS
 from rekv_jax.cli import main as cli
@@ -86,8 +86,7 @@ class Server:
                     stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
         finally:
             signal.signal(signal.SIGINT, before)
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._lines = StdoutLines(self.process)
         self.workers: list[int] = []
         try:
             self._started()
@@ -108,16 +107,8 @@ class Server:
         self.workers = _workers(self.process.pid)
         assert len(self.workers) == 2, self.workers  # one prefill and one decode worker
 
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            self._lines.put(line.rstrip("\n"))
-        self._lines.put(None)
-
     def _line(self, timeout: float) -> str:
-        try:
-            line = self._lines.get(timeout=timeout)
-        except queue.Empty:
-            line = None
+        line = self._lines.next(timeout)
         assert line is not None, f"no line on stdout in {timeout} s: {self.tail()}"
         return line
 
@@ -145,10 +136,7 @@ class Server:
         assert code == 0, f"exit {code}: {self.tail()}"
         assert not [w for w in self.workers if _running(w)], "a worker outlived the server"
         print(f"stopped by {signal.Signals(signum).name} in {took:.1f} s")
-        lines = []
-        while (line := self._lines.get(timeout=STOP_S)) is not None:  # up to the end of stdout
-            lines.append(line)
-        return lines
+        return self._lines.rest(STOP_S)
 
     def close(self) -> None:
         """Whatever a failed test left: the server's session and its workers, killed."""
