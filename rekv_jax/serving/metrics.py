@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from rekv_jax import stats
-from rekv_jax.serving.requests import Assignment, Finished, ServeRequest
+from rekv_jax.serving.requests import Assignment, Finished, PrefillDone, ServeRequest
 
 TTFT_QUANTILES = (0.5, 0.9, 0.99)
 CAPACITY_SHARE = 0.9  # the share of requests that must meet the SLO at a sustainable rate
@@ -49,6 +49,7 @@ class Served:
     assignment: Assignment | None = None  # None: it failed before one was made
     finished: Finished | None = None  # the decode worker's report (None: none came)
     error: str | None = None  # the router's one line, if it failed there
+    prefill_done: PrefillDone | None = None  # the prefill worker's report (None: none came)
 
     @property
     def completed(self) -> bool:
@@ -100,6 +101,8 @@ class Served:
                     "handoff_ms": f.handoff_ms,
                     "phases_ms": f.phases.to_json() if f.phases else None, "checks": f.checks,
                     "fell_back": f.fell_back, "worker_error": f.error}
+        if self.prefill_done is not None:
+            out["prefill_side"] = dataclasses.asdict(self.prefill_done)
         return out | ({"meets_slo": self.meets(slo)} if slo else {})
 
 

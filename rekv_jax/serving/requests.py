@@ -1,11 +1,11 @@
 """What the router and the workers of a serving run tell each other: small frozen records, each
 picklable (they cross the launcher's pipes: `Pair.ask` to a worker, `Side.emit` back).
 
-Router -> prefill worker: `Prefill`. Router -> decode worker: `Admit`. Prefill worker -> router:
-`PrefillDone`. Decode worker -> router: `Held` (no pages yet: the router sends the `Admit`
-again later), `Token` (each generated token as it is known), `Finished` (once per request) and
-`Load` (its state, after an iteration that changed it). Every worker -> router, once, when it
-can serve: `Ready`. The router's own: `ServeRequest` (what
+Router -> prefill worker: `Prefill`. Router -> decode worker: `Admit`. Router -> either:
+`Abort`. Prefill worker -> router: `PrefillDone`. Decode worker -> router: `Held` (no pages
+yet: the router sends the `Admit` again later), `Token` (each generated token as it is known),
+`Finished` (once per request) and `Load` (its state, after an iteration that changed it). Every
+worker -> router, once, when it can serve: `Ready`. The router's own: `ServeRequest` (what
 arrives), `Assignment` (what its policy chose, and `Why`).
 
 Ids are the router's, unique in a run; a handoff's transport tags carry the id (`tag`). Times a
@@ -139,6 +139,17 @@ class Admit:
     # (`costmodel.decode_busy_ms`): what it adds to `Load.queued_suffix_ms` until it has run
     sampling: Sampling = Sampling()
     stops: Stops = Stops()
+
+
+@dataclasses.dataclass(frozen=True)
+class Abort:
+    """Router -> a worker holding a request: end it now, wherever it is (queued, prefilled and
+    held, on the link, decoding). A prefill worker drops it (never prefilled if still queued)
+    and answers `PrefillDone` with `error` = `why`; a decode worker frees its pages and answers
+    `Finished` with `finish_reason` "abort". A worker that no longer holds it ignores it."""
+
+    request_id: int
+    why: str  # one line
 
 
 @dataclasses.dataclass(frozen=True)

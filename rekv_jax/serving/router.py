@@ -67,6 +67,7 @@ class _Open:
     token_times_s: list[float] = dataclasses.field(default_factory=list)
     assignment: Assignment | None = None  # once chosen
     heard_s: float = 0.0  # when the router last heard of it (run clock)
+    prefill_done: PrefillDone | None = None  # its prefill worker's report, once it came
 
 
 class Router:
@@ -202,9 +203,12 @@ class Router:
     def _prefill_done(self, item: PrefillDone, now_s: float) -> None:
         self._ledger = self._ledger.prefill_done(item, now_s)
         held = self._open.get(item.request_id)
-        if held is None or item.error is not None:
+        if held is None:
             return  # the decode worker reports the request's end either way
-        held.heard_s = now_s
+        if item.error is not None:
+            held.prefill_done = item
+            return
+        held.heard_s, held.prefill_done = now_s, item
         d = held.assignment.decode_worker
         self._ledger = self._ledger.link_timed(item.worker, d, item.sent_bytes, item.link_ms)
 
@@ -237,7 +241,8 @@ class Router:
         if held.assignment is not None and finished is None:  # its worker may still report it
             self._ended[held.request.id] = (held.assignment.decode_worker, held.pages)
         self.served.append(Served(held.request, self._policy.name, self._rate,
-                                  tuple(held.token_times_s), held.assignment, finished, error))
+                                  tuple(held.token_times_s), held.assignment, finished, error,
+                                  held.prefill_done))
         if self._on_served is not None:
             self._on_served(self.served[-1])
 
