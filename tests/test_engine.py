@@ -26,7 +26,15 @@ from rekv_jax.serving.driver import Ask, ServeSetup, serve_local, serve_pair
 from rekv_jax.serving.engine import DecodeEngine, EngineConfig, serving_mode
 from rekv_jax.serving.pages import PoolConfig
 from rekv_jax.serving.prefill_worker import PrefillWorker
-from rekv_jax.serving.requests import Finished, Held, Load, PrefillDone, ServeRequest, Token
+from rekv_jax.serving.requests import (
+    Abort,
+    Finished,
+    Held,
+    Load,
+    PrefillDone,
+    ServeRequest,
+    Token,
+)
 from rekv_jax.transport import LocalTransport
 
 MODEL = "tiny"  # 6 layers
@@ -291,3 +299,45 @@ def test_a_request_that_can_never_fit_fails_alone():
     assert refused and "needs 31 pages" in refused[0].error
     check_served(asked[:1], out.finished[:1], checked=False)
     assert out.used_pages == 0
+
+
+def four_and_one_aborted(abort_at: int | None) -> tuple[dict[int, Finished], list[int]]:
+    """Four requests admitted at once and their prefill sides done; with `abort_at`, a fifth
+    admitted whose handoff never comes, and it and request 0 (then decoding) aborted after that
+    many iterations. Each request's `Finished`, and the pages used after each iteration."""
+    cfg, params = model().cfg, model().params
+    asked = asks((("bf16:r=2", 96), ("bf16:full", 40), ("q8:r=2", 96), ("bf16:recompute", 40),
+                  ("bf16:full", 40)))
+    prefill_end, decode_end = LocalTransport.pair()
+    engine = DecodeEngine(cfg, params, [decode_end], EngineConfig(PoolConfig(60, 16), None))
+    worker = PrefillWorker(cfg, params, [prefill_end])
+    for ask in asked[:4] if abort_at is None else asked:
+        admit, prefill = ask.records(cfg.num_layers)
+        assert engine.admit(dataclasses.replace(admit, max_new_tokens=LONG))
+        if ask.request.id < 4:
+            assert worker.prefill(prefill).error is None
+    finished, used = {}, []
+    while not engine.idle:
+        if len(used) == abort_at:
+            before = engine.used_pages
+            items = engine._take(Abort(0, "client disconnected")) + engine.abort(4)
+            assert engine.abort(0) == engine.abort(99) == []  # ids it does not hold
+            assert before - engine.used_pages == 8 + 4  # 96 + 24 and 40 + 24 positions
+            finished |= {f.request_id: f for f in items}
+        finished |= {i.request_id: i for i in engine.step() if isinstance(i, Finished)}
+        used.append(engine.used_pages)
+    return finished, used
+
+
+def test_an_abort_frees_a_requests_pages_at_once_and_leaves_the_others_tokens_as_they_were():
+    """Request 0 aborted while it decodes and request 4 while its handoff waits: each ends
+    "abort" with its tokens so far, its pages free at once; the other three decode exactly as
+    in the run without them, and the pool is empty once the last one finished."""
+    want, _ = four_and_one_aborted(None)
+    got, used = four_and_one_aborted(4)
+    assert got[0].finish_reason == "abort" and 0 < len(got[0].tokens) < LONG
+    assert got[0].error is None and got[0].tokens == want[0].tokens[:len(got[0].tokens)]
+    assert got[4].finish_reason == "abort" and got[4].tokens == ()
+    for i in (1, 2, 3):
+        assert np.array_equal(got[i].tokens, want[i].tokens) and got[i].error is None
+    assert used[-1] == 0

@@ -56,7 +56,7 @@ class Workers:
         return True
 
     def _load(self):
-        return Load(0, len(self._admitted), 0.0, self._free, None)
+        return Load(0, len(self._admitted), 0.0, self._free)
 
     def _decode(self, admit):
         rid = admit.request_id

@@ -164,10 +164,10 @@ def test_reports_move_the_ledger():
     r.on_item("prefill-0", PrefillDone(0, 0, 20.0, 100.0, 1_000_000), 0.2)
     assert r.ledger.link(0, 0).estimate.gbps == pytest.approx(0.01)
     assert r.ledger.prefill[0] != before.prefill[0]
-    r.on_item("decode-0", Load(0, 1, 40.0, 5, None), 0.3)
+    r.on_item("decode-0", Load(0, 1, 40.0, 5), 0.3)
     assert r.ledger.queues(0, 0, 0.3).running == 1
     with pytest.raises(ValueError, match="not a worker"):
-        r.on_item("router", Load(0, 1, 40.0, 5, None), 0.3)
+        r.on_item("router", Load(0, 1, 40.0, 5), 0.3)
     with pytest.raises(ValueError, match="does not take"):
         r.on_item("decode-0", "hello", 0.3)
 

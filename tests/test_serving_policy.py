@@ -59,8 +59,7 @@ def test_the_ledger_books_and_corrects_each_resource():
     done = ledger.prefill_done(PrefillDone(0, 0, 1.0, 1.0, 10), 0.2)  # the first ends early
     assert done.queues(0, 0, 0.2).prefill_free_ms == pytest.approx(
         second.why.predicted.prefill_busy_ms)
-    loaded = done.loaded(Load(0, running=3, queued_suffix_ms=50.0, free_pages=9,
-                              link_gbps_estimate=None), 0.2, COSTS)
+    loaded = done.loaded(Load(0, running=3, queued_suffix_ms=50.0, free_pages=9), 0.2, COSTS)
     assert loaded.queues(0, 0, 0.2).decode_free_ms == pytest.approx(50 * COSTS.stretch(3))
     assert loaded.queues(0, 0, 0.2).running == 3
     timed = loaded.link_timed(0, 0, 1_000_000, 100.0)

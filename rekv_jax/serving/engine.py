@@ -21,12 +21,14 @@ and its log probabilities, when asked, cross with it (`sampling.first_specs`).
 When nothing runs and no queued suffix work waits, it sleeps on the receptions' `waitables()`
 (bounded), never spinning.
 
-A request takes every page it can need at admission (`admit`): with too few free it is `Held`
-(nothing reserved; the router sends it again), and so is every request after it until it is
-admitted (first come, first served); its prefill side holds its sends until the decode side
-posts `TAG/admitted` on the control connection (back-pressure; nothing is dropped).
-Faults stay with their request: a reception's error (a lost or corrupt prefix without the
-recompute fallback, its prefill process gone) fails that request alone, in one line.
+A request takes every page it can need at admission (`admit`); its prefill side holds its sends
+until the decode side posts `TAG/admitted` on the control connection. The router counts this
+worker's pages and sends only `Admit`s that fit; a loop that does not count them
+(`serving.driver`) gets `Held` for one that does not (nothing reserved; it sends it again), and
+for every request after it until it is admitted (first come, first served). An `Abort` ends an
+admitted request wherever it is (`abort`): its pages free at once. Faults stay with their
+request: a reception's error (a lost or corrupt prefix without the recompute fallback, its
+prefill process gone) fails that request alone, in one line.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ from rekv_jax.serving.pages import (
     batch_bucket,
     step_inputs,
 )
-from rekv_jax.serving.requests import Admit, Finished, Held, Load, Token, tag
+from rekv_jax.serving.requests import Abort, Admit, Finished, Held, Load, Token, tag
 from rekv_jax.serving.sampling import Drawn, Sampling, draw, first_specs, rows_of
 from rekv_jax.transport import Transport
 
@@ -253,8 +255,7 @@ class DecodeEngine:
     def load(self) -> Load:
         """Its state: running requests, admitted suffix compute not yet done, free pages."""
         return Load(self.config.worker, len(self._running),
-                    sum(r.admit.suffix_ms for r in self._handoffs), self._alloc.free_pages,
-                    None)
+                    sum(r.admit.suffix_ms for r in self._handoffs), self._alloc.free_pages)
 
     def step_ms(self, batches: Sequence[int], position: int, reps: int = 5
                 ) -> tuple[tuple[int, float], ...]:
@@ -312,10 +313,26 @@ class DecodeEngine:
         """Serve the `Admit`s the router hands this group member."""
         self.serve(MemberInbox(member), member.emit)
 
+    def abort(self, request_id: int) -> list[Finished]:
+        """End an admitted request now, wherever it is (its reception abandoned, or out of the
+        batch): its pages free at once; its `Finished` ("abort", its tokens so far). [] for one
+        it does not hold (it ended, or was never admitted: a held one is forgotten)."""
+        self._held = [(i, t) for i, t in self._held if i != request_id]
+        for queue in (self._handoffs, self._joining, self._running):
+            for r in queue:
+                if r.admit.request_id == request_id:
+                    queue.remove(r)
+                    return [self._end(r, None, aborted=True)]
+        return []
+
     def _take(self, request: object) -> list[object]:
-        """Admit one request from the parent: [] once admitted, else what it is told."""
+        """One message from the parent: an `Abort` (its `Finished`, if it held the request), or
+        an `Admit` ([] once admitted, else what it is told)."""
+        if isinstance(request, Abort):
+            return self.abort(request.request_id)
         if not isinstance(request, Admit):
-            raise ValueError(f"a decode engine takes Admit requests, got {type(request).__name__}")
+            raise ValueError(f"a decode engine takes Admit and Abort messages, got "
+                             f"{type(request).__name__}")
         try:
             if self.admit(request):
                 return []
@@ -398,14 +415,15 @@ class DecodeEngine:
         self._joining = [r for r in self._joining if r.end is None]
         return [self._end(r, None) for r in done]
 
-    def _end(self, r: _Request, error: str | None) -> Finished:
-        """Free the request's pages; its record."""
+    def _end(self, r: _Request, error: str | None, aborted: bool = False) -> Finished:
+        """Free the request's pages; its record (failed with `error`, or `aborted`: its
+        reception abandoned, its tokens so far)."""
         self._alloc.retire(r.table)
         self._changed = True
-        if error is not None:
+        if error is not None or aborted:
             r.reception.abandon()
             return Finished(r.admit.request_id, tuple(r.tokens), 0.0, 0.0, 0.0, None, "",
-                            r.reception.fell_back, error)
+                            r.reception.fell_back, error, "abort" if aborted else "length")
         gaps = np.diff(r.times_s)
         try:  # the prefill side's times are there unless it failed after its last message
             handoff = r.reception.outcome(OUTCOME_WAIT_S)

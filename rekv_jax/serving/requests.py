@@ -3,7 +3,8 @@ picklable (they cross the launcher's pipes: `Pair.ask` to a worker, `Side.emit` 
 
 Router -> prefill worker: `Prefill`. Router -> decode worker: `Admit`. Router -> either:
 `Abort`. Prefill worker -> router: `PrefillDone`. Decode worker -> router: `Held` (no pages
-yet: the router sends the `Admit` again later), `Token` (each generated token as it is known),
+yet: its sender sends the `Admit` again later; the router, which counts the pages, never gets
+one), `Token` (each generated token as it is known),
 `Finished` (once per request) and `Load` (its state, after an iteration that changed it). Every
 worker -> router, once, when it can serve: `Ready`. The router's own: `ServeRequest` (what
 arrives), `Assignment` (what its policy chose, and `Why`).
@@ -154,8 +155,9 @@ class Abort:
 
 @dataclasses.dataclass(frozen=True)
 class Held:
-    """Decode worker -> router: a request's `Admit` found too few free pages; nothing was
-    reserved, and the router sends the `Admit` again once pages are free (nothing is dropped)."""
+    """Decode worker -> its sender: a request's `Admit` found too few free pages; nothing was
+    reserved, and the sender sends the `Admit` again once pages are free (nothing is dropped).
+    The router counts the pages and never gets one; `serving.driver`'s loops do not."""
 
     request_id: int
     free_pages: int
@@ -212,7 +214,6 @@ class Load:
     running: int  # requests in its decode batch
     queued_suffix_ms: float  # the `Admit.suffix_ms` of admitted suffix compute not yet run
     free_pages: int  # pages of its pool no request holds
-    link_gbps_estimate: float | None  # the bandwidth its latest handoffs arrived at (None: none)
 
 
 @dataclasses.dataclass(frozen=True)
