@@ -1,5 +1,6 @@
 """The router's bookkeeping (pure Python, workers faked): pages counted before each Admit, first
-come first served, every request ends served, faults stay with their requests."""
+come first served (prefilled ahead of its pages up to `PREFILL_AHEAD`), every request ends
+served, faults stay with their requests, aborts and deadlines end one request wherever it is."""
 
 import dataclasses
 
@@ -8,9 +9,11 @@ from test_queueing import _tiny7b_profile
 from test_serving_policy import COSTS
 
 from rekv_jax.serving.ledger import Ledger
+from rekv_jax.serving.lifecycle import Status
 from rekv_jax.serving.pages import PoolConfig
 from rekv_jax.serving.policy import Context, make_policies
 from rekv_jax.serving.requests import (
+    Abort,
     Admit,
     Finished,
     Held,
@@ -20,7 +23,7 @@ from rekv_jax.serving.requests import (
     ServeRequest,
     Token,
 )
-from rekv_jax.serving.router import Router, Scheduled, parse_worker, worker_name
+from rekv_jax.serving.router import PREFILL_AHEAD, Router, Scheduled, parse_worker, worker_name
 from rekv_jax.serving.sampling import Sampling, Stops
 
 POOL = PoolConfig(num_pages=1 + 2 * 18)  # two requests of 256 + 32 tokens (18 pages each)
@@ -40,11 +43,11 @@ class Workers:
         return [m for n, m in self.sent if n == name and isinstance(m, kind)]
 
 
-def router(policy="q8:full", prefill=1, decode=1, timeout=10.0, on_assigned=None):
+def router(policy="q8:full", prefill=1, decode=1, timeout=10.0, on_assigned=None, pool=POOL):
     ctx = Context("tiny-7b", 28, (_tiny7b_profile(),), COSTS)
     (p,) = make_policies([policy], ctx)
     workers = Workers()
-    r = Router(p, Ledger.idle(prefill, decode, 0.01), POOL, COSTS, workers.send, 1.0, timeout,
+    r = Router(p, Ledger.idle(prefill, decode, 0.01), pool, COSTS, workers.send, 1.0, timeout,
                on_assigned=on_assigned)
     return r, workers
 
@@ -74,17 +77,20 @@ def test_admits_what_the_pages_hold_and_the_rest_waits_in_order():
     r, w = router()
     for i in range(4):
         r.arrive(request(i, at=0.1 * i), 0.1 * i)
+    r.arrive(request(4, at=0.4), 0.4)
     admitted = [m.request_id for m in w.to("decode-0", Admit)]
     assert admitted == [0, 1]  # 2 x 18 pages fill the pool
-    assert [m.request_id for m in w.to("prefill-0", Prefill)] == [0, 1]
+    assert PREFILL_AHEAD == 2  # the next two are prefilled ahead of their pages
+    assert [m.request_id for m in w.to("prefill-0", Prefill)] == [0, 1, 2, 3]
     assert w.to("prefill-0", Prefill)[0].tokens == request(0).tokens
     finish(r, 1)
     assert [m.request_id for m in w.to("decode-0", Admit)] == [0, 1, 2]
-    finish(r, 0)
-    finish(r, 2)
-    finish(r, 3)
-    assert r.done and sorted(s.request.id for s in r.served) == [0, 1, 2, 3]
+    assert [m.request_id for m in w.to("prefill-0", Prefill)] == [0, 1, 2, 3, 4]
+    for i in (0, 2, 3, 4):
+        finish(r, i)
+    assert r.done and sorted(s.request.id for s in r.served) == [0, 1, 2, 3, 4]
     assert all(s.completed and s.ttft_ms is not None for s in r.served)
+    assert [m.request_id for m in w.to("decode-0", Admit)] == [0, 1, 2, 3, 4]
 
 
 def test_a_request_larger_than_a_pool_fails_alone_at_once():
@@ -115,46 +121,89 @@ def test_a_dead_decode_worker_fails_its_requests_and_the_other_takes_the_rest():
     assert r.done and len(r.served) == 4
 
 
-def test_with_no_prefill_worker_left_waiting_requests_fail_and_running_ones_end():
+def test_with_no_prefill_worker_left_its_unsent_requests_fail_once_dropped():
+    """Prefill-0 ends: request 0 (its handoff sent) ends as its decode worker reports; request 1
+    (admitted, not sent) goes again once its decode worker dropped it, and finds no prefill
+    worker; request 2 (prefilled ahead of its pages) goes again at once, and fails too."""
     r, w = router()
     for i in range(3):
         r.arrive(request(i), 0.0)
+    r.on_item("prefill-0", PrefillDone(0, 0, 1.0, 1.0, 1000), 0.1)
     r.on_ended("prefill-0", "exit 1: boom", 0.2)
-    assert [s.request.id for s in r.served] == [2]  # the one that waited for pages
+    assert [s.request.id for s in r.served] == [2]
     assert "no prefill worker" in r.served[0].error
-    r.on_item("decode-0", Finished(0, (), 0.0, 0.0, 0.0, None, "", False, "peer gone"), 0.3)
-    finish(r, 1, now=0.4)
+    assert [m.request_id for m in w.to("decode-0", Abort)] == [1]
+    r.on_item("decode-0", Token(1, 0, 7, 0.25), 0.25)  # of the dropped attempt: not counted
+    r.on_item("decode-0", Finished(1, (7,), 0.0, 0.0, 0.0, None, "", False, None, "abort"), 0.3)
+    assert [s.request.id for s in r.served] == [2, 1] and "no prefill" in r.served[1].error
+    finish(r, 0, now=0.4)
     assert r.done and [s.completed for s in r.served] == [False, False, True]
+    assert r.free_pages == (POOL.usable_pages,)
 
 
-def test_silence_past_the_timeout_fails_a_request_and_its_late_finish_frees_its_pages():
+def test_a_dead_prefill_workers_request_goes_again_on_the_other_once_dropped():
+    assigned = []
+    r, w = router(prefill=2, on_assigned=assigned.append)
+    r.arrive(request(0), 0.0)
+    (p,) = [k for k in (0, 1) if w.to(f"prefill-{k}", Prefill)]
+    r.on_ended(f"prefill-{p}", "killed by SIGKILL", 0.1)
+    assert w.to("decode-0", Abort) == [Abort(0, "its prefill worker ended")]
+    assert not w.to(f"prefill-{1 - p}", Prefill)  # not before its decode worker dropped it
+    r.on_item("decode-0", Finished(0, (), 0.0, 0.0, 0.0, None, "", False, None, "abort"), 0.2)
+    assert [m.request_id for m in w.to(f"prefill-{1 - p}", Prefill)] == [0]
+    assert [m.request_id for m in w.to("decode-0", Admit)] == [0, 0]
+    assert [a.prefill_worker for a in assigned] == [p, 1 - p]  # told of each assignment
+    finish(r, 0, now=0.5)
+    (s,) = r.served
+    assert s.completed and s.assignment.prefill_worker == 1 - p
+    assert [t.status for t in s.lifecycle] == [
+        Status.WAITING, Status.PREFILLING, Status.REQUEUING, Status.WAITING, Status.PREFILLING,
+        Status.DECODING, Status.LENGTH]
+    assert [t.t_s for t in s.lifecycle] == [0.0, 0.0, 0.1, 0.2, 0.2, 0.5, 0.5]
+
+
+def test_a_request_past_its_deadline_fails_and_its_late_finish_frees_its_pages():
     r, w = router(timeout=1.0)
-    for i in range(3):
-        r.arrive(request(i), 0.0)
-    r.on_item("decode-0", Token(1, 0, 7, 0.5), 0.5)
+    r.arrive(request(0), 0.0)
+    r.arrive(request(1), 0.5)
+    r.arrive(request(2), 0.5)  # prefilled ahead of its pages
+    r.on_item("decode-0", Token(0, 0, 7, 0.9), 0.9)
     r.expire(1.2)
-    assert [s.request.id for s in r.served] == [0]
-    assert "nothing heard" in r.served[0].error
-    assert len(w.to("decode-0", Admit)) == 2  # request 0's pages are still the worker's
-    r.on_item("decode-0", Finished(0, (7,) * 32, 0.1, 0.1, 1.0, None, "", False), 1.3)
+    assert [s.request.id for s in r.served] == [0]  # heard of lately, yet past its deadline
+    (late,) = r.served
+    assert "deadline" in late.error and late.failure == late.error
+    assert w.to("decode-0", Abort) == w.to("prefill-0", Abort) == [Abort(0, late.error)]
+    assert [m.request_id for m in w.to("decode-0", Admit)] == [0, 1]  # 0's pages: the worker's
+    r.on_item("decode-0", Finished(0, (7,), 0.1, 0.1, 1.0, None, "", False, None, "abort"), 1.3)
     assert [m.request_id for m in w.to("decode-0", Admit)] == [0, 1, 2]
     with pytest.raises(ValueError, match="not open"):
         r.on_item("decode-0", Token(9, 0, 7, 1.4), 1.4)
 
 
-def test_a_held_admit_waits_for_the_pages_the_worker_reports():
-    assigned = []
-    r, w = router(on_assigned=assigned.append)
-    r.arrive(request(0), 0.0)
-    r.arrive(request(1), 0.0)
-    r.arrive(request(2), 0.0)  # no pages: not assigned
-    r.on_item("decode-0", Held(1, free_pages=2, needed_pages=18), 0.1)
-    assert len(w.to("decode-0", Admit)) == 2
-    finish(r, 0)
-    assert [m.request_id for m in w.to("decode-0", Admit)] == [0, 1, 1]
-    # each assignment is told once its Prefill is sent, the held one's twice
-    assert [a.request_id for a in assigned] == [m.request_id for m in w.to("prefill-0", Prefill)]
-    assert [a.request_id for a in assigned] == [0, 1, 1]
+def test_an_abort_ends_one_request_wherever_it_is_and_a_queued_one_is_never_prefilled():
+    r, w = router()
+    for i in range(5):  # 0, 1 admitted; 2, 3 prefilled ahead of their pages; 4 queued
+        r.arrive(request(i), 0.0)
+    r.abort(4, "client disconnected", 0.1)
+    r.abort(2, "client disconnected", 0.1)
+    r.on_item("decode-0", Token(0, 0, 7, 0.2), 0.2)
+    r.abort(0, "client disconnected", 0.3)
+    assert [s.request.id for s in r.served] == [4, 2, 0]
+    for s in r.served:
+        assert s.status == Status.ABORTED and s.aborted == "client disconnected"
+        assert s.failure is None and s.finish_reason == "abort" and not s.completed
+        assert s.to_json()["finish_reason"] == "abort"
+    assert [m.request_id for m in w.to("prefill-0", Prefill)] == [0, 1, 2, 3]
+    assert [m.request_id for m in w.to("prefill-0", Abort)] == [2, 0]
+    assert [m.request_id for m in w.to("decode-0", Abort)] == [0]  # 2's never had its Admit
+    assert [m.request_id for m in w.to("decode-0", Admit)] == [0, 1]  # 0's pages: not back yet
+    r.on_item("decode-0", Finished(0, (7,), 0.1, 0.0, 1.0, None, "", False, None, "abort"), 0.4)
+    assert [m.request_id for m in w.to("decode-0", Admit)] == [0, 1, 3]
+    r.abort(0, "again", 0.5)  # it ended: nothing more is sent
+    assert len(w.sent) == 10
+    finish(r, 1)
+    finish(r, 3)
+    assert r.done and len(r.served) == 5 and r.free_pages == (POOL.usable_pages,)
 
 
 def test_reports_move_the_ledger():
@@ -170,6 +219,8 @@ def test_reports_move_the_ledger():
         r.on_item("router", Load(0, 1, 40.0, 5), 0.3)
     with pytest.raises(ValueError, match="does not take"):
         r.on_item("decode-0", "hello", 0.3)
+    with pytest.raises(ValueError, match="does not take"):  # it counts the pages itself
+        r.on_item("decode-0", Held(0, 0, 18), 0.3)
 
 
 def test_worker_names_round_trip():
@@ -178,8 +229,8 @@ def test_worker_names_round_trip():
 
 class SimulatedWorkers:
     """Workers on a simulated clock: each request's prefill ends `prefill_s` after its Prefill
-    came, its tokens follow every `token_s`; `poll` moves the clock to the next event (or by its
-    timeout). `dead` ends a worker at a time."""
+    came, its tokens follow every `token_s` from then or its Admit, whichever is later; `poll`
+    moves the clock to the next event (or by its timeout). `dead` ends a worker at a time."""
 
     def __init__(self, prefill_s=0.2, token_s=0.01, dead=None):
         self.now, self.prefill_s, self.token_s = 0.0, prefill_s, token_s
@@ -187,6 +238,7 @@ class SimulatedWorkers:
         self.dead = dict(dead or {})
         self.sent: list[tuple[str, object]] = []
         self.told: set[str] = set()  # the workers whose end is among the events
+        self.prefilled: dict[int, float] = {}  # when each request's prefill ends
 
     def clock(self):
         return self.now
@@ -201,8 +253,11 @@ class SimulatedWorkers:
             return False
         self.sent.append((name, message))
         if isinstance(message, Prefill):
-            done = self.now + self.prefill_s
-            self._at(done, Emitted(name, PrefillDone(message.request_id, 0, 1.0, 1.0, 1000)))
+            self.prefilled[message.request_id] = self.now + self.prefill_s
+            self._at(self.now + self.prefill_s,
+                     Emitted(name, PrefillDone(message.request_id, 0, 1.0, 1.0, 1000)))
+        elif isinstance(message, Admit):
+            done = max(self.now, self.prefilled[message.request_id])
             for k in range(32):
                 self._at(done + k * self.token_s,
                          Emitted("decode-0", Token(message.request_id, k, 7, 0.0)))
@@ -270,3 +325,34 @@ def test_drive_aborts_every_open_request_once_told_and_late_finishes_free_their_
     r.arrive(request(3), w.now)
     r.arrive(request(4), w.now)
     assert [m.request_id for n, m in w.sent if isinstance(m, Admit)] == [0, 1, 3, 4]
+
+
+class Leaving(Scheduled):
+    """A generated stream whose request `gone`'s client leaves once `clock()` passes `at_s`."""
+
+    def __init__(self, requests, gone, at_s, clock):
+        super().__init__(requests)
+        self.gone, self.at_s, self.clock, self.told = gone, at_s, clock, False
+
+    def cancelled(self):
+        if self.told or self.clock() < self.at_s:
+            return []
+        self.told = True
+        return [self.gone]
+
+
+def test_drive_aborts_a_request_whose_client_left_and_serves_the_rest():
+    from rekv_jax.serving.router import drive
+
+    w = SimulatedWorkers(token_s=0.1)  # a request's 32 tokens take 3.2 s
+    r, _ = router()
+    r._send = w.send
+    served = drive(w, r, Leaving([request(i) for i in range(3)], 1, 1.0, w.clock),
+                   clock=w.clock)
+    by_id = {s.request.id: s for s in served}
+    assert sorted(by_id) == [0, 1, 2] and by_id[0].completed and by_id[2].completed
+    gone = by_id[1]
+    assert gone.aborted == "client disconnected" and gone.failure is None
+    assert 1.0 <= gone.lifecycle[-1].t_s < 1.0 + 0.1 * 2  # at the loop's first turn after
+    assert [m.request_id for n, m in w.sent if isinstance(m, Abort)] == [1]  # to decode-0
+    assert Scheduled([]).cancelled() == []

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from rekv_jax import stats
+from rekv_jax.serving.lifecycle import Status, Transition
 from rekv_jax.serving.requests import Assignment, Finished, PrefillDone, ServeRequest
 
 TTFT_QUANTILES = (0.5, 0.9, 0.99)
@@ -50,6 +51,20 @@ class Served:
     finished: Finished | None = None  # the decode worker's report (None: none came)
     error: str | None = None  # the router's one line, if it failed there
     prefill_done: PrefillDone | None = None  # the prefill worker's report (None: none came)
+    lifecycle: tuple[Transition, ...] = ()  # its statuses and when each began, arrival first
+    aborted: str | None = None  # why it was aborted (not a failure: `Router.abort`)
+
+    @property
+    def status(self) -> Status | None:
+        """How it ended (None: no lifecycle recorded)."""
+        return self.lifecycle[-1].status if self.lifecycle else None
+
+    @property
+    def finish_reason(self) -> str | None:
+        """Why it ended if it did not fail: "length", "stop" or "abort" (`FINISH_REASONS`)."""
+        if self.aborted is not None:
+            return "abort"
+        return None if self.failure else self.finished.finish_reason
 
     @property
     def completed(self) -> bool:
@@ -63,7 +78,10 @@ class Served:
 
     @property
     def failure(self) -> str | None:
-        """Why it failed (one line: the router's, else its worker's), None if it did not."""
+        """Why it failed (one line: the router's, else its worker's), None if it did not (an
+        aborted request did not fail)."""
+        if self.aborted is not None:
+            return None
         if self.error is not None or self.finished is None:
             return self.error or "no report"
         return self.finished.error
@@ -95,9 +113,11 @@ class Served:
                **self.request.to_json(), "ttft_ms": self.ttft_ms, "tpot_ms": self.tpot_ms,
                "e2e_ms": self.e2e_ms, "completed": self.completed,
                "assignment": self.assignment.to_json() if self.assignment else None,
-               "token_times_s": list(self.token_times_s), "error": self.error}
+               "token_times_s": list(self.token_times_s), "error": self.error,
+               "finish_reason": self.finish_reason, "aborted": self.aborted,
+               "lifecycle": [t.to_json() for t in self.lifecycle]}
         if f is not None:
-            out |= {"tokens": list(f.tokens), "finish_reason": f.finish_reason, "stop": f.stop,
+            out |= {"tokens": list(f.tokens), "stop": f.stop,
                     "handoff_ms": f.handoff_ms,
                     "phases_ms": f.phases.to_json() if f.phases else None, "checks": f.checks,
                     "fell_back": f.fell_back, "worker_error": f.error}

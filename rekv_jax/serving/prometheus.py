@@ -30,7 +30,7 @@ from prometheus_client import (
 )
 
 from rekv_jax.serving.metrics import Served
-from rekv_jax.serving.requests import Assignment, Held, Load, PrefillDone, ServeRequest, Token
+from rekv_jax.serving.requests import Assignment, Load, PrefillDone, ServeRequest, Token
 
 STAGES = ("waiting", "prefill", "decode")
 TTFT_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -98,11 +98,9 @@ class ServingMetrics:
         self._move(assignment.request_id, "prefill")
 
     def emitted(self, item: object) -> None:
-        """A worker's record: a first token, a handoff sent, a pool's state, a held admit."""
+        """A worker's record: a first token, a handoff sent, a pool's state."""
         if isinstance(item, Token) and item.index == 0 and item.request_id in self._stage:
             self._move(item.request_id, "decode")
-        elif isinstance(item, Held) and item.request_id in self._stage:
-            self._move(item.request_id, "waiting")
         elif isinstance(item, PrefillDone):
             self._link.inc(item.sent_bytes)
         elif isinstance(item, Load):
@@ -118,7 +116,7 @@ class ServingMetrics:
             if ms is not None:
                 histogram.observe(ms / 1e3)
         f = served.finished
-        self._outcomes.labels("error" if served.failure else f.finish_reason).inc()
+        self._outcomes.labels(served.finish_reason or "error").inc()
         if served.assignment is not None:
             self._actions.labels(str(served.assignment.mode.action)).inc()
             self._choices.labels(served.assignment.mode.label).inc()
