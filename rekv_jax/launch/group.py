@@ -129,6 +129,11 @@ class Group:
         self._kill(f"still running {timeout:g} s after the group closed (killed)")
         return {name: one.ended for name, one in self._children.items()}
 
+    def kill_member(self, name: str) -> None:
+        """End member `name` now, as a crash would (a worker loss); its end comes among the
+        events."""
+        self._children[name].kill()
+
     def kill(self) -> None:
         """End every member now and reap it (its end among the events)."""
         self._kill("killed by the launcher")
