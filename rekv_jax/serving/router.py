@@ -318,8 +318,8 @@ class Router:
 
     def abort_all(self, why: str, now_s: float) -> None:
         """End every open request now, failed with `why` (the server stops)."""
-        for held in sorted(self._open.values(), key=lambda h: -h.order):  # the queue's last
-            self._stop(held, now_s, error=why)  # first: no queued request is started
+        for held in list(self._open.values()):
+            self._stop(held, now_s, error=why)
 
     def _stop(self, held: OpenRequest, now_s: float, error: str | None = None,
               aborted: str | None = None) -> None:
