@@ -23,7 +23,7 @@ from rekv_jax.serving.pages import PoolConfig
 from rekv_jax.serving.policy import Context, make_policies
 from rekv_jax.serving.prometheus import ServingMetrics
 from rekv_jax.serving.requests import Admit, Finished, Load, Prefill, PrefillDone, Token
-from rekv_jax.serving.router import Router, drive
+from rekv_jax.serving.router import PREFILL_AHEAD, Router, drive
 from rekv_jax.serving.serve import Clients
 
 KEY = "k"
@@ -140,7 +140,8 @@ def test_metrics_during_and_after_a_run_equal_the_served_records():
                 t.start()
             during = _wait_for(url, lambda m: sum(_by(m, "rekv_queue_depth", "stage").values())
                                == len(prompts))
-            assert _by(during, "rekv_queue_depth", "stage") == {"prefill": 2, "waiting": 4}
+            assert _by(during, "rekv_queue_depth", "stage") == {  # 2 admitted, 2 ahead of pages
+                "prefill": 2 + PREFILL_AHEAD, "waiting": 4 - PREFILL_AHEAD}
             assert _by(during, "rekv_kv_pages_used", "worker") == {"0": 2}
             assert _by(during, "rekv_kv_pages_free", "worker") == {}  # 0: the pool is full
             assert not _by(during, "rekv_requests_total", "outcome")
