@@ -21,7 +21,7 @@ from rekv_jax.serving.member import MemberSetup, serving_member
 from rekv_jax.serving.metrics import Served
 from rekv_jax.serving.pages import PoolConfig
 from rekv_jax.serving.policy import Context, make_policies
-from rekv_jax.serving.requests import PrefillDone, Ready, ServeRequest, Token
+from rekv_jax.serving.requests import Assignment, PrefillDone, Ready, ServeRequest, Token
 from rekv_jax.serving.router import Router, Scheduled, drive
 from rekv_jax.serving.serve import Workers
 
@@ -33,11 +33,34 @@ POOL = PoolConfig(1 + 4 * PoolConfig(2).pages_for(PROMPT + NEW))  # four request
 def requests() -> list[ServeRequest]:
     rng = np.random.default_rng(1)
     vocab = load_config("tiny").vocab_size
-    return [ServeRequest(i, rng.integers(0, vocab, PROMPT).tolist(), NEW, arrival_s=0.05 * i)
-            for i in range(REQUESTS)]
+    return [ServeRequest(i, rng.integers(0, vocab, PROMPT).tolist(), NEW)  # a burst: the
+            for i in range(REQUESTS)]  # policy spreads it over both prefill workers
 
 
-def serve_killing(victim: str, when: Callable[[Event], bool]) -> tuple[list[Served], float]:
+class Watch:
+    """What the loop has shown so far: each request's prefill worker (once assigned) and the
+    requests whose handoff was sent or whose first token came."""
+
+    def __init__(self) -> None:
+        self.prefill_worker: dict[int, int] = {}
+        self.sent: set[int] = set()
+
+    def assigned(self, a: Assignment) -> None:
+        self.prefill_worker[a.request_id] = a.prefill_worker
+
+    def saw(self, event: Event) -> None:
+        if isinstance(event, Emitted) and isinstance(event.item, PrefillDone | Token):
+            self.sent.add(event.item.request_id)
+
+    def mid_stream(self, p: int) -> bool:
+        """Prefill worker p sent a handoff and holds at least two requests not sent."""
+        mine = [i for i, w in self.prefill_worker.items() if w == p]
+        unsent = [i for i in mine if i not in self.sent]
+        return 2 <= len(unsent) < len(mine)
+
+
+def serve_killing(victim: str, when: Callable[[Event, Watch], bool]
+                  ) -> tuple[list[Served], float]:
     """`requests()` served by 2 prefill workers and 1 decode worker under bf16:full, `victim`
     killed at the first event `when` holds for; the records, and the seconds from the kill to
     the loop's end."""
@@ -53,11 +76,13 @@ def serve_killing(victim: str, when: Callable[[Event], bool]) -> tuple[list[Serv
                     ready.add(event.name)
         (policy,) = make_policies(["bf16:full"], Context(cfg.name, cfg.num_layers,
                                                          (profile(cfg, PROMPT),), COSTS))
-        router = Router(policy, Ledger.idle(2, 1, 0.05), POOL, COSTS, group.send, 1.0, TIMEOUT)
-        killed: list[float] = []
+        watch, killed = Watch(), []
+        router = Router(policy, Ledger.idle(2, 1, 0.05), POOL, COSTS, group.send, 1.0, TIMEOUT,
+                        on_assigned=watch.assigned)
 
         def kill(event: Event) -> None:
-            if not killed and when(event):
+            watch.saw(event)
+            if not killed and when(event, watch):
                 group.kill_member(victim)
                 killed.append(time.monotonic())
 
@@ -67,11 +92,10 @@ def serve_killing(victim: str, when: Callable[[Event], bool]) -> tuple[list[Serv
 
 
 def test_a_prefill_worker_killed_mid_stream_loses_no_request():
-    """prefill-1 is killed as it reports its first handoff sent, with more of its requests
-    queued: those go again on prefill-0 (after the decode worker dropped what it held of
-    them), and every request completes with its single-process greedy tokens."""
-    served, _ = serve_killing("prefill-1", lambda e: isinstance(e, Emitted)
-                              and e.name == "prefill-1" and isinstance(e.item, PrefillDone))
+    """prefill-1 is killed once it sent a handoff, with two more of its requests not sent:
+    those go again on prefill-0 (after the decode worker dropped what it held of them), and
+    every request completes with its single-process greedy tokens."""
+    served, _ = serve_killing("prefill-1", lambda e, watch: watch.mid_stream(1))
     assert sorted(s.request.id for s in served) == list(range(REQUESTS))
     assert all(s.completed for s in served), [s.failure for s in served]
     again = [s for s in served if [t.status for t in s.lifecycle].count(Status.WAITING) > 1]
@@ -85,7 +109,7 @@ def test_the_decode_worker_killed_ends_every_open_request_with_an_error_and_the_
     """decode-0 is killed at the first token: every request not completed by then ends with
     an error (its decode worker's end, no decode worker left, or a prefill worker's report
     that its peer is gone), as soon as that is known."""
-    served, after_s = serve_killing("decode-0", lambda e: isinstance(e, Emitted)
+    served, after_s = serve_killing("decode-0", lambda e, watch: isinstance(e, Emitted)
                                     and isinstance(e.item, Token))
     assert sorted(s.request.id for s in served) == list(range(REQUESTS))
     failed = [s for s in served if not s.completed]  # one line each: the router's, or a
