@@ -163,6 +163,21 @@ def test_imposed_delay_weighs_what_each_resource_gains_by_when_it_drains():
         300 * 2 * 0.4 + 500 * 2 * 2.5 + 50 * 2 * 0.05)
 
 
+def test_suffix_compute_is_charged_to_every_running_decode():
+    """J = B R: each running request's later tokens wait for each ms of the suffix's compute;
+    a transfer-only handoff computes nothing there and holds no decode back."""
+    p, L = _tiny7b_profile(), 28
+    recompute = Mode.of(Action(16, 0, L), "overlapped", "split", 1, Interval.PROMPT)
+    transfer = Mode.of(Action(16, L, L), None, "full", 1, Interval.PROMPT)
+    for running in (0, 1, 5):
+        q = qm.Queues(running=running)
+        got = qm.served(p, recompute, q, COSTS)
+        assert got.decode_delay_ms == running * cm.decode_busy_ms(p, recompute) > -1
+        assert got.cost_ms == got.ttft_ms + got.imposed_ms + got.decode_delay_ms
+        assert qm.served(p, transfer, q, COSTS).decode_delay_ms == 0
+    assert qm.served(p, recompute, qm.Queues(running=5), COSTS).decode_delay_ms > 0
+
+
 def test_a_profile_scaled_to_another_length():
     """Bytes exactly those of the config at the new length; γ by its attention share."""
     p = _tiny7b_profile(256)

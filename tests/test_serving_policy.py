@@ -101,6 +101,19 @@ def test_a_growing_decode_load_moves_toward_less_recomputation():
     assert suffix == sorted(suffix, reverse=True) and suffix[0] > 0 and suffix[-1] == 0
 
 
+def test_running_decodes_alone_move_adaptive_toward_less_recomputation():
+    """No suffix backlog: only the running batch grows. Each ms of suffix compute holds back
+    every running request's tokens (J = B R), so the decode-side compute chosen shrinks."""
+    profile = _tiny7b_profile()
+    policy, = make_policies(["adaptive"], _context(profile))
+    chosen = [policy.choose(REQUEST, _ledger(profile.link_gbps, decode=DecodeQueue(0, running)),
+                            0.0).why.predicted for running in (0, 4, 16)]
+    busy = [p.decode_busy_ms for p in chosen]
+    assert busy == sorted(busy, reverse=True) and busy[-1] < busy[0]
+    assert [p.decode_delay_ms for p in chosen] == [r * b for r, b in zip((0, 4, 16), busy,
+                                                                         strict=True)]
+
+
 def test_a_prefill_queue_moves_prompt_compute_to_the_decode_worker():
     profile = _tiny7b_profile()
     policy, = make_policies(["adaptive"], _context(profile))

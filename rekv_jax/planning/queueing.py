@@ -29,10 +29,16 @@ every request that arrives before that resource drains: at the recent arrival ra
 
     I = Σ_r Δ_r λ F_r        (Δ_r: how much later resource r is free because of it)
 
-and a policy that weighs it (`ServedPrediction.cost_ms = TTFT + I`) moves work off whichever
-resource has a queue: as the link's queue grows, toward fewer bytes; as the decode worker's
-grows, toward less recomputation. With no queues and a light load, I is small and the fastest
-handoff wins.
+A choice also slows the requests already decoding on its decode worker: every ms of its suffix
+compute runs inside an iteration beside their step, so each of the B running requests gets its
+later tokens that much later. The delay it imposes on them, summed, is
+
+    J = B R                  (R: its decode-side compute, unstretched)
+
+and a policy that weighs both (`ServedPrediction.cost_ms = TTFT + I + J`) moves work off
+whichever resource has a queue: as the link's queue grows, toward fewer bytes; as the decode
+worker's grows, or as more requests decode there, toward less recomputation. With no queues, no
+running decodes and a light load, I and J are 0 and the fastest handoff wins.
 """
 
 from __future__ import annotations
@@ -108,11 +114,13 @@ class ServedPrediction:
     decode_busy_ms: float  # the decode device compute it adds, unstretched
     after: Queues  # the queues a request arriving at the same moment would find after it
     imposed_ms: float  # I: the delay it is expected to impose on the requests after it
+    decode_delay_ms: float = 0.0  # J: the delay it imposes on the running decodes, summed
 
     @property
     def cost_ms(self) -> float:
-        """What a policy minimizes: its own TTFT and the delay it imposes on others."""
-        return self.ttft_ms + self.imposed_ms
+        """What a policy minimizes: its own TTFT and the delays it imposes on others, those
+        arriving after it (I) and those decoding beside its suffix (J)."""
+        return self.ttft_ms + self.imposed_ms + self.decode_delay_ms
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -141,7 +149,7 @@ def served(profile: Profile, mode: Mode, queues: Queues, decode: DecodeCosts
         idle_ms=predicted_ms(profile, mode), link_wait_ms=seen.link_free_ms,
         decode_wait_ms=seen.decode_free_ms, stretch=k, prefill_busy_ms=busy,
         decode_busy_ms=decode_busy, after=after,
-        imposed_ms=imposed_ms(queues, after))
+        imposed_ms=imposed_ms(queues, after), decode_delay_ms=queues.running * decode_busy)
 
 
 def imposed_ms(before: Queues, after: Queues) -> float:

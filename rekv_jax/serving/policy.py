@@ -3,9 +3,10 @@
 A policy weighs modes (`Mode`, timed from the prompt) on every (prefill, decode) worker pair and
 picks the one of least predicted cost under the load the `Ledger` shows: its time to first
 token, given the prefill worker's queue, the link's queue at its live bandwidth estimate, and
-the decode worker's admitted suffix work and running batch, plus the delay it imposes on the
-requests arriving after it (`planning.queueing.served`, `ServedPrediction.cost_ms`). They differ
-in the modes they weigh:
+the decode worker's admitted suffix work and running batch, plus the delays it imposes on the
+requests arriving after it and on those decoding beside its suffix, whose tokens its suffix
+compute holds back (`planning.queueing.served`, `ServedPrediction.cost_ms`). They differ in the
+modes they weigh:
 
 - a fixed action `PREC:CUT` (e.g. `bf16:full`, which is what vLLM and SGLang do; `q8:full`;
   `bf16:recompute`): that action after a full prefill, overlapped (the paper's setting);
