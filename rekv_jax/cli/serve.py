@@ -1,4 +1,5 @@
-"""`rekv serve`: its flags, their checks, and the run they describe (`serving.serve.ServeConfig`).
+"""`rekv serve`: its flags, their checks, and the run they describe
+(`serving.serve_config.ServeConfig`).
 
 Every flag is checked before any process starts or any weight loads: its syntax by argparse (one
 line, exit 2), the rest while the config is built (a ValueError: one line, exit 2).
@@ -299,7 +300,7 @@ def serve_config(args: argparse.Namespace, rendezvous: Rendezvous | None = None)
     from rekv_jax.model.loader import SHIPPED_MODEL, load_config
     from rekv_jax.serving.metrics import Slo
     from rekv_jax.serving.policy import check_policy_names
-    from rekv_jax.serving.serve import HttpBind, ServeConfig, Workers
+    from rekv_jax.serving.serve_config import HttpBind, ServeConfig, Workers
 
     model = args.model or str(SHIPPED_MODEL)  # one that takes text, as `rekv generate`'s
     cfg = load_config(model)
@@ -358,7 +359,7 @@ def _no_load(args: argparse.Namespace) -> tuple:
 def _streams(args: argparse.Namespace, model: str, cfg) -> tuple:
     """One request stream per rate (every policy serves the same streams)."""
     from rekv_jax.serving.load_gen import LoadSpec, PromptLens, generate
-    from rekv_jax.serving.serve import Stream
+    from rekv_jax.serving.serve_config import Stream
 
     rates = args.rates or ((args.rate,) if args.rate is not None else None)
     if rates is None:

@@ -24,6 +24,7 @@ from rekv_jax.serving.prefill_worker import PrefillWorker
 from rekv_jax.serving.requests import Ready
 
 COST_BATCHES = (1, ROW_BLOCK, 2 * ROW_BLOCK)  # the batch sizes a decode member times
+TIMEOUT_S = 120.0  # seconds any wait of a serving run may take, unless told otherwise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +38,7 @@ class MemberSetup:
     link_gbps: float | None = None  # None: unpaced
     fallback: str = Fallback.ERROR
     suffix_budget: int | None = SUFFIX_BUDGET
-    timeout: float = 120.0  # seconds any wait may take
+    timeout: float = TIMEOUT_S  # seconds any wait may take
     cost_position: int = 511  # where the timed decode steps' rows are (a typical length)
     check: bool = False  # check every request's paged cache (tests)
 
