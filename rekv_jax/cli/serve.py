@@ -60,12 +60,12 @@ def _address(text: str) -> str:
 
 def _role(text: str) -> str:
     """argparse type of `--role`: router, a worker's name (decode-0, prefill-1, ...) or auto."""
+    from rekv_jax.launch.child import parse_member
     from rekv_jax.launch.nodes import ROUTER
-    from rekv_jax.serving.router import parse_worker
 
     if text not in (ROUTER, AUTO):
         try:
-            parse_worker(text)
+            parse_member(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {ROUTER}, a worker's name like decode-0 "
                                              f"or prefill-1, or {AUTO}; got {text!r}") from None

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from rekv_jax.launch.child import DECODE, PREFILL, member_name, parse_member
 from rekv_jax.launch.group import Emitted, Event, MemberEnded
 from rekv_jax.planning.queueing import DecodeCosts
 from rekv_jax.serving.ledger import Ledger
@@ -41,21 +42,7 @@ from rekv_jax.serving.requests import (
     Token,
 )
 
-PREFILL, DECODE = "prefill", "decode"
 POLL_S = 0.5  # the longest the loop waits for a worker before it looks at the clock again
-
-
-def worker_name(role: str, index: int) -> str:
-    """The launcher's name of a worker process, e.g. `prefill-0`, `decode-1`."""
-    return f"{role}-{index}"
-
-
-def parse_worker(name: str) -> tuple[str, int]:
-    """(role, index) of a worker's name."""
-    role, _, index = name.rpartition("-")
-    if role not in (PREFILL, DECODE) or not index.isdigit():
-        raise ValueError(f"not a worker's name: {name!r}")
-    return role, int(index)
 
 
 @dataclasses.dataclass
@@ -71,7 +58,7 @@ class _Open:
 
 
 class Router:
-    """One stream of requests under one policy, on the workers `send` reaches (`worker_name`s).
+    """One stream of requests under one policy, on the workers `send` reaches (`member_name`s).
 
     The caller feeds it arrivals (`arrive`), what workers emit (`on_item`) and workers' ends
     (`on_ended`), each with the run clock's `now_s`, and calls `expire` now and then; `done`
@@ -143,7 +130,7 @@ class Router:
         r = held.request
         a = self._policy.choose(r, self._ledger, now_s, pairs)
         p, d = a.prefill_worker, a.decode_worker
-        if not self._send(worker_name(PREFILL, p), Prefill(r.id, r.tokens, a.mode, d,
+        if not self._send(member_name(PREFILL, p), Prefill(r.id, r.tokens, a.mode, d,
                                                            r.sampling)):
             self._live[PREFILL].discard(p)
             return self._waiting.appendleft(held)
@@ -152,7 +139,7 @@ class Router:
             self._on_assigned(a)
         self._ledger = self._ledger.assigned(a, now_s)
         self._free[d] -= held.pages
-        if not self._send(worker_name(DECODE, d), Admit(r.id, r.prompt_len, r.max_new_tokens,
+        if not self._send(member_name(DECODE, d), Admit(r.id, r.prompt_len, r.max_new_tokens,
                                                        a.mode, p, a.why.predicted.decode_busy_ms,
                                                        r.sampling, r.stops)):
             self._live[DECODE].discard(d)
@@ -160,7 +147,7 @@ class Router:
 
     def on_item(self, name: str, item: object, now_s: float) -> None:
         """What worker `name` emitted, as it reached the router at `now_s`."""
-        _, index = parse_worker(name)
+        _, index = parse_member(name)
         if isinstance(item, Token | Finished | Held) and item.request_id not in self._open:
             return self._late(name, item, now_s)
         if isinstance(item, Token):
@@ -215,7 +202,7 @@ class Router:
     def on_ended(self, name: str, how: str, now_s: float) -> None:
         """Worker `name` ended (`how`: one line): a decode worker's requests fail; a prefill
         worker takes no more (its requests end as their decode worker reports)."""
-        role, index = parse_worker(name)
+        role, index = parse_member(name)
         self._live[role].discard(index)
         if role == DECODE:
             for held in [h for h in self._open.values() if h.assignment is not None

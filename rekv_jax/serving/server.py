@@ -31,6 +31,7 @@ import time
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 
 from rekv_jax.errors import TransportError
+from rekv_jax.launch.child import DECODE, parse_member
 from rekv_jax.launch.group import Emitted, Event, MemberEnded, failure_line
 from rekv_jax.model.loader import load_config, tokenizer_of
 from rekv_jax.planning.costmodel import Profile
@@ -43,7 +44,7 @@ from rekv_jax.serving.openai_answer import Ended
 from rekv_jax.serving.policy import Context, Policy, make_policies
 from rekv_jax.serving.prometheus import ServingMetrics
 from rekv_jax.serving.requests import Assignment, Ready, ServeRequest, Token
-from rekv_jax.serving.router import DECODE, Router, drive, parse_worker
+from rekv_jax.serving.router import Router, drive
 from rekv_jax.serving.sampling import Sampling, Stops
 from rekv_jax.serving.serve_config import Members, ServeConfig, member_setup
 from rekv_jax.serving.shutdown import CLOSE_S
@@ -67,7 +68,7 @@ def ready(group: Members, config: ServeConfig, setup: MemberSetup,
             raise TransportError(event.failure or f"{event.name} ended before it was ready")
         if isinstance(event, Emitted) and isinstance(event.item, Ready):
             waiting.discard(event.name)
-            if parse_worker(event.name)[0] == DECODE:
+            if parse_member(event.name)[0] == DECODE:
                 steps.append(dict(event.item.step_ms))
     if waiting:
         raise TimeoutError(f"{sorted(waiting)} not ready within {deadline_s:g} s")
@@ -121,7 +122,7 @@ def close_group(group: Members, timeout: float) -> None:
     ends = group.close(timeout)
     bad = [failure_line(e) if not e.ok else f"{name}: {e.value} pages still held"
            for name, e in ends.items()
-           if not e.ok or (parse_worker(name)[0] == DECODE and e.value)]
+           if not e.ok or (parse_member(name)[0] == DECODE and e.value)]
     if bad:
         raise TransportError("the serving group ended badly: " + "; ".join(bad))
 

@@ -29,6 +29,7 @@ from pallas_kernels import quant as kernels
 from rekv_jax import sizes
 from rekv_jax.action import Action
 from rekv_jax.config import Llama3RopeScaling, ModelConfig
+from rekv_jax.errors import one_line
 from rekv_jax.handoff.check import SUFFIX_ACROSS, reference
 from rekv_jax.launch.environments import visible_gpus
 from rekv_jax.launch.pair import run_child
@@ -179,7 +180,7 @@ def _timed(name: str, fn: Callable[[], Finding]) -> Check:
     try:
         found = fn()
     except Exception as e:  # a check that crashes is a failed check, reported with its reason
-        found = Finding(False, f"{type(e).__name__}: {e}".splitlines()[0])
+        found = Finding(False, one_line(e))
     return Check(name, found.passed, found.detail, time.perf_counter() - t0, found.data)
 
 
