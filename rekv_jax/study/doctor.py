@@ -42,7 +42,8 @@ from rekv_jax.model.transformer import (
     run_prefix,
     run_suffix,
 )
-from rekv_jax.serving.driver import Ask, Driven, ServeSetup, serve_pair
+from rekv_jax.serving.driver import Ask, Driven, serve_pair
+from rekv_jax.serving.member import MemberSetup
 from rekv_jax.serving.pages import PoolConfig
 from rekv_jax.serving.requests import ServeRequest
 from rekv_jax.study import bench
@@ -372,7 +373,7 @@ def check_engine(seq_len: int) -> Finding:
     asks = engine_asks(seq_len, load_config(ENGINE_MODEL).vocab_size)
     pool = PoolConfig.holding(len(asks) * (seq_len + ENGINE_NEW_TOKENS))
     try:
-        driven = serve_pair(ServeSetup(ENGINE_MODEL, pool=pool, check=True, timeout=600.0), asks)
+        driven = serve_pair(MemberSetup(ENGINE_MODEL, pool=pool, check=True, timeout=600.0), asks)
     except (ValueError, TransportError, TimeoutError) as e:
         return Finding(False, str(e))
     want = run_child(greedy_references, ENGINE_MODEL, asks, env=os.environ,
