@@ -32,7 +32,7 @@ from rekv_jax.serving.member import MemberSetup, serving_member
 from rekv_jax.serving.metrics import Capacity, Served, ServeSummary, capacities, summarize
 from rekv_jax.serving.policy import Policy
 from rekv_jax.serving.requests import ServeRequest
-from rekv_jax.serving.router import Scheduled, drive
+from rekv_jax.serving.router import Router, Scheduled, drive
 from rekv_jax.serving.serve_config import Members, ServeConfig, Stream, http_model, member_setup
 from rekv_jax.serving.server import (
     Server,
@@ -85,7 +85,7 @@ def serve(config: ServeConfig, on_event: OnEvent | None = None,
 
 
 def _router(group: Members, config: ServeConfig, setup: MemberSetup, policy: Policy,
-            costs: DecodeCosts, rate: float):
+            costs: DecodeCosts, rate: float) -> Router:
     return make_router(group, config, setup, policy, costs, rate, config.profiles[0].link_gbps)
 
 
@@ -141,7 +141,8 @@ def _serve_http(config: ServeConfig, stop: threading.Event) -> None:
 
     with Server(config, stop, Grace(stop, GRACE_S), on_served=served) as server:
         model, clients = http_model(config.model), server.clients
-        app = build_app(Closing(clients, stop), model, config.http.api_key, clients.metrics)
+        app = build_app(Closing(clients, stop), model, config.http.api_key, clients.metrics,
+                        server.ids)
         with running(app, config.http.host, config.http.port) as url, stopped_by_signals(stop):
             _announce(url, model.id, config.policies[0], config.json)
             server.wait()

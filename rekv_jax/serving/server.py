@@ -276,7 +276,7 @@ class Server:
         self._abort = abort or (lambda: CLOSED if self.stop.is_set() else None)
         self._on_event, self._on_served = on_event, on_served
         self._setup = member_setup(config, config.workers.link_gbps)
-        self._ids, self._aborted = itertools.count(), False
+        self.ids, self._aborted = itertools.count(), False  # its requests' ids, HTTP's too
         self._error: BaseException | None = None
         self.clients = Clients(self.stop, self._setup.pool.usable_pages)
         self.tokenizer = tokenizer_of(config.model)
@@ -311,7 +311,7 @@ class Server:
 
         def abort() -> str | None:
             why = self._abort()
-            self._aborted |= why is not None
+            self._aborted |= why is not None and not self.router.done
             return why
 
         try:
@@ -346,7 +346,7 @@ class Server:
             if self.tokenizer is None:
                 raise ValueError(f"{self.config.model} has no tokenizer: give token ids")
             prompt = self.tokenizer.encode(prompt).ids
-        return ServeRequest(next(self._ids), tuple(prompt), max_new_tokens, 0.0, sampling,
+        return ServeRequest(next(self.ids), tuple(prompt), max_new_tokens, 0.0, sampling,
                             stops)
 
     def submit(self, prompt: str | Sequence[int], max_new_tokens: int = 16,
