@@ -31,10 +31,21 @@ class Told:
     line: str  # what the user reads
 
 
+def first_line(text: str) -> str:
+    """The first line of `text`, stripped ("" if it has none)."""
+    lines = text.strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def one_line(error: BaseException) -> str:
+    """An error in one line: its type and its message's first line."""
+    return f"{type(error).__name__}: {first_line(str(error))}"
+
+
 def describe(e: BaseException) -> Told | None:
     """The one line for an expected failure; None for anything else (a bug)."""
     text = str(e).strip()
-    first = text.splitlines()[0] if text else type(e).__name__
+    first = first_line(text) or type(e).__name__
     if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in text:
         size = re.search(r"(\d+) bytes", text)
         detail = f"{int(size[1]) / 2**30:.1f} GiB requested; " if size else ""

@@ -384,6 +384,12 @@ def _chunked(schedule: Schedule | None, prefill: PrefillMode) -> bool:
     return schedule == Schedule.CHUNKED or prefill == PrefillMode.PIPELINED
 
 
+def check_fallback(fallback: str) -> Fallback:
+    """The `Fallback` named `fallback`; ValueError naming the choices."""
+    _check_member("fallback", fallback, Fallback)
+    return Fallback(fallback)
+
+
 def _check_member(name: str, value: object, kind: type[enum.StrEnum]) -> None:
     if value not in tuple(m.value for m in kind):
         raise ValueError(f"{name} must be one of {tuple(m.value for m in kind)}, got {value!r}")

@@ -30,11 +30,12 @@ def rss_kib() -> int:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from rekv_jax.serving.driver import Ask, ServeSetup, serve_local
+    from rekv_jax.serving.driver import Ask, serve_local
+    from rekv_jax.serving.member import MemberSetup
     from rekv_jax.serving.pages import PoolConfig
     from rekv_jax.serving.requests import Finished, ServeRequest
 
-    setup = ServeSetup(args.model, pool=PoolConfig(args.pool_pages, 16), timeout=120)
+    setup = MemberSetup(args.model, pool=PoolConfig(args.pool_pages, 16), timeout=120)
     model = setup.load()
     rng = np.random.default_rng(args.seed)
     asks = [Ask(ServeRequest(i, rng.integers(0, model.cfg.vocab_size,

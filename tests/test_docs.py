@@ -19,6 +19,7 @@ LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 HEX_RUN = re.compile(r"(?<![0-9A-Za-z_])[0-9a-f]{7,40}(?![0-9A-Za-z_])")
 SET_UP = ("pip install -e . && rekv handoff", "pip install -e '.[test]' && pytest")
 EXAMPLE = "## The functional API in ten lines"
+SERVING = "## Serving from Python"
 HEADLINE = "## Headline results"
 
 
@@ -26,9 +27,9 @@ def _sections(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("## ")]
 
 
-def _example(text: str) -> str:
-    """The first python block after the example's heading."""
-    after = text[text.index(EXAMPLE):]
+def _example(text: str, heading: str = EXAMPLE) -> str:
+    """The first python block after `heading`."""
+    after = text[text.index(heading):]
     return after.split("```python\n", 1)[1].split("```", 1)[0]
 
 
@@ -55,6 +56,14 @@ def test_readme_first_screen_is_what_rekv_is_set_up_and_an_example_then_the_head
 def test_readme_example_runs():
     """The example asserts its own claim (the split equals a prefill bitwise)."""
     exec(compile(_example(README.read_text()), "README example", "exec"), {})
+
+
+def test_readme_serving_example_runs():
+    """The Python serving example, as a reader runs it: two worker processes on the shipped
+    model; it asserts its own claim (streamed and generated tokens agree, the request served)."""
+    code = _example(README.read_text(), SERVING)
+    assert len([line for line in code.splitlines() if line.strip()]) <= 10
+    exec(compile(code, "README serving example", "exec"), {})
 
 
 def test_every_relative_link_resolves():

@@ -22,8 +22,9 @@ from rekv_jax.handoff.receiver import Reception, WorkBudget
 from rekv_jax.handoff.sender import send_prompt
 from rekv_jax.mode import Interval, PrefillMode, Reference, Schedule
 from rekv_jax.model.transformer import greedy_decode
-from rekv_jax.serving.driver import Ask, ServeSetup, serve_local, serve_pair
+from rekv_jax.serving.driver import Ask, serve_local, serve_pair
 from rekv_jax.serving.engine import DecodeEngine, EngineConfig, serving_mode
+from rekv_jax.serving.member import MemberSetup
 from rekv_jax.serving.pages import PoolConfig
 from rekv_jax.serving.prefill_worker import PrefillWorker
 from rekv_jax.serving.requests import (
@@ -48,7 +49,7 @@ CHUNK = 32  # token chunks of a suffix: a 96-token prompt's suffix (or recomputa
 
 @functools.cache
 def model():
-    return ServeSetup(MODEL).load()
+    return MemberSetup(MODEL, PoolConfig(40, 16)).load()
 
 
 def asks(actions=ACTIONS, gap_s: float = 0.15, new: int = NEW) -> list[Ask]:
@@ -149,7 +150,7 @@ def test_every_action_in_one_process_with_a_pool_that_makes_requests_wait():
     tokens and pages are what the single process gives, and the pool ends empty."""
     asked = asks()
     pool = PoolConfig(18, 16)  # 17 pages; a 96-token request takes 7
-    out = serve_local(ServeSetup(MODEL, pool=pool, check=True), asked, model=model())
+    out = serve_local(MemberSetup(MODEL, pool=pool, check=True), asked, model=model())
     check_served(asked, out.finished)
     assert out.used_pages == 0
     held = {i.request_id for i in out.items if isinstance(i, Held)}
@@ -168,7 +169,7 @@ def test_requests_decoding_across_an_attention_bucket_give_greedy_decodes_tokens
     to a power of two, not to the prompt plus its tokens)."""
     asked = [dataclasses.replace(a, request=dataclasses.replace(a.request, max_new_tokens=12))
              for a in asks((("bf16:full", 60), ("bf16:r=2", 123), ("bf16:full", 250)))]
-    out = serve_local(ServeSetup(MODEL, pool=PoolConfig(40, 16)), asked, model=model())
+    out = serve_local(MemberSetup(MODEL, pool=PoolConfig(40, 16)), asked, model=model())
     check_served(asked, out.finished, checked=False)
 
 
@@ -225,7 +226,7 @@ def test_a_corrupted_prefix_stays_with_its_request(monkeypatch, fallback):
     asked = asks((("bf16:r=2", 96), ("bf16:full", 40), ("q8:r=2", 96), ("bf16:r=3", 40)),
                  gap_s=0.3)
     monkeypatch.setattr(LocalTransport, "_verify", corrupt("req/2/prefix"))
-    out = serve_local(ServeSetup(MODEL, pool=PoolConfig(40, 16), fallback=fallback,
+    out = serve_local(MemberSetup(MODEL, pool=PoolConfig(40, 16), fallback=fallback,
                                  check=True), asked, model=model())
     bad = out.finished[2]
     if fallback == "recompute":
@@ -254,7 +255,7 @@ def test_a_dead_prefill_worker_fails_the_requests_waiting_for_it_and_running_one
     monkeypatch.setattr(PrefillWorker, "prefill", dying)
     asked = asks((("bf16:r=2", 96), ("bf16:full", 40), ("q8:r=2", 96), ("bf16:r=3", 40)),
                  gap_s=0.0)
-    out = serve_local(ServeSetup(MODEL, pool=PoolConfig(40, 16), timeout=20), asked,
+    out = serve_local(MemberSetup(MODEL, pool=PoolConfig(40, 16), timeout=20), asked,
                       model=model())
     check_served(asked[:2], out.finished[:2], checked=False)
     for f in out.finished[2:]:
@@ -276,7 +277,7 @@ def test_two_processes_serve_staggered_requests_of_every_kind():
     launcher's pair, the transfer server between them), each arriving 0.1 s after the last
     while the ones before it decode their 16 tokens."""
     asked = asks(ACTIONS[:6], gap_s=0.1, new=16)
-    out = serve_pair(ServeSetup(MODEL, pool=PoolConfig(64, 16), check=True), asked)
+    out = serve_pair(MemberSetup(MODEL, pool=PoolConfig(64, 16), check=True), asked)
     check_served(asked, out.finished)
     assert out.used_pages == 0 and shared_steps(out.items) >= 2
     done = [i for i in out.items if isinstance(i, PrefillDone)]
@@ -290,7 +291,7 @@ def test_a_request_that_can_never_fit_fails_alone():
     asked = asks((("bf16:full", 40), ("bf16:r=2", 96)))
     asked[1] = dataclasses.replace(asked[1], request=dataclasses.replace(
         asked[1].request, max_new_tokens=400))
-    out = serve_local(ServeSetup(MODEL, pool=PoolConfig(12, 16), timeout=60), asked,
+    out = serve_local(MemberSetup(MODEL, pool=PoolConfig(12, 16), timeout=60), asked,
                       model=model())
     assert out.finished[1].error == ("ValueError: a request of 496 positions needs 31 pages; "
                                      "the pool holds 11 of 16")

@@ -24,7 +24,7 @@ from rekv_jax.serving.policy import Context, make_policies
 from rekv_jax.serving.prometheus import ServingMetrics
 from rekv_jax.serving.requests import Admit, Finished, Load, Prefill, PrefillDone, Token
 from rekv_jax.serving.router import PREFILL_AHEAD, Router, drive
-from rekv_jax.serving.serve import Clients
+from rekv_jax.serving.server import Clients
 
 KEY = "k"
 POOL = PoolConfig(num_pages=1 + 2)  # two requests of up to 16 positions at once

@@ -8,6 +8,7 @@ import pytest
 from test_queueing import _tiny7b_profile
 from test_serving_policy import COSTS
 
+from rekv_jax.launch.child import member_name, parse_member
 from rekv_jax.serving.ledger import Ledger
 from rekv_jax.serving.lifecycle import Status
 from rekv_jax.serving.pages import PoolConfig
@@ -23,7 +24,7 @@ from rekv_jax.serving.requests import (
     ServeRequest,
     Token,
 )
-from rekv_jax.serving.router import PREFILL_AHEAD, Router, Scheduled, parse_worker, worker_name
+from rekv_jax.serving.router import PREFILL_AHEAD, Router, Scheduled
 from rekv_jax.serving.sampling import Sampling, Stops
 
 POOL = PoolConfig(num_pages=1 + 2 * 18)  # two requests of 256 + 32 tokens (18 pages each)
@@ -58,8 +59,8 @@ def request(i, n=256, new=32, at=0.0):
 
 def finish(r, i, decode=0, n=32, now=1.0):
     for k in range(n):
-        r.on_item(worker_name("decode", decode), Token(i, k, 7, now), now)
-    r.on_item(worker_name("decode", decode), Finished(i, (7,) * n, 0.1, 0.01, 50.0, None,
+        r.on_item(member_name("decode", decode), Token(i, k, 7, now), now)
+    r.on_item(member_name("decode", decode), Finished(i, (7,) * n, 0.1, 0.01, 50.0, None,
                                                       "bitwise", False), now)
 
 
@@ -109,7 +110,7 @@ def test_a_dead_decode_worker_fails_its_requests_and_the_other_takes_the_rest():
     on = {m.request_id: d for d in (0, 1) for m in w.to(f"decode-{d}", Admit)}
     assert len(on) == 3
     dead = on[0]
-    r.on_ended(worker_name("decode", dead), "killed by SIGKILL", 0.5)
+    r.on_ended(member_name("decode", dead), "killed by SIGKILL", 0.5)
     failed = {s.request.id for s in r.served if s.error and "killed" in s.error}
     assert failed == {i for i, d in on.items() if d == dead}
     r.arrive(request(3), 0.6)
@@ -223,8 +224,8 @@ def test_reports_move_the_ledger():
         r.on_item("decode-0", Held(0, 0, 18), 0.3)
 
 
-def test_worker_names_round_trip():
-    assert parse_worker(worker_name("prefill", 3)) == ("prefill", 3)
+def test_member_names_round_trip():
+    assert parse_member(member_name("prefill", 3)) == ("prefill", 3)
 
 
 class SimulatedWorkers:

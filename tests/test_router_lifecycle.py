@@ -26,7 +26,7 @@ from rekv_jax.serving.requests import (
     ServeRequest,
     Token,
 )
-from rekv_jax.serving.router import parse_worker, worker_name
+from rekv_jax.launch.child import member_name, parse_member
 
 POOL = PoolConfig(num_pages=1 + 20)  # a 256 + 32-token request takes 18 pages, 100 + 8 take 7
 SIZES = ((256, 32), (256, 32), (100, 8), (40, 3), (600, 4))  # (prompt, new); 600: never fits
@@ -68,7 +68,7 @@ class World:
     def send(self, name: str, message: object) -> bool:
         if name in self.dead:
             return False
-        role, index = parse_worker(name)
+        role, index = parse_member(name)
         rid = message.request_id
         assert not (isinstance(message, Prefill | Admit) and rid in self.ended), message
         if isinstance(message, Prefill):
@@ -101,7 +101,7 @@ class World:
             p = live[pick % len(live)]
             rid = self.prefills[p].pop(0)  # first come first served
             error = "boom" if fail or rid in self.aborted_prefill else None
-            self.emit(worker_name("prefill", p), PrefillDone(rid, p, 1.0, 1.0, 1000, error))
+            self.emit(member_name("prefill", p), PrefillDone(rid, p, 1.0, 1.0, 1000, error))
 
     def token(self, pick: int, finish: str | None = None) -> None:
         held = [(d, rid) for d, dec in enumerate(self.decodes) if f"decode-{d}" not in self.dead
@@ -113,12 +113,12 @@ class World:
         if n == admit.max_new_tokens or finish == "error" or (finish == "stop" and n):
             return self.finish(d, rid, finish or "length")
         self.decodes[d].held[rid] = (admit, n + 1)  # a stop comes after a token
-        self.emit(worker_name("decode", d), Token(rid, n, 7, 0.0))
+        self.emit(member_name("decode", d), Token(rid, n, 7, 0.0))
 
     def finish(self, d: int, rid: int, how: str) -> None:
         _, n = self.decodes[d].held.pop(rid)
         error = "lost its prefix" if how == "error" else None
-        self.emit(worker_name("decode", d), Finished(rid, (7,) * n, 0.1, 0.01, 1.0, None, "",
+        self.emit(member_name("decode", d), Finished(rid, (7,) * n, 0.1, 0.01, 1.0, None, "",
                                                      False, error, "length" if error else how))
 
     def take_abort(self, pick: int) -> None:
@@ -138,7 +138,7 @@ class World:
             self.router.abort(ids[pick % len(ids)], "client disconnected", self.now)
 
     def lose(self, pick: int, role: str) -> None:
-        name = worker_name(role, pick % WORKERS)
+        name = member_name(role, pick % WORKERS)
         if pick < 100 and name not in self.dead:  # rarely: a worker ends for good
             self.dead.add(name)
             self.now += 0.01

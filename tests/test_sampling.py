@@ -20,15 +20,16 @@ from hypothesis import strategies as st
 
 from rekv_jax.model.loader import SHIPPED_MODEL, eos_ids
 from rekv_jax.model.transformer import greedy_decode, prefill
-from rekv_jax.serving.driver import Ask, ServeSetup, serve_local
+from rekv_jax.serving.driver import Ask, serve_local
 from rekv_jax.serving.engine import DecodeEngine, EngineConfig
+from rekv_jax.serving.member import MemberSetup
 from rekv_jax.serving.pages import PoolConfig
 from rekv_jax.serving.prefill_worker import PrefillWorker
 from rekv_jax.serving.requests import Finished, ServeRequest, Token
 from rekv_jax.serving.sampling import TOP_LOGPROBS, Sampling, Stops, draw, rows_of
 from rekv_jax.transport import LocalTransport
 
-SETUP = ServeSetup(str(SHIPPED_MODEL), pool=PoolConfig(40, 16))
+SETUP = MemberSetup(str(SHIPPED_MODEL), pool=PoolConfig(40, 16))
 BF16 = ("bf16:full", "bf16:r=2", "bf16:recompute")  # transfer-only, joint, recomputation
 PROMPTS = ("The game began development in 2010 , carrying over",
            "In 1997 , the band released their second album , which")

@@ -15,7 +15,8 @@ from rekv_jax.model.transformer import greedy_decode, prefill
 from rekv_jax.planning.costmodel import Profile
 from rekv_jax.serving.metrics import Slo
 from rekv_jax.serving.requests import ServeRequest
-from rekv_jax.serving.serve import HttpBind, ServeConfig, Stream, Workers, serve
+from rekv_jax.serving.serve import serve
+from rekv_jax.serving.serve_config import HttpBind, ServeConfig, Stream, Workers
 
 NEW = 4
 

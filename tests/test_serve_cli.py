@@ -8,13 +8,14 @@ from rekv_jax.config import ModelConfig
 from rekv_jax.model.loader import SHIPPED_MODEL
 from rekv_jax.planning.costmodel import Profile
 from rekv_jax.serving import serve as serving
+from rekv_jax.serving import serve_config as run_config
 
 FAKE = Profile.for_config(ModelConfig.preset("tiny"), 64, hardware="test", link="test",
                           link_gbps=0.25, source="analytic", quantize_ms={16: 0, 8: 0.1},
                           restore_ms={16: 0, 8: 0.1}, suffix_layer_ms=1.0, join_ms=0.1)
 
 
-def _config(argv: list[str]) -> serving.ServeConfig:
+def _config(argv: list[str]) -> run_config.ServeConfig:
     return serve_config(cli.build_parser("serve").parse_args(["serve", *argv]))
 
 
@@ -45,7 +46,7 @@ def test_http_serves_one_policy_and_the_command_reaches_serve(monkeypatch):
     from rekv_jax.cli import serve as cli_serve
 
     c = _config(["--http", "0.0.0.0:8080", "--api-key", "k"])
-    assert c.http == serving.HttpBind("0.0.0.0", 8080, "k") and c.policies == ("adaptive",)
+    assert c.http == run_config.HttpBind("0.0.0.0", 8080, "k") and c.policies == ("adaptive",)
     assert c.streams == ()
     profiled, given = [], []
     monkeypatch.setattr(cli_serve, "measured_profiles",

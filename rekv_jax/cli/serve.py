@@ -1,4 +1,5 @@
-"""`rekv serve`: its flags, their checks, and the run they describe (`serving.serve.ServeConfig`).
+"""`rekv serve`: its flags, their checks, and the run they describe
+(`serving.serve_config.ServeConfig`).
 
 Every flag is checked before any process starts or any weight loads: its syntax by argparse (one
 line, exit 2), the rest while the config is built (a ValueError: one line, exit 2).
@@ -59,12 +60,12 @@ def _address(text: str) -> str:
 
 def _role(text: str) -> str:
     """argparse type of `--role`: router, a worker's name (decode-0, prefill-1, ...) or auto."""
+    from rekv_jax.launch.child import parse_member
     from rekv_jax.launch.nodes import ROUTER
-    from rekv_jax.serving.router import parse_worker
 
     if text not in (ROUTER, AUTO):
         try:
-            parse_worker(text)
+            parse_member(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {ROUTER}, a worker's name like decode-0 "
                                              f"or prefill-1, or {AUTO}; got {text!r}") from None
@@ -299,7 +300,7 @@ def serve_config(args: argparse.Namespace, rendezvous: Rendezvous | None = None)
     from rekv_jax.model.loader import SHIPPED_MODEL, load_config
     from rekv_jax.serving.metrics import Slo
     from rekv_jax.serving.policy import check_policy_names
-    from rekv_jax.serving.serve import HttpBind, ServeConfig, Workers
+    from rekv_jax.serving.serve_config import HttpBind, ServeConfig, Workers
 
     model = args.model or str(SHIPPED_MODEL)  # one that takes text, as `rekv generate`'s
     cfg = load_config(model)
@@ -358,7 +359,7 @@ def _no_load(args: argparse.Namespace) -> tuple:
 def _streams(args: argparse.Namespace, model: str, cfg) -> tuple:
     """One request stream per rate (every policy serves the same streams)."""
     from rekv_jax.serving.load_gen import LoadSpec, PromptLens, generate
-    from rekv_jax.serving.serve import Stream
+    from rekv_jax.serving.serve_config import Stream
 
     rates = args.rates or ((args.rate,) if args.rate is not None else None)
     if rates is None:

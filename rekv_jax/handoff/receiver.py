@@ -40,8 +40,14 @@ from rekv_jax.handoff.outcome import Clock, Event, Handoff, PrefillTimes, phases
 from rekv_jax.handoff.payload import prefix_specs, unpack_prefix
 from rekv_jax.handoff.prefix_format import PrefixCodec
 from rekv_jax.kv import KVCache
-from rekv_jax.mode import Fallback, Message, Mode, Part
-from rekv_jax.model.transformer import LayerPrograms, Params, new_cache, token_chunks
+from rekv_jax.mode import Fallback, Message, Mode, Part, check_fallback
+from rekv_jax.model.transformer import (
+    LayerPrograms,
+    Params,
+    greedy_token,
+    new_cache,
+    token_chunks,
+)
 from rekv_jax.transport import Arrival, Transport, checksums
 from rekv_jax.transport.workers import LIVENESS_S, Worker
 
@@ -97,11 +103,6 @@ def _last_of(futures: list[concurrent.futures.Future[float]]) -> concurrent.futu
     return out
 
 
-@jax.jit
-def _first(logits: jax.Array) -> jax.Array:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
-
-
 class WorkBudget:
     """How much suffix compute receptions may dispatch now, in token-layers (one layer program
     over T tokens costs T); None: no limit. The first unit taken always goes, so a unit larger
@@ -135,12 +136,9 @@ class Reception:
                  batch: int, seq_len: int, tag: str, fallback: str = Fallback.ERROR,
                  backend: str | None = None, timeout: float = 60.0, sink: Sink | None = None,
                  first: Sequence[jax.ShapeDtypeStruct] | None = None) -> None:
-        if fallback not in tuple(Fallback):
-            raise ValueError(f"fallback must be one of {tuple(f.value for f in Fallback)}, "
-                             f"got {fallback!r}")
         self._link, self._cfg, self._params, self.mode = link, cfg, params, mode
         self._batch, self._seq_len, self.tag = batch, seq_len, tag
-        self._fallback, self._backend, self._timeout = Fallback(fallback), backend, timeout
+        self._fallback, self._backend, self._timeout = check_fallback(fallback), backend, timeout
         self._dtype = params["embed"].dtype
         self._first_specs = list(first or [jax.ShapeDtypeStruct((batch,), jnp.int32)])
         self._programs = LayerPrograms.of(cfg, params)  # checked once, not per layer
@@ -431,7 +429,8 @@ class Reception:
         else:
             self._kv = suffix if prefix is None else prefix if suffix is None else (
                 KVCache.concat(prefix, suffix))
-        self._first_token = self._sent_first[0] if self._logits is None else _first(self._logits)
+        self._first_token = (self._sent_first[0] if self._logits is None
+                             else greedy_token(self._logits))
         self._watches["end"] = watch("join", (self._kv, self._first_token)), Event.END
 
 

@@ -22,7 +22,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
-import jax.numpy as jnp
 
 from rekv_jax.config import ModelConfig
 from rekv_jax.handoff.outcome import PrefillTimes, elapsed_ms
@@ -32,6 +31,7 @@ from rekv_jax.kv import KVCache
 from rekv_jax.mode import Message, Mode, Part
 from rekv_jax.model.transformer import (
     Params,
+    greedy_token,
     new_cache,
     prefill,
     run_chunk,
@@ -71,7 +71,7 @@ class PrefillState:
 
 def argmax_first(logits: jax.Array) -> tuple[jax.Array]:
     """The greedy `FirstDraw`: the argmax [B] alone."""
-    return (_argmax(logits),)
+    return (greedy_token(logits),)
 
 
 def prepare(cfg: ModelConfig, params: Params, tokens: jax.Array, mode: Mode,
@@ -89,11 +89,6 @@ def prepare(cfg: ModelConfig, params: Params, tokens: jax.Array, mode: Mode,
     suffix, logits = run_suffix(cfg, params, h_c, action.cut, chunks=mode.suffix_chunks)
     sums = tuple(checksums(suffix.buffers)) if mode.joint and check_suffix else ()
     return PrefillState(tokens, h_c if mode.joint else None, prefix, first(logits), codec, sums)
-
-
-@jax.jit
-def _argmax(logits: jax.Array) -> jax.Array:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))

@@ -34,6 +34,7 @@ RAISED = "raised"  # the job raised this: (exception, traceback text)
 # What a group sends a member: (kind, object)
 MESSAGE = "message"  # an object for the member (`Group.send`)
 CLOSE = "close"  # nothing more will come (`Group.close`)
+PREFILL, DECODE = "prefill", "decode"  # the two roles of a group's members
 _sending = threading.Lock()  # one message at a time to the parent (a member emits from threads)
 
 
@@ -83,16 +84,30 @@ class Side:
             return body(self.role, transport)
 
 
+def member_name(role: str, index: int) -> str:
+    """The name of a group's member, e.g. `prefill-0`, `decode-1`."""
+    return f"{role}-{index}"
+
+
+def parse_member(name: str) -> tuple[str, int]:
+    """(role, index) of a member's name (`member_name`); ValueError if it is none."""
+    role, _, index = name.rpartition("-")
+    if role not in (PREFILL, DECODE) or not index.isdigit():
+        raise ValueError(f"not a worker's name: {name!r}")
+    return role, int(index)
+
+
 def member_names(prefill: int, decode: int) -> tuple[str, ...]:
     """The members of a group of `prefill` + `decode` processes, in process-id order: the
     decode members first (decode-0 is process 0: it hosts the coordinator, and a process 0
     that died would take every other down), then the prefill members."""
-    return (*(f"decode-{i}" for i in range(decode)), *(f"prefill-{i}" for i in range(prefill)))
+    return (*(member_name(DECODE, i) for i in range(decode)),
+            *(member_name(PREFILL, i) for i in range(prefill)))
 
 
 def role_of(name: str) -> str:
-    """A member's role ("prefill" | "decode"), from its name (`member_names`)."""
-    return name.rsplit("-", 1)[0]
+    """A member's role (`PREFILL` | `DECODE`), from its name (`member_names`)."""
+    return parse_member(name)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +199,7 @@ class Member:
 
     @property
     def index(self) -> int:
-        return int(self.name.rsplit("-", 1)[1])
+        return parse_member(self.name)[1]
 
     @property
     def process_id(self) -> int:

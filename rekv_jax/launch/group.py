@@ -23,9 +23,9 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
-from rekv_jax.errors import describe
+from rekv_jax.errors import describe, one_line
 from rekv_jax.launch import child
-from rekv_jax.launch.child import member_names, role_of
+from rekv_jax.launch.child import DECODE, PREFILL, member_names, role_of
 from rekv_jax.launch.pair import loopback
 from rekv_jax.launch.processes import Child, Ended
 from rekv_jax.transport.secret import JobKey
@@ -59,8 +59,7 @@ def failure_line(ended: Ended) -> str | None:
     told = describe(ended.failure())
     if told is not None:
         return told.line
-    text = str(ended.error).strip().splitlines()
-    return f"{ended.name} failed: {type(ended.error).__name__}: {text[0] if text else ''}"
+    return f"{ended.name} failed: {one_line(ended.error)}"
 
 
 class Group:
@@ -75,7 +74,7 @@ class Group:
     def __init__(self, job: Callable[..., Any], args: tuple, envs: Mapping[str, Mapping[str, str]],
                  *, key: JobKey | None, coordinator: str | None = None) -> None:
         names = tuple(envs)
-        counts = [sum(role_of(n) == role for n in names) for role in ("prefill", "decode")]
+        counts = [sum(role_of(n) == role for n in names) for role in (PREFILL, DECODE)]
         if names != member_names(*counts) or not all(counts):
             raise ValueError(f"a group's members are named {member_names(1, 1)}..., decode "
                              f"first, at least one of each; got {names}")

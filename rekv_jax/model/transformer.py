@@ -352,6 +352,12 @@ def forward(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
     return _forward(_checked(cfg, params, tokens), params, tokens)
 
 
+@jax.jit
+def greedy_token(logits: jax.Array) -> jax.Array:
+    """The greedy token of each row of logits [B, V]: their argmax [B] int32."""
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
 def greedy_tokens(cfg: ModelConfig, params: Params, kv: KVCache, token: jax.Array, steps: int,
                   capacity: int | None = None) -> Iterator[jax.Array]:
     """`steps` greedy tokens [B], `token` first, continuing a prompt cache [L, B, S, K, H], each
@@ -365,12 +371,12 @@ def greedy_tokens(cfg: ModelConfig, params: Params, kv: KVCache, token: jax.Arra
         yield token
         if i + 1 < steps:  # the last token needs no step of its own
             logits, kv = decode_step(cfg, params, kv, token, S + i)
-            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            token = greedy_token(logits)
 
 
 def greedy_decode(cfg: ModelConfig, params: Params, kv: KVCache, logits: jax.Array, steps: int
                   ) -> jax.Array:
     """Greedy tokens [B, steps] after a prompt cache [L, B, S, K, H] and its last logits [B, V].
     `kv` stays usable: the steps decode on a padded copy."""
-    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    first = greedy_token(logits)
     return jnp.stack(list(greedy_tokens(cfg, params, kv, first, steps)), axis=1)

@@ -16,50 +16,22 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-import jax.numpy as jnp
-
 from rekv_jax.action import Action
 from rekv_jax.launch.environments import group_environments, visible_gpus
 from rekv_jax.launch.group import Group, MemberEnded
-from rekv_jax.mode import Fallback
-from rekv_jax.model.loader import LoadedModel, load_config, load_model
+from rekv_jax.model.loader import LoadedModel, load_config
 from rekv_jax.serving.engine import (
     CHUNK_TOKENS,
-    SUFFIX_BUDGET,
     DecodeEngine,
-    EngineConfig,
     serving_mode,
 )
 from rekv_jax.serving.inbox import LocalInbox
 from rekv_jax.serving.member import MemberSetup, serving_member
-from rekv_jax.serving.pages import PoolConfig
 from rekv_jax.serving.prefill_worker import PrefillWorker
 from rekv_jax.serving.requests import Admit, Finished, Held, Prefill, Ready, ServeRequest
 from rekv_jax.transport import JobKey, LocalTransport
 
 OnItem = Callable[[object], None]
-
-
-@dataclasses.dataclass(frozen=True)
-class ServeSetup:
-    """What both workers of a driven pair run with."""
-
-    model: str = "tiny"  # a preset, a trained-model folder or hf:PATH (`load_model`)
-    dtype: str = "bfloat16"
-    pool: PoolConfig = PoolConfig(257)
-    suffix_budget: int | None = SUFFIX_BUDGET  # token-layers of suffix compute per iteration
-    transport: str = "transfer-server"
-    link_gbps: float | None = None  # None: unpaced
-    fallback: str = Fallback.ERROR
-    check: bool = False  # check every request's paged cache (`EngineConfig.check`)
-    timeout: float = 120.0  # seconds any wait may take
-
-    def engine(self) -> EngineConfig:
-        return EngineConfig(self.pool, self.suffix_budget, self.fallback, self.timeout,
-                            check=self.check)
-
-    def load(self) -> LoadedModel:
-        return load_model(self.model, dtype=jnp.dtype(self.dtype), orbax=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,14 +102,14 @@ def _in_order(asks: Sequence[Ask]) -> list[Ask]:
     return sorted(asks, key=lambda a: a.request.arrival_s)
 
 
-def serve_local(setup: ServeSetup, asks: Sequence[Ask], on_item: OnItem | None = None,
+def serve_local(setup: MemberSetup, asks: Sequence[Ask], on_item: OnItem | None = None,
                 model: LoadedModel | None = None) -> Driven:
     """Drive `asks` through a decode engine (this thread) and a prefill worker (a thread of
     this process) over the in-process link; `model`: already loaded (else `setup.load()`)."""
     model = model or setup.load()
     cfg, params = model.cfg, model.params
     prefill_end, decode_end = LocalTransport.pair(setup.link_gbps)
-    engine = DecodeEngine(cfg, params, [decode_end], setup.engine(), model.eos_ids,
+    engine = DecodeEngine(cfg, params, [decode_end], setup.engine_config(), model.eos_ids,
                           model.tokenizer)
     worker = PrefillWorker(cfg, params, [prefill_end], timeout=setup.timeout)
     stream = _Stream(asks, cfg.num_layers, on_item)
@@ -173,14 +145,12 @@ def serve_local(setup: ServeSetup, asks: Sequence[Ask], on_item: OnItem | None =
     return stream.result(asks, engine.used_pages)
 
 
-def serve_pair(setup: ServeSetup, asks: Sequence[Ask], on_item: OnItem | None = None) -> Driven:
+def serve_pair(setup: MemberSetup, asks: Sequence[Ask], on_item: OnItem | None = None) -> Driven:
     """Drive `asks` through a prefill worker and a decode engine, each a member process of a
     group (`serving_member`, on this machine, under a key made for them). TimeoutError when
     nothing was emitted for `setup.timeout` s while requests were running."""
     stream = _Stream(asks, load_config(setup.model).num_layers, on_item)
-    member = MemberSetup(setup.model, setup.pool, setup.dtype, setup.transport, setup.link_gbps,
-                         setup.fallback, setup.suffix_budget, setup.timeout, check=setup.check,
-                         cost_position=0)
+    member = dataclasses.replace(setup, cost_position=0)
     envs = group_environments(visible_gpus(), os.environ, 1, 1)
     with Group(serving_member, (member,), envs, key=JobKey.new()) as group:
         _pump(group, stream, lambda: len(stream.ready) < 2, setup.timeout * 4)

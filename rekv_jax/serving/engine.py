@@ -45,13 +45,13 @@ import numpy as np
 
 from rekv_jax.action import Action, ActionKind
 from rekv_jax.config import ModelConfig
-from rekv_jax.errors import TransportError
+from rekv_jax.errors import TransportError, one_line
 from rekv_jax.handoff.check import HostReference, check_cache, reference
 from rekv_jax.handoff.prefix_format import KeyBias
 from rekv_jax.handoff.receiver import Reception, WorkBudget
 from rekv_jax.kv import KVCache
 from rekv_jax.launch.child import Member
-from rekv_jax.mode import Fallback, Interval, Mode, PrefillMode, Reference, Schedule
+from rekv_jax.mode import Fallback, Interval, Mode, PrefillMode, Reference, Schedule, check_fallback
 from rekv_jax.model import paged
 from rekv_jax.model.transformer import Params
 from rekv_jax.serving.ends import End, Ending
@@ -106,9 +106,7 @@ class EngineConfig:
     worker: int = 0  # this decode worker's index
 
     def __post_init__(self) -> None:
-        if self.fallback not in tuple(Fallback):
-            raise ValueError(f"fallback must be one of {tuple(f.value for f in Fallback)}, "
-                             f"got {self.fallback!r}")
+        check_fallback(self.fallback)
         if self.suffix_budget is not None and self.suffix_budget < 1:
             raise ValueError(f"suffix_budget must be >= 1 token-layer, got {self.suffix_budget}")
 
@@ -142,12 +140,6 @@ def _host(drawn: Drawn, logprobs: bool) -> Drawn:
     """A `Drawn` pulled to the host in one transfer: its tokens, and its log probabilities
     only when `logprobs`."""
     return Drawn(*jax.device_get(drawn.buffers(logprobs)))
-
-
-def one_line(error: BaseException) -> str:
-    """An error as the one line a failed request reports."""
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
 class DecodeEngine:

@@ -30,9 +30,10 @@ from rekv_jax.launch.environments import pair_environments, visible_gpus
 from rekv_jax.launch.pair import loopback, run_pair
 from rekv_jax.launch.runtime import agree_runtime
 from rekv_jax.mode import Fallback, Interval, Mode, PrefillMode, Schedule
-from rekv_jax.model.loader import SHIPPED_MODEL, load_config, load_model
+from rekv_jax.model.loader import SHIPPED_MODEL, load_config
 from rekv_jax.model.transformer import Params, attention_backend, greedy_decode, prefill
-from rekv_jax.serving.engine import DecodeEngine, EngineConfig
+from rekv_jax.serving.engine import DecodeEngine
+from rekv_jax.serving.member import TIMEOUT_S, MemberSetup
 from rekv_jax.serving.pages import PoolConfig
 from rekv_jax.serving.prefill_worker import PrefillWorker
 from rekv_jax.serving.requests import Admit, Finished, Prefill, Token
@@ -63,7 +64,7 @@ class Request:
     link_gbps: float | None = None
     fallback: str = Fallback.ERROR
     compare: bool = False
-    timeout: float = 120.0
+    timeout: float = TIMEOUT_S
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
@@ -119,7 +120,9 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 def run_role(role: Role, req: Request, transport: Transport, on_token: OnToken = lambda t: None
              ) -> Generation | None:
     """One worker: the prefill side sends; the decode side receives, decodes and reports."""
-    model = load_model(req.model, dtype=jnp.dtype(req.dtype), orbax=False)
+    setup = MemberSetup(req.model, PoolConfig.holding(len(req.token_ids) + req.max_new_tokens),
+                        req.dtype, req.transport, req.link_gbps, req.fallback, None, req.timeout)
+    model = setup.load()
     cfg, params, tok = model.cfg, model.params, model.tokenizer
     mode = req.mode(cfg.num_layers)
     agree_runtime(transport, attention_backend(cfg, params["embed"].dtype), req.timeout)
@@ -134,9 +137,7 @@ def run_role(role: Role, req: Request, transport: Transport, on_token: OnToken =
             if done.error is not None:
                 raise TransportError(done.error)
         return None
-    pool = PoolConfig.holding(S + req.max_new_tokens)
-    engine = DecodeEngine(cfg, params, [transport],
-                          EngineConfig(pool, None, req.fallback, req.timeout))
+    engine = DecodeEngine(cfg, params, [transport], setup.engine_config())
     for request_id, steps in asked:
         finished, times = _decode(engine, Admit(request_id, S, steps, mode, 0, 0.0),
                                   on_token if request_id else lambda t: None)

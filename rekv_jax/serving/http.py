@@ -75,11 +75,13 @@ def check_bind(host: str, api_key: str | None) -> None:
 
 
 def build_app(backend: Backend, model: ModelInfo, api_key: str | None = None,
-              metrics: ServingMetrics | None = None) -> FastAPI:
+              metrics: ServingMetrics | None = None, ids: Iterator[int] | None = None
+              ) -> FastAPI:
     """The FastAPI application of the module docstring; `/metrics` shows `metrics` (None: a
-    fresh, empty set)."""
+    fresh, empty set); each request's id is the next of `ids` (None: its own count)."""
     app = FastAPI(title="rekv serve", docs_url=None, redoc_url=None, openapi_url=None)
-    ids, start, metrics = itertools.count(), time.monotonic(), metrics or ServingMetrics()
+    ids, start = ids or itertools.count(), time.monotonic()
+    metrics = metrics or ServingMetrics()
 
     @app.exception_handler(ApiError)
     async def refused(request: Request, e: ApiError) -> Response:

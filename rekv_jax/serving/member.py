@@ -1,8 +1,9 @@
-"""What each process of a serving group runs (`launch.group.Group`'s job): a decode member is a
-`DecodeEngine` over its links to every prefill member; a prefill member is a `PrefillWorker`
-over its links to every decode member. Each opens its links first (before any other JAX work:
-they join jax.distributed), loads the model, agrees the runtime with each peer, warms what it
-can, tells the router it is `Ready`, then serves what the router sends until the group closes.
+"""What each process of a serving group runs (`launch.group.Group`'s job), built from one
+record, `MemberSetup`: a decode member is a `DecodeEngine` over its links to every prefill
+member; a prefill member is a `PrefillWorker` over its links to every decode member. Each opens
+its links first (before any other JAX work: they join jax.distributed), loads the model, agrees
+the runtime with each peer, warms what it can, tells the router it is `Ready`, then serves what
+the router sends until the group closes.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from rekv_jax.launch.child import Member
 from rekv_jax.launch.runtime import agree_runtime
 from rekv_jax.mode import Fallback
 from rekv_jax.model.layers import ROW_BLOCK
-from rekv_jax.model.loader import load_model
+from rekv_jax.model.loader import LoadedModel, load_model
 from rekv_jax.model.transformer import attention_backend
 from rekv_jax.serving.engine import SUFFIX_BUDGET, DecodeEngine, EngineConfig
 from rekv_jax.serving.pages import PoolConfig
@@ -24,6 +25,7 @@ from rekv_jax.serving.prefill_worker import PrefillWorker
 from rekv_jax.serving.requests import Ready
 
 COST_BATCHES = (1, ROW_BLOCK, 2 * ROW_BLOCK)  # the batch sizes a decode member times
+TIMEOUT_S = 120.0  # seconds any wait of a serving run may take, unless told otherwise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,9 +39,17 @@ class MemberSetup:
     link_gbps: float | None = None  # None: unpaced
     fallback: str = Fallback.ERROR
     suffix_budget: int | None = SUFFIX_BUDGET
-    timeout: float = 120.0  # seconds any wait may take
+    timeout: float = TIMEOUT_S  # seconds any wait may take
     cost_position: int = 511  # where the timed decode steps' rows are (a typical length)
     check: bool = False  # check every request's paged cache (tests)
+
+    def engine_config(self, worker: int = 0) -> EngineConfig:
+        """How decode worker `worker` runs."""
+        return EngineConfig(self.pool, self.suffix_budget, self.fallback, self.timeout,
+                            check=self.check, worker=worker)
+
+    def load(self) -> LoadedModel:
+        return load_model(self.model, dtype=jnp.dtype(self.dtype), orbax=False)
 
 
 def cost_batches(setup: MemberSetup) -> tuple[int, ...]:
@@ -59,7 +69,7 @@ def serving_member(member: Member, setup: MemberSetup) -> int | None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     links = list(member.links(setup.transport, setup.link_gbps, setup.timeout).values())
     try:
-        model = load_model(setup.model, dtype=jnp.dtype(setup.dtype), orbax=False)
+        model = setup.load()
         cfg, params = model.cfg, model.params
         for link in links:
             agree_runtime(link, attention_backend(cfg, params["embed"].dtype), setup.timeout)
@@ -67,9 +77,8 @@ def serving_member(member: Member, setup: MemberSetup) -> int | None:
             member.emit(Ready(member.name))
             PrefillWorker(cfg, params, links, member.index, setup.timeout).run(member)
             return None
-        engine = DecodeEngine(cfg, params, links, EngineConfig(
-            setup.pool, setup.suffix_budget, setup.fallback, setup.timeout, check=setup.check,
-            worker=member.index), model.eos_ids, model.tokenizer)
+        engine = DecodeEngine(cfg, params, links, setup.engine_config(member.index),
+                              model.eos_ids, model.tokenizer)
         member.emit(Ready(member.name, engine.step_ms(cost_batches(setup), setup.cost_position)))
         engine.run(member)
         return engine.used_pages

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import jax.numpy as jnp
 
 from rekv_jax.config import ModelConfig
-from rekv_jax.errors import TransportError
+from rekv_jax.errors import TransportError, first_line, one_line
 from rekv_jax.handoff.sender import send_prompt
 from rekv_jax.launch.child import Member
 from rekv_jax.model.transformer import Params
@@ -50,14 +50,14 @@ class PrefillWorker:
                                  timeout=self._timeout, go=False,
                                  first=first_draw(request.sampling))
         except (TransportError, ValueError) as e:
-            return self._failed(request, f"{type(e).__name__}: {e}")
+            return self._failed(request, one_line(e))
         times = report.times
         return PrefillDone(request.request_id, self.worker, times.prefill_ms + times.quantize_ms,
                            report.link_ms, times.sent_bytes)
 
     def _failed(self, request: Prefill, error: str) -> PrefillDone:
         return PrefillDone(request.request_id, self.worker, 0.0, 0.0, 0,
-                           error.strip().splitlines()[0])
+                           first_line(error))
 
     def serve(self, requests: Requests, emit: Callable[[object], None]) -> None:
         """Prefill the requests in the order they come until there are no more."""

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from rekv_jax.launch.child import DECODE, PREFILL, member_name, parse_member
 from rekv_jax.launch.group import Emitted, Event, MemberEnded
 from rekv_jax.planning.queueing import DecodeCosts
 from rekv_jax.serving.ledger import Ledger
@@ -46,28 +47,12 @@ from rekv_jax.serving.requests import (
     Token,
 )
 
-PREFILL, DECODE = "prefill", "decode"
 POLL_S = 0.5  # the longest the loop waits for a worker before it looks at the clock again
-
-
-def worker_name(role: str, index: int) -> str:
-    """The launcher's name of a worker process, e.g. `prefill-0`, `decode-1`."""
-    return f"{role}-{index}"
-
-
-def parse_worker(name: str) -> tuple[str, int]:
-    """(role, index) of a worker's name."""
-    role, _, index = name.rpartition("-")
-    if role not in (PREFILL, DECODE) or not index.isdigit():
-        raise ValueError(f"not a worker's name: {name!r}")
-    return role, int(index)
-
-
 PREFILL_AHEAD = 2  # requests per decode worker that may be prefilled before their pages are free
 
 
 class Router:
-    """One stream of requests under one policy, on the workers `send` reaches (`worker_name`s).
+    """One stream of requests under one policy, on the workers `send` reaches (`member_name`s).
 
     The caller feeds it arrivals (`arrive`), what workers emit (`on_item`), workers' ends
     (`on_ended`) and aborts (`abort`, `abort_all`), each with the run clock's `now_s`, and calls
@@ -155,7 +140,7 @@ class Router:
         r = held.request
         a = self._policy.choose(r, self._ledger, now_s, pairs)
         p, d = a.prefill_worker, a.decode_worker
-        if not self._send(worker_name(PREFILL, p), Prefill(r.id, r.tokens, a.mode, d,
+        if not self._send(member_name(PREFILL, p), Prefill(r.id, r.tokens, a.mode, d,
                                                            r.sampling)):
             self._live[PREFILL].discard(p)
             return self._waiting.insert(0, held)
@@ -176,7 +161,7 @@ class Router:
         d = a.decode_worker
         self._free[d] -= held.pages
         held.admitted = True
-        if not self._send(worker_name(DECODE, d), Admit(r.id, r.prompt_len, r.max_new_tokens,
+        if not self._send(member_name(DECODE, d), Admit(r.id, r.prompt_len, r.max_new_tokens,
                                                        a.mode, a.prefill_worker,
                                                        a.why.predicted.decode_busy_ms,
                                                        r.sampling, r.stops)):
@@ -195,7 +180,7 @@ class Router:
 
     def on_item(self, name: str, item: object, now_s: float) -> None:
         """What worker `name` emitted, as it reached the router at `now_s`."""
-        _, index = parse_worker(name)
+        _, index = parse_member(name)
         if isinstance(item, Token | Finished) and item.request_id not in self._open:
             return self._late(name, item, now_s)
         if isinstance(item, Token):
@@ -264,7 +249,7 @@ class Router:
     def on_ended(self, name: str, how: str, now_s: float) -> None:
         """Worker `name` ended (`how`: one line): a decode worker's requests fail; a prefill
         worker's requests whose handoff it had not completed go again."""
-        role, index = parse_worker(name)
+        role, index = parse_member(name)
         self._live[role].discard(index)
         at = "decode_worker" if role == DECODE else "prefill_worker"
         for held in [h for h in self._open.values()
@@ -286,7 +271,7 @@ class Router:
         d = held.assignment.decode_worker
         if held.admitted:
             held.move(Status.REQUEUING, now_s)
-            self._send(worker_name(DECODE, d), Abort(held.request.id, "its prefill worker ended"))
+            self._send(member_name(DECODE, d), Abort(held.request.id, "its prefill worker ended"))
             return
         if held in self._ahead[d]:
             self._ahead[d].remove(held)
@@ -331,10 +316,10 @@ class Router:
             if held in self._ahead[a.decode_worker]:
                 self._ahead[a.decode_worker].remove(held)
             if held.prefill_done is None:
-                self._send(worker_name(PREFILL, a.prefill_worker), Abort(held.request.id,
+                self._send(member_name(PREFILL, a.prefill_worker), Abort(held.request.id,
                                                                          error or aborted))
             if held.admitted:
-                self._send(worker_name(DECODE, a.decode_worker), Abort(held.request.id,
+                self._send(member_name(DECODE, a.decode_worker), Abort(held.request.id,
                                                                        error or aborted))
         self._end(held, Status.ABORTED if error is None else Status.ERROR, now_s, error,
                   aborted)

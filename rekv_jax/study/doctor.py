@@ -29,6 +29,7 @@ from pallas_kernels import quant as kernels
 from rekv_jax import sizes
 from rekv_jax.action import Action
 from rekv_jax.config import Llama3RopeScaling, ModelConfig
+from rekv_jax.errors import one_line
 from rekv_jax.handoff.check import SUFFIX_ACROSS, reference
 from rekv_jax.launch.environments import visible_gpus
 from rekv_jax.launch.pair import run_child
@@ -41,7 +42,8 @@ from rekv_jax.model.transformer import (
     run_prefix,
     run_suffix,
 )
-from rekv_jax.serving.driver import Ask, Driven, ServeSetup, serve_pair
+from rekv_jax.serving.driver import Ask, Driven, serve_pair
+from rekv_jax.serving.member import MemberSetup
 from rekv_jax.serving.pages import PoolConfig
 from rekv_jax.serving.requests import ServeRequest
 from rekv_jax.study import bench
@@ -179,7 +181,7 @@ def _timed(name: str, fn: Callable[[], Finding]) -> Check:
     try:
         found = fn()
     except Exception as e:  # a check that crashes is a failed check, reported with its reason
-        found = Finding(False, f"{type(e).__name__}: {e}".splitlines()[0])
+        found = Finding(False, one_line(e))
     return Check(name, found.passed, found.detail, time.perf_counter() - t0, found.data)
 
 
@@ -371,7 +373,7 @@ def check_engine(seq_len: int) -> Finding:
     asks = engine_asks(seq_len, load_config(ENGINE_MODEL).vocab_size)
     pool = PoolConfig.holding(len(asks) * (seq_len + ENGINE_NEW_TOKENS))
     try:
-        driven = serve_pair(ServeSetup(ENGINE_MODEL, pool=pool, check=True, timeout=600.0), asks)
+        driven = serve_pair(MemberSetup(ENGINE_MODEL, pool=pool, check=True, timeout=600.0), asks)
     except (ValueError, TransportError, TimeoutError) as e:
         return Finding(False, str(e))
     want = run_child(greedy_references, ENGINE_MODEL, asks, env=os.environ,

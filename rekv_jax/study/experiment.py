@@ -40,13 +40,13 @@ from rekv_jax.launch.environments import (
 from rekv_jax.launch.pair import Pair, loopback, run_pair
 from rekv_jax.launch.runtime import agree_runtime
 from rekv_jax.mode import (
-    FALLBACKS,
     PAPER_SCHEDULES,
     SCHEDULES,
     Fallback,
     Interval,
     Mode,
     PrefillMode,
+    check_fallback,
 )
 from rekv_jax.model.loader import load_model
 from rekv_jax.model.transformer import Params, attention_backend
@@ -113,8 +113,7 @@ class Experiment:
         bad = [s for s in self.schedules if s not in SCHEDULES]
         if bad or not self.schedules:
             raise ValueError(f"schedules must be a non-empty subset of {SCHEDULES}, got {bad}")
-        if self.fallback not in FALLBACKS:
-            raise ValueError(f"fallback must be one of {FALLBACKS}, got {self.fallback!r}")
+        check_fallback(self.fallback)
         for action in self.actions:  # every mode is checked before any process starts
             for mode in self.modes(action):
                 if mode.chunks > self.seq_len:

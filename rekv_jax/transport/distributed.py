@@ -37,7 +37,7 @@ import time
 import jax
 
 from rekv_jax import jax_private
-from rekv_jax.errors import TransportError, TransportTimeout
+from rekv_jax.errors import TransportError, TransportTimeout, first_line
 from rekv_jax.transport import control
 from rekv_jax.transport.base import Role
 from rekv_jax.transport.secret import JobKey
@@ -54,7 +54,7 @@ _client_error: list[str] = []  # what JAX's client reported (set from its own th
 def _record_client_error(status: object) -> None:
     """JAX client error callback, in place of its default one that aborts the process. (jaxlib
     0.10 cannot pass the status to Python: the call then fails inside `connect`, which raises.)"""
-    _client_error.append(str(status).strip().splitlines()[0])
+    _client_error.append(first_line(str(status)))
 
 
 def wait_for_port(address: str, timeout: float) -> None:
