@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_router import router
 
+from rekv_jax.launch.child import member_name, parse_member
 from rekv_jax.serving.lifecycle import ENDS, LEGAL, Status
 from rekv_jax.serving.pages import PoolConfig
 from rekv_jax.serving.requests import (
@@ -26,7 +27,6 @@ from rekv_jax.serving.requests import (
     ServeRequest,
     Token,
 )
-from rekv_jax.launch.child import member_name, parse_member
 
 POOL = PoolConfig(num_pages=1 + 20)  # a 256 + 32-token request takes 18 pages, 100 + 8 take 7
 SIZES = ((256, 32), (256, 32), (100, 8), (40, 3), (600, 4))  # (prompt, new); 600: never fits
