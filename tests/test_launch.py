@@ -405,7 +405,18 @@ def test_members_that_outlive_the_first_end_by_the_grace_are_killed_in_one_line(
     assert time.monotonic() - start < 60
 
 
+def whoami_side(side) -> tuple:
+    return side.name, side.members, side.process_id, side.coordinator
+
+
 def test_a_pair_is_decode_0_and_prefill_0_of_which_some_may_run_elsewhere():
+    envs = {role: dict(os.environ) for role in ROLES}
+    name, members, pid, coordinator = run_pair(whoami_side, envs=envs, key=None, timeout=120)
+    assert (name, members, pid) == ("decode-0", ("decode-0", "prefill-0"), 0)
+    assert coordinator.startswith("127.0.0.1:")  # both here: a loopback port of their own
+    # one side of a multi-host pair: the other runs elsewhere, and JAX finds the coordinator
+    assert run_pair(whoami_side, envs={"prefill": envs["prefill"]}, key=None, timeout=120) == (
+        "prefill-0", ("decode-0", "prefill-0"), 1, None)
     with pytest.raises(ValueError, match="decode first"):
         Group(sorted, (), {"prefill-0": {}, "decode-0": {}}, key=None)
     with pytest.raises(ValueError, match="decode first"):  # not a member of the group

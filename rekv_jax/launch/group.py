@@ -1,7 +1,8 @@
-"""The launcher: every multi-process job is a group of named member processes on this machine
+"""The launcher: every multi-process job is a group of named member processes
 (`child.member_names`: decode-0 .. decode-(D-1), then prefill-0 .. prefill-(P-1), their process
-ids in jax.distributed in that order), each spawned in its environment and running
-`job(member, *args)` (`child.Member`); a one-off process is `run_child`.
+ids in jax.distributed in that order), those of this machine each spawned here in its
+environment and running `job(member, *args)` (`child.Member`); a one-off process is
+`run_child`.
 
 `Group` is the mechanism. The parent does no JAX work. At any time it hands a member a message
 (`send`) and takes what came (`poll`): items the members emitted (`Emitted`, in order per
