@@ -25,8 +25,8 @@ from collections import Counter
 import jax
 import jax.numpy as jnp
 
-from rekv_jax.launch.child import Side
-from rekv_jax.launch.pair import loopback, run_pair
+from rekv_jax.launch.child import Member
+from rekv_jax.launch.group import loopback, run_pair
 from rekv_jax.transport import JobKey, LocalTransport, Transport
 from rekv_jax.transport.base import ROLES
 
@@ -98,9 +98,9 @@ def summary(kind: str, kb: int, sent_at: list[float], received_at: list[float],
             "messages": {k: v // (WARMUP + reps) for k, v in sorted(counts.items())}}
 
 
-def worker(side: Side, kind: str, kb: int, reps: int) -> dict | None:
-    """One side of the pair (`launch.run_pair`); the decode side returns the summary."""
-    t = side.connect(kind, timeout=TIMEOUT)
+def worker(side: Member, kind: str, kb: int, reps: int) -> dict | None:
+    """One side of the pair (`launch.group.run_pair`); the decode side returns the summary."""
+    t = side.link(kind, timeout=TIMEOUT)
     counts: Counter = Counter()
     t._channel = Counted(t._channel, counts)
     out = None

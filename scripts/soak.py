@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rekv_jax.launch.child import Side
-from rekv_jax.launch.pair import loopback, run_pair
+from rekv_jax.launch.child import Member
+from rekv_jax.launch.group import loopback, run_pair
 from rekv_jax.transport.base import ROLES
 from rekv_jax.transport.secret import JobKey
 
@@ -159,7 +159,7 @@ class SoakSide:
     tally: Tally = dataclasses.field(default_factory=Tally)
 
     @classmethod
-    def open(cls, side: Side, seq_len: int) -> SoakSide:
+    def open(cls, side: Member, seq_len: int) -> SoakSide:
         import jax
 
         from rekv_jax.action import Action
@@ -168,7 +168,7 @@ class SoakSide:
         from rekv_jax.model.loader import load_model
         from rekv_jax.model.transformer import prefill
 
-        transport = side.connect("transfer-server", timeout=HANDOFF_TIMEOUT)
+        transport = side.link("transfer-server", timeout=HANDOFF_TIMEOUT)
         hooks = FaultHooks(transport)
         model = load_model("tiny")
         cfg, params = model.cfg, model.params
@@ -236,8 +236,8 @@ class SoakSide:
             tally.counts["unexpected"] += outcome != step.expected
 
 
-def run_side(side: Side, args: argparse.Namespace) -> dict | None:
-    """One process of the pair (`launch.run_pair`): the warm-up (one fault-free handoff per
+def run_side(side: Member, args: argparse.Namespace) -> dict | None:
+    """One process of the pair (`launch.group.run_pair`): the warm-up (one fault-free handoff per
     action and schedule), then the plan, vitals read between and after; the decode side returns
     the report."""
     from rekv_jax.mode import PAPER_SCHEDULES

@@ -22,8 +22,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from rekv_jax.launch.child import Side
-from rekv_jax.launch.pair import loopback, run_pair
+from rekv_jax.launch.child import Member
+from rekv_jax.launch.group import loopback, run_pair
 from rekv_jax.transport import JobKey, LocalTransport, Transport, checksums
 from rekv_jax.transport.base import ROLES
 
@@ -91,10 +91,10 @@ def decode_side(t: Transport, mb: int, reps: int) -> dict:
             "both_over_max": round(med["both_ms"] / bound, 2)}
 
 
-def worker(side: Side, kind: str, mb: int, gbps: float, reps: int, delay_ms: float
+def worker(side: Member, kind: str, mb: int, gbps: float, reps: int, delay_ms: float
            ) -> dict | None:
-    """One side of the pair (`launch.run_pair`); the decode side returns the record."""
-    t = side.connect(kind, link_gbps=gbps or None, timeout=TIMEOUT)
+    """One side of the pair (`launch.group.run_pair`); the decode side returns the record."""
+    t = side.link(kind, link_gbps=gbps or None, timeout=TIMEOUT)
     out = None
     if side.role == "prefill":
         prefill_side(t, mb, reps, delay_ms)

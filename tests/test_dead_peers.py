@@ -13,7 +13,7 @@ import pytest
 
 from rekv_jax.errors import describe, exit_text
 from rekv_jax.launch.environments import pair_environments
-from rekv_jax.launch.pair import free_port
+from rekv_jax.launch.group import free_port
 from rekv_jax.transport.cores import CPUS_ENV, usable_cpus
 
 HANDOFF = [sys.executable, "-m", "rekv_jax.cli", "handoff", "--seq-len", "16", "--warmup", "0",
@@ -94,7 +94,7 @@ def test_a_killed_side_is_named_and_finished_summaries_are_kept(victim):
     proc, out, err, sides = _start_pair_and_kill(victim)
     assert proc.returncode == 1, err[-3000:]
     assert not any(s in err for s in NATIVE_CRASH), err[-3000:]
-    assert error_lines(err) == [f"the {victim} side was killed by SIGKILL"], err[-3000:]
+    assert error_lines(err) == [f"{victim}-0 was killed by SIGKILL"], err[-3000:]
     summaries = [json.loads(line) for line in out.splitlines() if '"summary"' in line]
     assert [s["action"] for s in summaries] == ["bf16:full"]
     assert summaries[0]["cache_check"] == "bitwise"

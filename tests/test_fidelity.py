@@ -12,7 +12,7 @@ import pytest
 
 from rekv_jax import Action
 from rekv_jax.launch.environments import pair_environments
-from rekv_jax.launch.pair import run_pair
+from rekv_jax.launch.group import run_pair
 from rekv_jax.phases import Phases
 from rekv_jax.study.experiment import Experiment, run_local
 from rekv_jax.study.records import FIDELITY_LIMIT, Fidelity, Rep, Summary

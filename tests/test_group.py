@@ -44,8 +44,7 @@ from store_reader import read_dir
 from rekv_jax import Action
 from rekv_jax.launch.child import CLOSE, CLOSED, MESSAGE, Inbox, Member, member_names
 from rekv_jax.launch.environments import SHARED_MEMORY, group_environments
-from rekv_jax.launch.group import Emitted, Event, Group, MemberEnded
-from rekv_jax.launch.pair import run_child
+from rekv_jax.launch.group import Emitted, Event, Group, MemberEnded, run_child
 from rekv_jax.launch.processes import Ended
 from rekv_jax.mode import Mode
 from rekv_jax.transport import JobKey, TransportError, control, distributed, secret

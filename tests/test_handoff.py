@@ -30,7 +30,7 @@ from rekv_jax.handoff.prefix_format import PrefixCodec
 from rekv_jax.handoff.receiver import receive_handoff
 from rekv_jax.handoff.sender import prepare, send_handoff, send_prompt
 from rekv_jax.launch.environments import pair_environments, visible_gpus
-from rekv_jax.launch.pair import loopback
+from rekv_jax.launch.group import loopback
 from rekv_jax.mode import PAPER_SCHEDULES, Mode
 from rekv_jax.model.loader import SHIPPED_MODEL, load_config
 from rekv_jax.phases import TIMELINE, Phases

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import types
 
 import jax
@@ -21,6 +22,7 @@ from rekv_jax.action import Action
 from rekv_jax.cli import main as cli
 from rekv_jax.errors import RuntimeMismatch, describe
 from rekv_jax.launch import runtime as launched_runtime
+from rekv_jax.launch.child import member_names, role_of
 from rekv_jax.launch.environments import (
     GPU_XLA_FLAGS,
     PAIR_SHARE,
@@ -28,7 +30,7 @@ from rekv_jax.launch.environments import (
     visible_gpus,
     with_gpu_flags,
 )
-from rekv_jax.launch.pair import Pair, run_child, run_pair
+from rekv_jax.launch.group import Group, Job, run_child, run_pair
 from rekv_jax.launch.processes import Ended
 from rekv_jax.mode import Mode
 from rekv_jax.study import experiment
@@ -151,8 +153,8 @@ def test_each_process_of_a_pair_gets_its_environment(visible, decode, prefill, s
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     env |= {"CUDA_VISIBLE_DEVICES": visible, "XLA_FLAGS": ""}
     envs = pair_environments(visible_gpus(env), env, None, "transfer-server")
-    with Pair(environment_side, (), envs, key=None) as pair:
-        ended = pair.wait(timeout=120)
+    with Job.pair(environment_side, (), envs, key=None) as pair:
+        ended = {role_of(name): e for name, e in pair.wait(timeout=120).items()}
     flags = " ".join(GPU_XLA_FLAGS)
     assert ended["decode"].value == {"CUDA_VISIBLE_DEVICES": decode,
                                      "XLA_PYTHON_CLIENT_MEM_FRACTION": share, "XLA_FLAGS": flags}
@@ -180,8 +182,8 @@ def test_each_cpu_process_of_a_pair_runs_on_its_cores(pin):
     envs = pair_environments([], {**env, "JAX_PLATFORMS": "cpu"},
                              cpus=usable_cpus() if pin else None)
     mine = os.sched_getaffinity(0)
-    with Pair(affinity_side, (), envs, key=None) as pair:
-        got = {role: e.value for role, e in pair.wait(timeout=120).items()}
+    with Job.pair(affinity_side, (), envs, key=None) as pair:
+        got = {role_of(name): e.value for name, e in pair.wait(timeout=120).items()}
     cpus = usable_cpus()
     assert got["decode"]["words"] == got["prefill"]["words"]
     assert os.sched_getaffinity(0) == mine  # the launcher's cores are as they were
@@ -358,8 +360,8 @@ def failing_side(side, how: str) -> str:
 
 @pytest.mark.parametrize("how, kind, line", [
     ("raise", ValueError, "the experiment does not fit"),
-    ("bug", RuntimeError, "the decode side failed:\nTraceback"),
-    ("kill", TransportError, "the decode side was killed by SIGKILL"),
+    ("bug", RuntimeError, "decode-0 failed:\nTraceback"),
+    ("kill", TransportError, "decode-0 was killed by SIGKILL"),
 ])
 def test_a_failed_side_is_one_line_naming_it(how, kind, line):
     with pytest.raises(kind) as e:
@@ -372,6 +374,53 @@ def test_a_failed_side_is_one_line_naming_it(how, kind, line):
     assert run_pair(failing_side, "value", envs={role: dict(os.environ) for role in ROLES},
                     key=None, on_item=items.append, timeout=120) == "decode done"
     assert items == ["item 1"]
+
+
+def doubling_side(side, nap_s: float) -> str:
+    """The decode member naps, then answers each request with its double; the prefill member
+    returns."""
+    if side.role == "prefill":
+        return "prefill done"
+    time.sleep(nap_s)
+    for request in side.requests():
+        side.emit(2 * request)
+    return "decode done"
+
+
+def test_the_answering_member_takes_requests_one_at_a_time_until_the_job_closes():
+    with Job.pair(doubling_side, (0.0,), {role: dict(os.environ) for role in ROLES},
+                  key=None) as pair:
+        assert pair.wait_ready(timeout=120) == []
+        assert pair.ask(3, timeout=120) == [6]
+        assert pair.ask("ab", timeout=120) == ["abab"]
+        assert pair.close(timeout=120) == "decode done"
+
+
+def test_members_that_outlive_the_first_end_by_the_grace_are_killed_in_one_line():
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"^decode-0 still running 2 s after another member "
+                                           r"ended \(killed\)$"):
+        run_pair(doubling_side, 600.0, envs={role: dict(os.environ) for role in ROLES},
+                 key=None, grace=2, timeout=120)
+    assert time.monotonic() - start < 60
+
+
+def whoami_side(side) -> tuple:
+    return side.name, side.members, side.process_id, side.coordinator
+
+
+def test_a_pair_is_decode_0_and_prefill_0_of_which_some_may_run_elsewhere():
+    envs = {role: dict(os.environ) for role in ROLES}
+    name, members, pid, coordinator = run_pair(whoami_side, envs=envs, key=None, timeout=120)
+    assert (name, members, pid) == ("decode-0", ("decode-0", "prefill-0"), 0)
+    assert coordinator.startswith("127.0.0.1:")  # both here: a loopback port of their own
+    # one side of a multi-host pair: the other runs elsewhere, and JAX finds the coordinator
+    assert run_pair(whoami_side, envs={"prefill": envs["prefill"]}, key=None, timeout=120) == (
+        "prefill-0", ("decode-0", "prefill-0"), 1, None)
+    with pytest.raises(ValueError, match="decode first"):
+        Group(sorted, (), {"prefill-0": {}, "decode-0": {}}, key=None)
+    with pytest.raises(ValueError, match="decode first"):  # not a member of the group
+        Group(sorted, (), {"prefill-1": {}}, key=None, members=member_names(1, 1))
 
 
 def test_a_side_that_died_when_its_coordinator_went_away_says_so():

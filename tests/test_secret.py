@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from store_reader import read_dir
 
-from rekv_jax.launch.pair import Pair, loopback, run_child, run_pair
+from rekv_jax.launch.group import Job, loopback, run_child, run_pair
 from rekv_jax.transport import ROLES, JobKey, TransportError, control, distributed, secret
 from rekv_jax.transport.transfer_server import _uuid, pull_key
 
@@ -44,7 +44,7 @@ def attacked_side(side, folder: str) -> bool | None:
         distributed.initialize(side.coordinator, 1, init_timeout_s=int(WAIT_S))
         jax.devices()
         _wait_for(Path(folder, "joined"))
-    t = side.connect("transfer-server", timeout=WAIT_S)
+    t = side.link("transfer-server", timeout=WAIT_S)
     if side.role == "prefill":
         t.send(TAG, [jax.device_put(PAYLOAD)], timeout=WAIT_S)
         side.emit(t._server.address())  # where a stranger who scanned the ports would pull
@@ -145,15 +145,15 @@ def dies_before_control(side) -> tuple[str, float] | None:
         os.kill(os.getpid(), 9)
     start = time.monotonic()
     with pytest.raises(TransportError) as gone:
-        side.connect("transfer-server", timeout=WAIT_S, heartbeat_s=2)
+        side.link("transfer-server", timeout=WAIT_S, heartbeat_s=2)
     return str(gone.value), time.monotonic() - start
 
 
 def test_a_peer_that_dies_before_the_control_connection_is_seen_within_a_heartbeat():
-    with Pair(dies_before_control, (), {r: dict(os.environ) for r in ROLES}, key=JobKey.new(),
-              coordinator=loopback(), grace=WAIT_S) as pair:
+    with Job.pair(dies_before_control, (), {r: dict(os.environ) for r in ROLES},
+                  key=JobKey.new(), coordinator=loopback(), grace=WAIT_S) as pair:
         ended = pair.wait(timeout=2 * WAIT_S)
-    assert ended["prefill"].exitcode == -9
-    said, seconds = ended["decode"].value
+    assert ended["prefill-0"].exitcode == -9
+    said, seconds = ended["decode-0"].value
     assert "gone (before it opened the control connection)" in said, said
     assert seconds < 2 + 10 < WAIT_S  # its heartbeat's staleness (2 s) plus start-up, not 120 s

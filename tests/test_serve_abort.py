@@ -1,8 +1,9 @@
-"""A streaming HTTP client that disconnects aborts its request: 8 streaming clients of the OpenAI
-API over a `Server` of the shipped model (one prefill and one decode worker), 4 of which leave
-mid-stream (one while its request still waits for pages). The other 4 get exactly their
-single-process greedy tokens, the decode worker's pool is empty within the decode step of the
-last finish, and the request that left while queued was never prefilled."""
+"""A streaming HTTP client that disconnects aborts its request: streaming clients of the OpenAI
+API over a `Server` of the shipped model (one prefill and one decode worker). 8 stream at once,
+4 of which leave mid-stream; then `PREFILL_AHEAD` more are prefilled ahead of their pages and
+one beyond them waits in the router's queue, and those leave too. The 4 that stay get exactly
+their single-process greedy tokens, the decode worker's pool is empty within the decode step of
+the last finish, and the request that left while queued was never prefilled."""
 
 import http.client
 import json
@@ -19,14 +20,16 @@ from rekv_jax.model.loader import SHIPPED_MODEL, load_model
 from rekv_jax.model.transformer import greedy_decode, prefill
 from rekv_jax.serving.http import build_app, running
 from rekv_jax.serving.requests import Finished, Load, PrefillDone, Token
+from rekv_jax.serving.router import PREFILL_AHEAD
 from rekv_jax.serving.serve_config import ServeConfig, Workers, http_model, member_setup
 from rekv_jax.serving.server import Server
 
 SPEC = str(SHIPPED_MODEL)
 PROMPT = 8  # prompt tokens of every request
 # A pool of one 2048-position request (128 pages of 16): the 4 that stay (3 pages each) and the
-# 3 that leave after a few tokens (13 pages each) fit at once; the 8th (95 pages) waits until
-# one of the 3 gives its pages back, so it is still queued when its client leaves.
+# 3 that leave after a few tokens (13 pages each) fit at once; a request of 95 pages waits until
+# one of the 3 gives its pages back: the first `PREFILL_AHEAD` of them are prefilled ahead, the
+# next is still queued when its client leaves.
 STAY, LEAVE, QUEUED = 32, 200, 1500  # max_tokens of each kind
 WAIT_S = 120.0
 
@@ -42,6 +45,10 @@ def _depth(url: str, stage: str) -> float:
         text = answer.read().decode()
     return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
                 if s.name == "rekv_queue_depth" and s.labels["stage"] == stage)
+
+
+def _in_flight(url: str) -> float:
+    return sum(_depth(url, stage) for stage in ("waiting", "prefill", "decode"))
 
 
 class Client(threading.Thread):
@@ -98,7 +105,8 @@ def _until(done, timeout_s: float) -> bool:
 def test_clients_that_disconnect_abort_their_requests_and_the_others_are_exact():
     model = load_model(SPEC, dtype=jnp.bfloat16, orbax=False)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, model.cfg.vocab_size, PROMPT).tolist() for _ in range(8)]
+    n = 8 + PREFILL_AHEAD
+    prompts = [rng.integers(0, model.cfg.vocab_size, PROMPT).tolist() for _ in range(n)]
     config = ServeConfig(SPEC, ("bf16:full",), workers=Workers(link_gbps=None, timeout=60.0,
                                                               pin=False), pool_requests=1)
     events, served, release, go = [], {}, threading.Event(), threading.Event()
@@ -111,23 +119,26 @@ def test_clients_that_disconnect_abort_their_requests_and_the_others_are_exact()
             for client in stay + leave:
                 client.start()
             assert all(c.streaming.wait(WAIT_S) for c in stay + leave)
-            queued = Client(url, prompts[7], QUEUED, go)
-            queued.start()
-            assert _until(lambda: _depth(url, "waiting") == 1, WAIT_S)  # it waits for pages
-            go.set()  # its client leaves while it is queued
-            _until(lambda: tuple(prompts[7]) in served, 10.0)
+            queued = []
+            for k, p in enumerate(prompts[7:]):  # one at a time: arrival order is their order
+                queued.append(Client(url, p, QUEUED, go))
+                queued[-1].start()
+                assert _until(lambda k=k: _in_flight(url) == 8 + k, WAIT_S)
+            assert _depth(url, "waiting") == 1  # the last waits in the queue, unprefilled
+            go.set()  # their clients leave while they wait for pages
+            _until(lambda: all(tuple(p) in served for p in prompts[7:]), 10.0)
             release.set()  # then the 3 others leave mid-stream
-            for client in [*stay, *leave, queued]:
+            for client in [*stay, *leave, *queued]:
                 client.join(WAIT_S)
-            assert _until(lambda: len(served) == 8, WAIT_S)
-    assert not [c.error for c in [*stay, *leave, queued] if c.error is not None]
+            assert _until(lambda: len(served) == n, WAIT_S)
+    assert not [c.error for c in [*stay, *leave, *queued] if c.error is not None]
     for p in prompts[:4]:
         s = served[tuple(p)]
         assert s.completed and np.array_equal(s.finished.tokens, greedy(model, p, STAY))
     for p in prompts[4:]:
         s = served[tuple(p)]
         assert not s.completed and len(s.token_times_s) < s.request.max_new_tokens
-    never = served[tuple(prompts[7])]
+    never = served[tuple(prompts[-1])]
     assert never.assignment is None and never.prefill_done is None and not never.token_times_s
     assert not [e for e in events if isinstance(e, Emitted) and isinstance(
         e.item, Token | PrefillDone | Finished) and e.item.request_id == never.request.id]

@@ -31,9 +31,8 @@ from test_serve_start import QUICK, REPO, STOP_S, _analytic_profile, _env
 
 from rekv_jax.errors import TransportError
 from rekv_jax.launch.child import member_names
-from rekv_jax.launch.group import Emitted, MemberEnded
+from rekv_jax.launch.group import Emitted, MemberEnded, loopback
 from rekv_jax.launch.nodes import NodeGroup, Rendezvous, run_member
-from rekv_jax.launch.pair import loopback
 from rekv_jax.model.loader import load_model
 from rekv_jax.transport import JobKey
 from rekv_jax.transport.control import WrongKey

@@ -357,7 +357,7 @@ def test_a_pair_of_processes_runs_experiments_in_turn(tmp_path):
         unpaced = pair.run(dataclasses.replace(first, actions=(q8,), link_gbps=None))
         other = pair.run(dataclasses.replace(first, model="tiny-qwen3", actions=(q8,)))
         # both sides refuse it; the first to end is told, named unless it is the decode side
-        with pytest.raises(ValueError, match=r"^(the prefill side: )?actions .*not for tiny"):
+        with pytest.raises(ValueError, match=r"^(prefill-0: )?actions .*not for tiny"):
             pair.run(dataclasses.replace(first, actions=(Action(16, 8, 8),)))
     assert [(r.model, str(r.action), r.link_gbps) for r in paced + unpaced + other] == [
         ("tiny", "bf16:full", 0.0005), ("tiny", "q8:r=2", None), ("tiny", "q8:r=2", None),

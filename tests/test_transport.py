@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transport_worker import COMPUTE_S, PACED_S, main, sleep_side
 
-from rekv_jax.launch.pair import Pair, loopback, run_child
+from rekv_jax.launch.child import role_of
+from rekv_jax.launch.group import Job, loopback, run_child
 from rekv_jax.transport import (
     ROLES,
     JobKey,
@@ -231,10 +232,11 @@ def test_pacing_emulates_a_fifo_link():
 
 def run_workers(kind: str, scenario: str) -> dict:
     """Both ends of `scenario`; returns {role: (exit code, events or None, output)}."""
-    with Pair(main, (kind, scenario), {role: dict(os.environ) for role in ROLES},
-              key=JobKey.new(), coordinator=loopback()) as pair:
+    with Job.pair(main, (kind, scenario), {role: dict(os.environ) for role in ROLES},
+                  key=JobKey.new(), coordinator=loopback()) as pair:
         ended = pair.wait(timeout=120)
-    return {role: (e.exitcode, e.value, e.log[-3000:] + e.traceback) for role, e in ended.items()}
+    return {role_of(name): (e.exitcode, e.value, e.log[-3000:] + e.traceback)
+            for name, e in ended.items()}
 
 
 @pytest.mark.parametrize("kind", REAL_KINDS)
@@ -287,10 +289,10 @@ def _children() -> set[int]:
 
 def test_launched_processes_are_killed_past_their_timeout():
     before = _children()
-    with pytest.raises(TimeoutError, match="^the prefill side and the decode side still running "
-                                          r"after 3 s \(killed\)$"):
-        with Pair(sleep_side, (600,), {role: dict(os.environ) for role in ROLES},
-                  key=None) as pair:
+    with pytest.raises(TimeoutError, match=r"^decode-0 and prefill-0 still running after 3 s "
+                                          r"\(killed\)$"):
+        with Job.pair(sleep_side, (600,), {role: dict(os.environ) for role in ROLES},
+                      key=None) as pair:
             pair.wait(timeout=3)
     with pytest.raises(TimeoutError, match=r"^napping: still running after 3 s \(killed\)$"):
         run_child(time.sleep, 600, env=os.environ, what="napping", timeout=3)

@@ -1,6 +1,6 @@
 """One end of a two-process transport test: `main(side, kind, scenario)`, the job of a launched
-pair (`launch.pair`), returns {step: [outcome, message]} where outcome is "ok" or the exception's
-class name; tests/test_transport.py launches both ends and checks the events."""
+pair (`launch.group.Job`), returns {step: [outcome, message]} where outcome is "ok" or the
+exception's class name; tests/test_transport.py launches both ends and checks the events."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from rekv_jax.launch.child import Side
+from rekv_jax.launch.child import Member
 from rekv_jax.transport import Paced
 
 TIMEOUT = 30.0
@@ -35,9 +35,9 @@ def specs(arrays: list[np.ndarray]) -> list[jax.ShapeDtypeStruct]:
     return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
 
 
-def main(side: Side, kind: str, scenario: str) -> dict[str, list]:
+def main(side: Member, kind: str, scenario: str) -> dict[str, list]:
     role = side.role
-    t = side.connect(kind, timeout=TIMEOUT, heartbeat_s=3)
+    t = side.link(kind, timeout=TIMEOUT, heartbeat_s=3)
     events: list[list] = []
 
     def step(name: str, fn) -> None:
@@ -131,6 +131,6 @@ def main(side: Side, kind: str, scenario: str) -> dict[str, list]:
     return {e[0]: e[1:] for e in events}
 
 
-def sleep_side(side: Side, seconds: float) -> None:
+def sleep_side(side: Member, seconds: float) -> None:
     """A side that does nothing for `seconds` (the launcher's timeout tests)."""
     time.sleep(seconds)

@@ -1,5 +1,5 @@
-"""What runs inside a spawned process: its entry (`enter`), and what its job is handed first: a
-pair's `Side`, or a group's `Member` (with its `Inbox` of the group's messages).
+"""What runs inside a spawned process: its entry (`enter`), and what a group's job is handed
+first: its `Member` (with its `Inbox` of the group's messages).
 
 Only the standard library is imported here at module level: a spawned process loads this module
 to find its entry, and nothing may start JAX (or read its settings) before `enter` has set the
@@ -27,8 +27,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 # What a child sends its parent: (kind, object)
-ITEM = "item"  # an object the job emitted (`Side.emit`, `Member.emit`)
-NEXT = "next"  # the job asks for its next request (`Side.requests`)
+ITEM = "item"  # an object the job emitted (`Member.emit`)
 VALUE = "value"  # the job returned this
 RAISED = "raised"  # the job raised this: (exception, traceback text)
 # What a group sends a member: (kind, object)
@@ -36,52 +35,6 @@ MESSAGE = "message"  # an object for the member (`Group.send`)
 CLOSE = "close"  # nothing more will come (`Group.close`)
 PREFILL, DECODE = "prefill", "decode"  # the two roles of a group's members
 _sending = threading.Lock()  # one message at a time to the parent (a member emits from threads)
-
-
-@dataclasses.dataclass(frozen=True)
-class Side:
-    """What a pair's job is handed in its process: which side it is, where the coordinator is,
-    the job's key (None: `--insecure`), and its line to the parent."""
-
-    role: str  # "prefill" | "decode"
-    coordinator: str | None  # host:port of process 0; None: JAX detects the cluster
-    key: JobKey | None
-    _parent: Connection = dataclasses.field(repr=False)
-
-    def emit(self, item: object) -> None:
-        """Hand `item` to the parent now (a record, a token, progress)."""
-        self._parent.send((ITEM, item))
-
-    def requests(self) -> Iterator[Any]:
-        """The requests the parent hands this side (`Pair.ask`), one at a time: asking for the
-        next tells the parent that the last one is done. Ends when the parent closes."""
-        while True:
-            self._parent.send((NEXT, None))
-            request = self._parent.recv()
-            if request is None:
-                return
-            yield request
-
-    def connect(self, kind: str, *, link_gbps: float | None = None, timeout: float = 60.0,
-                heartbeat_s: int = 10) -> Transport:
-        """This side's end of the pair's link of `kind` (`transport.connect`, with the key)."""
-        from rekv_jax.transport import connect
-
-        return connect(kind, self.role, self.coordinator, key=self.key, link_gbps=link_gbps,
-                       timeout=timeout, heartbeat_s=heartbeat_s)
-
-    def on_link(self, kind: str, link_gbps: float | None, timeout: float,
-                body: Callable[[str, Transport], T]) -> T:
-        """`body(role, transport)` over the pair's link of `kind`, closed after: this side's
-        end (`connect`), or, for the `local` transport, both ends in this one process (the
-        prefill side's on a thread); the decode side's result either way."""
-        if kind == "local":
-            from rekv_jax.transport import LocalTransport
-
-            return LocalTransport.run_pair(lambda t: body("prefill", t),
-                                           lambda t: body("decode", t), link_gbps, timeout)
-        with self.connect(kind, link_gbps=link_gbps, timeout=timeout) as transport:
-            return body(self.role, transport)
 
 
 def member_name(role: str, index: int) -> str:
@@ -116,6 +69,15 @@ class Closed:
 
 
 CLOSED = Closed()
+
+
+@dataclasses.dataclass(frozen=True)
+class Ready:
+    """What a member emits when it asks for its next request (`Member.requests`): the one it
+    had is done."""
+
+
+READY = Ready()
 
 
 class Inbox:
@@ -176,9 +138,10 @@ class Inbox:
 class Member:
     """What a group's job is handed in its process: which member it is (`name`, e.g.
     "prefill-1": its `role` and `index`), its `process_id` in jax.distributed (its place in
-    `members`, the group's names in process-id order), where the coordinator is (decode-0's),
-    the job's key (None: `--insecure`), its line to the parent (`emit`) and its inbox
-    (`receive`, `incoming`)."""
+    `members`, the group's names in process-id order, some perhaps run elsewhere), where the
+    coordinator is (decode-0's; None: JAX detects the cluster), the job's key (None:
+    `--insecure`), its line to the parent (`emit`), its inbox (`receive`, `incoming`, or as
+    `requests`) and its links to the other side (`links`, a pair's `link` or `on_link`)."""
 
     name: str
     members: tuple[str, ...]
@@ -225,6 +188,19 @@ class Member:
         futures (`concurrent.futures.wait`)."""
         return self._inbox.incoming()
 
+    def requests(self) -> Iterator[Any]:
+        """The group's messages to this member taken as requests, one at a time: each is asked
+        for by emitting `READY` (the one before is done). Ends once the group closed."""
+        while True:
+            self.emit(READY)
+            messages: list[Any] = []
+            while not messages:
+                messages = self.receive(timeout=60.0)
+            for message in messages:
+                if isinstance(message, Closed):
+                    return
+                yield message
+
     def links(self, kind: str, link_gbps: float | None = None, timeout: float = 60.0,
               heartbeat_s: int = 10) -> dict[str, Transport]:
         """This member's links, one per member of the other side, by name in process-id order
@@ -237,12 +213,33 @@ class Member:
                              len(self.members), self.peers, key=self.key, link_gbps=link_gbps,
                              timeout=timeout, heartbeat_s=heartbeat_s)
 
+    def link(self, kind: str, link_gbps: float | None = None, timeout: float = 60.0,
+             heartbeat_s: int = 10) -> Transport:
+        """This member's one link, to the other side's only member (a pair: `links`' one)."""
+        links = self.links(kind, link_gbps, timeout, heartbeat_s)
+        if len(links) != 1:
+            raise ValueError(f"{self.name} has {len(links)} peers, not one: use `links`")
+        return next(iter(links.values()))
+
+    def on_link(self, kind: str, link_gbps: float | None, timeout: float,
+                body: Callable[[str, Transport], T]) -> T:
+        """`body(role, transport)` over the pair's link of `kind`, closed after: this member's
+        end (`link`), or, for the `local` transport, both ends in this one process (the
+        prefill end's on a thread); the decode end's result either way."""
+        if kind == "local":
+            from rekv_jax.transport import LocalTransport
+
+            return LocalTransport.run_pair(lambda t: body("prefill", t),
+                                           lambda t: body("decode", t), link_gbps, timeout)
+        with self.link(kind, link_gbps, timeout) as transport:
+            return body(self.role, transport)
+
 
 def enter(parent: Connection, log: str, payload: bytes,
           handed: tuple[Callable[..., Any], tuple] | None) -> None:
     """A spawned process's entry: its output goes to `log`; it dies with its parent; it runs
     the job of `payload` (pickled `(function, args)`), handed `make(*fields, parent)` first
-    where `handed` is `(make, fields)` (a `Side`, a `Member`), and sends the parent what it
+    where `handed` is `(make, fields)` (a `Member`), and sends the parent what it
     returned or raised."""
     _output_to(log)
     die_with_parent()

@@ -34,8 +34,7 @@ from typing import Any
 from rekv_jax.errors import TransportError, TransportTimeout
 from rekv_jax.launch import child
 from rekv_jax.launch.child import member_names
-from rekv_jax.launch.group import Emitted, Event, MemberEnded, failure_line
-from rekv_jax.launch.pair import free_port
+from rekv_jax.launch.group import Emitted, Event, MemberEnded, failure_line, free_port
 from rekv_jax.launch.processes import Child, Ended
 from rekv_jax.transport import control
 from rekv_jax.transport.secret import JobKey

@@ -1,6 +1,6 @@
 """One spawned process watched from its parent (`Child`), and how it ended (`Ended`), told in
 one line: its own error, or, where it died natively (a signal, JAX aborting it once its
-coordinator went away), the side and how it ended."""
+coordinator went away), the member and how it ended."""
 
 from __future__ import annotations
 
@@ -29,13 +29,13 @@ _environ_lock = threading.Lock()  # `os.environ` is swapped while a child starts
 class Ended:
     """How one spawned process ended."""
 
-    name: str  # e.g. "the prefill side", "link calibration"
+    name: str  # e.g. "prefill-0", "link calibration"
     exitcode: int  # negative: the signal that ended it
     value: object = None  # what its job returned
     error: BaseException | None = None  # what its job raised
     traceback: str = ""  # of `error`
     log: str = ""  # its output (native libraries' included)
-    own_words: bool = False  # its errors stand as they are (the pair's decode side)
+    own_words: bool = False  # its errors stand as they are (a job's answering member)
 
     @property
     def ok(self) -> bool:
@@ -60,13 +60,12 @@ class Child:
     """A job in a process of its own, spawned (a fresh interpreter) in the environment `env`:
     its variables from the start, so JAX reads the GPUs, memory share and flags of `env`; on
     CPU its cores (`cores.children_on`). `handed`: (make, fields) of what its job is handed
-    first, `make(*fields, connection)` (a pair's `child.Side`, a group's `child.Member`). Its
-    output goes to a log file in `logs`."""
+    first, `make(*fields, connection)` (a group's `child.Member`). Its output goes to a log
+    file in `logs`."""
 
     def __init__(self, name: str, job: Callable, args: tuple, env: Mapping[str, str],
-                 logs: Path, handed: tuple[Callable, tuple] | None = None,
-                 own_words: bool = False) -> None:
-        self.name, self._own_words = name, own_words
+                 logs: Path, handed: tuple[Callable, tuple] | None = None) -> None:
+        self.name = name
         self._log = logs / f"{name.replace(' ', '-')}.log"
         self.conn, theirs = _SPAWN.Pipe()
         payload = pickle.dumps((job, args))  # unpickled there once its output is set up
@@ -108,7 +107,7 @@ class Child:
         error, text = said if kind == child.RAISED else (None, "")
         log = self._log.read_text(errors="replace") if self._log.exists() else ""
         self.ended = Ended(self.name, self._process.exitcode, said if kind == child.VALUE
-                           else None, error, text, log, self._own_words)
+                           else None, error, text, log)
         self.conn.close()
         return self.ended
 

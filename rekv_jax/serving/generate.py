@@ -25,9 +25,9 @@ import numpy as np
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
 from rekv_jax.errors import TransportError
-from rekv_jax.launch.child import Side
+from rekv_jax.launch.child import Member
 from rekv_jax.launch.environments import pair_environments, visible_gpus
-from rekv_jax.launch.pair import loopback, run_pair
+from rekv_jax.launch.group import loopback, run_pair
 from rekv_jax.launch.runtime import agree_runtime
 from rekv_jax.mode import Fallback, Interval, Mode, PrefillMode, Schedule
 from rekv_jax.model.loader import SHIPPED_MODEL, load_config
@@ -178,9 +178,9 @@ def _generation(req: Request, cfg: ModelConfig, params: Params, tok: Tokenizer |
         fallback=out.fell_back, first_divergence=divergence)
 
 
-def run_side(side: Side, req: Request) -> Generation | None:
+def run_side(side: Member, req: Request) -> Generation | None:
     """One worker's process (`generate`); over the `local` transport, both workers in one.
-    Tokens reach the launching process as they come (`Side.emit`)."""
+    Tokens reach the launching process as they come (`Member.emit`)."""
     return side.on_link(req.transport, req.link_gbps, req.timeout,
                         lambda role, transport: run_role(role, req, transport, side.emit))
 

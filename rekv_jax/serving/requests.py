@@ -1,5 +1,5 @@
 """What the router and the workers of a serving run tell each other: small frozen records, each
-picklable (they cross the launcher's pipes: `Pair.ask` to a worker, `Side.emit` back).
+picklable (they cross the launcher's pipes: `Group.send` to a worker, `Member.emit` back).
 
 Router -> prefill worker: `Prefill`. Router -> decode worker: `Admit`. Router -> either:
 `Abort`. Prefill worker -> router: `PrefillDone`. Decode worker -> router: `Held` (no pages

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from rekv_jax import sizes
-from rekv_jax.launch.pair import run_child
+from rekv_jax.launch.group import run_child
 from rekv_jax.model.loader import load_config, load_model
 from rekv_jax.model.transformer import run_suffix
 from rekv_jax.planning.planner import PAPER_LINK_GBPS

@@ -32,7 +32,7 @@ from rekv_jax.config import Llama3RopeScaling, ModelConfig
 from rekv_jax.errors import one_line
 from rekv_jax.handoff.check import SUFFIX_ACROSS, reference
 from rekv_jax.launch.environments import visible_gpus
-from rekv_jax.launch.pair import run_child
+from rekv_jax.launch.group import run_child
 from rekv_jax.mode import Schedule
 from rekv_jax.model.loader import load_config, synthetic_model
 from rekv_jax.model.transformer import (

@@ -30,14 +30,14 @@ from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
 from rekv_jax.handoff.receiver import receive_handoff
 from rekv_jax.handoff.sender import prepare, send_handoff, send_prompt
-from rekv_jax.launch.child import Side
+from rekv_jax.launch.child import Member
 from rekv_jax.launch.environments import (
     pair_environments,
     scheduled_environment,
     visible_gpus,
     with_host_devices,
 )
-from rekv_jax.launch.pair import Pair, loopback, run_pair
+from rekv_jax.launch.group import Job, loopback, run_pair
 from rekv_jax.launch.runtime import agree_runtime
 from rekv_jax.mode import (
     PAPER_SCHEDULES,
@@ -349,11 +349,12 @@ def summarize(cfg: ModelConfig, exp: Experiment, mode: Mode, reps: list[Rep], we
         fidelity=Fidelity.median(r.fidelity for r in reps))
 
 
-def run_side(side: Side, exp: Experiment, session: bool = False) -> None:
-    """One side's process of a launched pair: `exp`, then, in a `session`, each experiment the
-    launching process hands the decode side (`run_session`); records and `Progress` go to the
-    launching process after each action. Over the `local` transport the one process runs both
-    sides. Each experiment paces its own link (`run_role`), so the transport is unpaced."""
+def run_side(side: Member, exp: Experiment, session: bool = False) -> None:
+    """One side's process of a launched pair (its member: decode-0 or prefill-0): `exp`, then,
+    in a `session`, each experiment the launching process hands the decode side (`run_session`);
+    records and `Progress` go to the launching process after each action. Over the `local`
+    transport the one process runs both sides. Each experiment paces its own link (`run_role`),
+    so the transport is unpaced."""
     more = side.requests() if session and side.role == "decode" else ()
 
     def progress(n: int) -> None:
@@ -376,17 +377,17 @@ def launch_pair(exp: Experiment, on_item: Callable[[object], None], pin: bool = 
     """Run `exp` on this machine, each side spawned in its environment (`side_environments`:
     a GPU or a fair share each, or on CPU its own cores unless not `pin`) over loopback, under
     a key made for it; records and `Progress` reach `on_item` after each action. A failed side is
-    one line naming it and how it ended (`launch.pair`)."""
+    one line naming it and how it ended (`launch.group.run_pair`)."""
     run_pair(run_side, exp, envs=side_environments(exp, pin), key=JobKey.new(),
              coordinator=loopback(), grace=exp.timeout, on_item=on_item)
 
 
-def open_session(exp: Experiment, envs: dict[Role, dict[str, str]]) -> Pair[None]:
-    """A pair spawned for `exp` and kept running for more (a sweep's): `Pair.wait_ready` returns
-    `exp`'s records, `Pair.ask(next, timeout)` runs the next experiment on the same processes,
-    transport and weights, `Pair.close` ends it."""
-    return Pair(run_side, (exp, True), envs, key=JobKey.new(), coordinator=loopback(),
-                grace=exp.timeout)
+def open_session(exp: Experiment, envs: dict[Role, dict[str, str]]) -> Job[None]:
+    """A pair spawned for `exp` and kept running for more (a sweep's): `Job.wait_ready` returns
+    `exp`'s records, `Job.ask(next, timeout)` runs the next experiment on the same processes,
+    transport and weights, `Job.close` ends it."""
+    return Job.pair(run_side, (exp, True), envs, key=JobKey.new(), coordinator=loopback(),
+                    grace=exp.timeout)
 
 
 def run_process(role: Role, exp: Experiment, coordinator: str | None, key: JobKey | None,

@@ -24,8 +24,8 @@ from tqdm import tqdm
 
 from rekv_jax import phases, sizes
 from rekv_jax.config import ModelConfig
-from rekv_jax.launch import pair as launched
 from rekv_jax.launch.environments import pair_environments, visible_gpus
+from rekv_jax.launch.group import Job
 from rekv_jax.model.loader import load_config
 from rekv_jax.planning import costmodel, profile_fit
 from rekv_jax.study import report, tables
@@ -63,7 +63,7 @@ class Pair:
         self._cache = compile_cache_env(cache_dir)
         self._timeout = timeout  # per experiment
         self._pin = pin
-        self._pair: launched.Pair[None] | None = None
+        self._pair: Job[None] | None = None
         self._failed = False
 
     def run(self, exp: Experiment) -> list[Summary]:

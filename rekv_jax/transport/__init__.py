@@ -98,10 +98,11 @@ def connect_peers(kind: str, role: Role, coordinator: str | None, process_id: in
     peer_of(role)
     if kind not in TRANSPORTS:
         raise ValueError(f"unknown transport {kind!r}; expected one of {TRANSPORTS}")
-    if num_processes == 2:
+    if num_processes == 2:  # without a coordinator the cluster's own process ids stand
         (name,) = peers
-        return {name: connect(kind, role, coordinator, process_id, key=key, link_gbps=link_gbps,
-                              timeout=timeout, heartbeat_s=heartbeat_s)}
+        return {name: connect(kind, role, coordinator, process_id if coordinator else None,
+                              key=key, link_gbps=link_gbps, timeout=timeout,
+                              heartbeat_s=heartbeat_s)}
     if kind != TransferServerTransport.kind:
         why = ("it runs one program over a mesh of exactly two processes"
                if kind == CollectiveTransport.kind else "its two ends live in one process")

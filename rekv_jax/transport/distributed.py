@@ -85,7 +85,7 @@ def initialize(coordinator: str | None, process_id: int | None, *, init_timeout_
         wait_for_port(coordinator, init_timeout_s)
     init_timeout_s = max(1, round(init_timeout_s - (time.monotonic() - start)))
     # JAX's coordination service binds every interface by default; a loopback coordinator (one
-    # machine, `launch.pair.loopback`) keeps it to loopback
+    # machine, `launch.group.loopback`) keeps it to loopback
     host = coordinator.rsplit(":", 1)[0].strip("[]") if coordinator else None
     bind = coordinator if host in control.LOOPBACK else None
     try:
