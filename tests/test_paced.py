@@ -45,7 +45,7 @@ def test_the_prefill_side_hears_each_verdict_no_sooner_than_the_paced_link_deliv
         heard.append(time.monotonic() - t0)
     for k, h in enumerate(heard):
         assert h >= (k + 1) * PER_S
-    assert heard[-1] <= 3 * PER_S + 0.15
+    assert heard[-1] <= 3 * PER_S + 0.3  # and not much later (a loaded machine wakes late)
     for a in arrivals:
         a.result(timeout=10)
     prefill.close(), decode.close()
