@@ -10,6 +10,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -241,18 +242,22 @@ def test_a_corrupted_prefix_stays_with_its_request(monkeypatch, fallback):
 
 def test_a_dead_prefill_worker_fails_the_requests_waiting_for_it_and_running_ones_finish(
         monkeypatch):
-    """The prefill worker dies after its second request (its end of the link closes): the
-    requests still waiting for it fail, one line each; those it handed off finish."""
-    served = []
-    prefill = PrefillWorker.prefill
+    """The prefill worker dies once its first two requests are handed off (its end of the link
+    closes as it starts the third): the requests still waiting for it fail, one line each;
+    those it handed off finish."""
+    started = []
+    start = PrefillWorker._start
 
-    def dying(self, request):
-        if len(served) == 2:  # its link goes as a dead process's does: every wait fails
+    def dying(self, job, emit, send):
+        if len(started) == 2:  # its link goes as a dead process's does: every wait fails
+            deadline = time.monotonic() + 20
+            while self._flying and time.monotonic() < deadline:  # the two handed off
+                self._collect(emit)
             self._links[0]._channel.close("the prefill side is gone")
-        served.append(request.request_id)
-        return prefill(self, request)
+        started.append(job.request.request_id)
+        return start(self, job, emit, send)
 
-    monkeypatch.setattr(PrefillWorker, "prefill", dying)
+    monkeypatch.setattr(PrefillWorker, "_start", dying)
     asked = asks((("bf16:r=2", 96), ("bf16:full", 40), ("q8:r=2", 96), ("bf16:r=3", 40)),
                  gap_s=0.0)
     out = serve_local(MemberSetup(MODEL, pool=PoolConfig(40, 16), timeout=20), asked,

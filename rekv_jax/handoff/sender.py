@@ -9,6 +9,11 @@ layer's payload as it is computed, `h_c` the moment layer c-1 is; a pipelined on
 chunk through layers 0..c-1 (a chunked prefill with its own prefix cache) and sends the chunk's
 `h_c`, then its prefix. Either way the link moves a message while the next one computes.
 
+Sends complete asynchronously: `start_prompt` (and `Prepared.send`, for a full prefill computed
+earlier by `prepare_prompt`) returns once every message is handed to the link, with a `Sending`
+that holds the handoff's buffers until the decode side's verdicts and is polled or waited on
+for its `SendReport`; `send_prompt` and `send_handoff` wait for it at once.
+
 Token ids always cross the link (they are tiny): the decode side needs them to check its cache
 and, under the recompute fallback, to rebuild the cache if the prefix transfer fails.
 """
@@ -24,6 +29,7 @@ from typing import Any, TypeVar
 import jax
 
 from rekv_jax.config import ModelConfig
+from rekv_jax.errors import TransportError, TransportTimeout
 from rekv_jax.handoff.outcome import PrefillTimes, elapsed_ms
 from rekv_jax.handoff.payload import check_finite, pack_prefix
 from rekv_jax.handoff.prefix_format import PrefixCodec
@@ -105,16 +111,81 @@ class SendReport:
     link_ms: float
 
 
-class _Sent:
-    """The prefill side's running account of one handoff: its compute and quantize times, when
-    the boundary left, the messages sent and the bytes they carried."""
+class Sending:
+    """One handoff whose messages are all handed to the link, until the decode side's verdicts
+    on them: it holds their buffers until then (as the transport does), so that what is in
+    flight can be bounded by `nbytes`. `poll()` never blocks, `wait(timeout)` blocks at most
+    that long; either gives the `SendReport` once every verdict came (its `link_ms` ends when
+    the last one was seen) and raises a failed message's error (ValueError, TransportError),
+    or TransportTimeout once the verdicts did not come within the send's timeout. `abandon()`
+    stops waiting and lets every buffer go (the transport's too: `Transport.forget`)."""
 
-    def __init__(self, link: Transport, t0: float, codec: PrefixCodec) -> None:
-        self.link, self.t0, self.codec, self.bytes_before = link, t0, codec, link.sent_bytes
+    def __init__(self, link: Transport, tags: list[str], buffers: list[jax.Array],
+                 times: PrefillTimes, first_sent: float, timeout: float) -> None:
+        self.link, self.times, self.nbytes = link, times, times.sent_bytes
+        self._waiting, self._buffers = list(tags), buffers  # in the order they were sent
+        self._first_sent, self._timeout = first_sent, timeout
+        self._deadline = time.monotonic() + timeout
+        self.report: SendReport | None = None
+
+    def poll(self) -> SendReport | None:
+        """The report once every verdict came; None while one is still to come."""
+        return self._settle(0.0)
+
+    def wait(self, timeout: float) -> SendReport:
+        """The report, waiting at most `timeout` s (TransportTimeout)."""
+        report = self._settle(timeout)
+        if report is None:
+            raise TransportTimeout(f"{self._waiting[0]}: no verdict within {timeout:g}s")
+        return report
+
+    def _settle(self, timeout: float) -> SendReport | None:
+        end = min(time.monotonic() + timeout, self._deadline)
+        while self._waiting:
+            try:
+                self.link.wait_ack(self._waiting[0], max(0.0, end - time.monotonic()))
+            except TransportTimeout:
+                if time.monotonic() < self._deadline:
+                    return None
+                tag = self._waiting[0]
+                self.abandon()
+                raise TransportTimeout(f"{tag}: no verdict within the send's "
+                                       f"{self._timeout:g}s") from None
+            except (TransportError, ValueError):
+                self.abandon()
+                raise
+            self._waiting.pop(0)
+        if self.report is None:
+            self._buffers = []
+            self.report = SendReport(self.times, elapsed_ms(self._first_sent,
+                                                            time.perf_counter()))
+        return self.report
+
+    def abandon(self) -> None:
+        """Stop waiting for the verdicts still to come; let go of every buffer."""
+        for tag in self._waiting:
+            self.link.forget(tag)
+        self._waiting, self._buffers = [], []
+
+
+class _Sent:
+    """The prefill side's running account of one handoff: its compute and quantize times, then
+    (once `start`ed on a link) when the boundary left, the messages sent, their buffers and the
+    bytes they carried."""
+
+    def __init__(self, codec: PrefixCodec) -> None:
+        self.codec = codec
         self.prefill_ms = self.quantize_ms = self.boundary_at_ms = 0.0
+        self.link: Transport | None = None
+        self.t0, self.bytes_before = 0.0, 0
         self.first_sent: float | None = None
         self.tags: list[str] = []
+        self.buffers: list[jax.Array] = []
         self.nonfinite: list[jax.Array] = []
+
+    def start(self, link: Transport, t0: float) -> None:
+        """Send on `link` from now on; `t0` (time.perf_counter) starts the interval."""
+        self.link, self.t0, self.bytes_before = link, t0, link.sent_bytes
 
     def timed(self, what: str, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)`, awaited, with its time added to `what` (prefill_ms or quantize_ms)."""
@@ -137,66 +208,107 @@ class _Sent:
         self.first_sent = self.first_sent or time.perf_counter()
         self.link.send(f"{tag}/{message.name}", buffers, timeout)
         self.tags.append(message.name)
+        self.buffers += buffers
 
-    def finish(self, tag: str, timeout: float, suffix_sums: tuple[int, ...] = ()
-               ) -> SendReport:
-        """Post the prefill side's times and bytes, then wait for every message's verdict (the
-        decode side's errors surface here); a non-finite scale is an error too."""
+    def handed(self, tag: str, timeout: float, suffix_sums: tuple[int, ...] = ()) -> Sending:
+        """Post the prefill side's times and bytes; the handoff, on the link until its verdicts
+        (the decode side's errors surface there). A non-finite scale is an error at once."""
         check_finite(self.nonfinite, self.codec.bits)
         times = PrefillTimes(self.prefill_ms, self.quantize_ms, self.boundary_at_ms,
                              self.link.sent_bytes - self.bytes_before, suffix_sums)
         self.link.send_meta(f"{tag}/prefill", times.to_json())
-        for name in self.tags:
-            self.link.wait_ack(f"{tag}/{name}", timeout)
-        return SendReport(times, elapsed_ms(self.first_sent or time.perf_counter(),
-                                            time.perf_counter()))
+        return Sending(self.link, [f"{tag}/{name}" for name in self.tags], self.buffers, times,
+                       self.first_sent or time.perf_counter(), timeout)
+
+
+class Prepared:
+    """A full (unstreamed) prefill's handoff, computed and packed on the prefill device, not
+    yet sent: what a serving prefill worker holds while its decode side has no pages for it.
+    `compute_ms`: its prompt compute and quantize."""
+
+    def __init__(self, state: PrefillState, mode: Mode, payload: list[jax.Array], sent: _Sent
+                 ) -> None:
+        self.state, self.mode, self._payload, self._sent = state, mode, payload, sent
+        self.compute_ms = sent.prefill_ms + sent.quantize_ms
+
+    def send(self, link: Transport, tag: str, timeout: float = 60.0, t0: float | None = None
+             ) -> Sending:
+        """Hand each message to `link` (the ids with the first token and h_c's first chunk,
+        h_c's other chunks, the prefix); `t0` (time.perf_counter; None: now) starts the
+        interval its boundary's send time is told from."""
+        state, sent = self.state, self._sent
+        sent.start(link, time.perf_counter() if t0 is None else t0)
+        for message in self.mode.messages(state.tokens.shape[1], self.mode.action.num_layers):
+            buffers = []
+            for part in message.parts:
+                buffers += {Part.TOKENS: lambda: [state.tokens],
+                            Part.FIRST: lambda: list(state.first),
+                            Part.BOUNDARY: lambda m=message: [_tokens_of(state.h_c, *m.tokens)],
+                            Part.PREFIX: lambda: self._payload}[part]()
+            sent.send(tag, message, buffers, timeout)
+        return sent.handed(tag, timeout, state.suffix_sums)
+
+
+def _packed(state: PrefillState, mode: Mode, backend: str | None, sent: _Sent) -> Prepared:
+    """`state` with its prefix quantized (Q, timed into `sent`), ready to send."""
+    messages = mode.messages(state.tokens.shape[1], mode.action.num_layers)
+    payload = [] if state.prefix is None else sent.pack(state.prefix, backend, messages[-1])
+    return Prepared(state, mode, payload, sent)
 
 
 def send_handoff(link: Transport, state: PrefillState, mode: Mode, tag: str,
                  backend: str | None = None, timeout: float = 60.0) -> SendReport:
     """Prefill side of one handoff from a ready prefill state (the paper's interval)."""
     link.agree(f"{tag}/go", {}, timeout)  # both sides start their clocks here
-    sent = _Sent(link, time.perf_counter(), state.codec)
-    return _send_state(state, mode, tag, backend, timeout, sent)
+    t0 = time.perf_counter()
+    prepared = _packed(state, mode, backend, _Sent(state.codec))
+    return prepared.send(link, tag, timeout, t0).wait(timeout)
+
+
+def prepare_prompt(cfg: ModelConfig, params: Params, tokens: jax.Array, mode: Mode,
+                   backend: str | None = None, first: FirstDraw = argmax_first) -> Prepared:
+    """A full prefill's handoff computed from the prompt (its compute and Q timed), to send
+    later (`Prepared.send`); ValueError for a streamed mode, which sends as it computes."""
+    if mode.streams:
+        raise ValueError(f"{mode.label} streams its prefill: start it with start_prompt")
+    sent = _Sent(PrefixCodec.of(cfg, params, mode.action))
+    state = sent.timed("prefill_ms", prepare, cfg, params, tokens, mode, False, first)
+    return _packed(state, mode, backend, sent)
 
 
 def send_prompt(link: Transport, cfg: ModelConfig, params: Params, tokens: jax.Array, mode: Mode,
                 tag: str, backend: str | None = None, timeout: float = 60.0, go: bool = True,
                 first: FirstDraw = argmax_first) -> SendReport:
-    """Prefill side of one handoff timed from the prompt's arrival (`mode.from_prompt`). `go`:
-    start both sides' clocks together first (`TAG/go`, agreed with `receive_handoff`); a
-    serving prefill worker sends at once instead (the decode side's clock starts at its
-    admission). `first`: how it draws the first token it sends."""
+    """Prefill side of one handoff timed from the prompt's arrival (`mode.from_prompt`), until
+    every verdict came (`start_prompt`, then `Sending.wait`)."""
+    return start_prompt(link, cfg, params, tokens, mode, tag, backend, timeout, go,
+                        first).wait(timeout)
+
+
+def start_prompt(link: Transport, cfg: ModelConfig, params: Params, tokens: jax.Array,
+                 mode: Mode, tag: str, backend: str | None = None, timeout: float = 60.0,
+                 go: bool = True, first: FirstDraw = argmax_first, t0: float | None = None
+                 ) -> Sending:
+    """Compute one handoff from the prompt and hand its messages to the link; returns once all
+    are handed (the verdicts come through the `Sending`). `go`: start both sides' clocks
+    together first (`TAG/go`, agreed with `receive_handoff`); a serving prefill worker sends
+    without it (the decode side's clock starts at its admission; `t0`, time.perf_counter,
+    when this side saw it; None: now). `first`: how it draws the first token it sends."""
     if go:
         link.agree(f"{tag}/go", {}, timeout)
-    sent = _Sent(link, time.perf_counter(), PrefixCodec.of(cfg, params, mode.action))
+    t0 = time.perf_counter() if t0 is None else t0
     if not mode.streams:
-        state = sent.timed("prefill_ms", prepare, cfg, params, tokens, mode, False, first)
-        return _send_state(state, mode, tag, backend, timeout, sent)
+        return prepare_prompt(cfg, params, tokens, mode, backend, first).send(link, tag,
+                                                                               timeout, t0)
+    sent = _Sent(PrefixCodec.of(cfg, params, mode.action))
+    sent.start(link, t0)
     send = _send_layers if mode.streams_layers else _send_chunks
     return send(cfg, params, tokens, mode, tag, backend, timeout, sent, first)
 
 
-def _send_state(state: PrefillState, mode: Mode, tag: str, backend: str | None, timeout: float,
-                sent: _Sent) -> SendReport:
-    """Quantize the prefix (Q), then send each message: the ids with the first token and h_c's
-    first chunk, h_c's other chunks, the prefix."""
-    messages = mode.messages(state.tokens.shape[1], mode.action.num_layers)
-    payload = [] if state.prefix is None else sent.pack(state.prefix, backend, messages[-1])
-    for message in messages:
-        buffers = []
-        for part in message.parts:
-            buffers += {Part.TOKENS: lambda: [state.tokens],
-                        Part.FIRST: lambda: list(state.first),
-                        Part.BOUNDARY: lambda m=message: [_tokens_of(state.h_c, *m.tokens)],
-                        Part.PREFIX: lambda: payload}[part]()
-        sent.send(tag, message, buffers, timeout)
-    return sent.finish(tag, timeout, state.suffix_sums)
-
-
 def _send_layers(cfg: ModelConfig, params: Params, tokens: jax.Array, mode: Mode, tag: str,
                  backend: str | None, timeout: float, sent: _Sent, first: FirstDraw
-                 ) -> SendReport:
+                 ) -> Sending:
     """A split prefill: compute the layers each message needs, one program per layer, then send
     it (a layer's payload once that layer is computed; h_c or the first token once layer c-1
     is)."""
@@ -209,12 +321,12 @@ def _send_layers(cfg: ModelConfig, params: Params, tokens: jax.Array, mode: Mode
             done += 1
         sent.send(tag, message, _streamed(message, tokens, x, layer_kv, cfg, params, sent,
                                           backend, first), timeout)
-    return sent.finish(tag, timeout)
+    return sent.handed(tag, timeout)
 
 
 def _send_chunks(cfg: ModelConfig, params: Params, tokens: jax.Array, mode: Mode, tag: str,
                  backend: str | None, timeout: float, sent: _Sent, first: FirstDraw
-                 ) -> SendReport:
+                 ) -> Sending:
     """A pipelined prefill: compute the token chunks each message needs through layers 0..c-1
     (a chunked prefill with its own prefix cache), then send it (a chunk's h_c, then its
     prefix; transfer-only, the first token before the last chunk's prefix)."""
@@ -230,7 +342,7 @@ def _send_chunks(cfg: ModelConfig, params: Params, tokens: jax.Array, mode: Mode
         prefix = kv.span(*message.tokens) if message.parts == (Part.PREFIX,) else None
         sent.send(tag, message, _streamed(message, tokens, x, prefix, cfg, params, sent,
                                           backend, first), timeout)
-    return sent.finish(tag, timeout)
+    return sent.handed(tag, timeout)
 
 
 def _streamed(message: Message, tokens: jax.Array, x: jax.Array, prefix: KVCache | None,

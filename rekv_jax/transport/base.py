@@ -11,7 +11,7 @@ header is read (`_send`, `_receive`).
   send(tag, buffers): hand them to the link      recv(tag, specs) -> Arrival (a future), at once
   ... its other messages ...                     the transport receives, checksums and compares
   wait_ack(tag): the decode side's verdict       on its own threads; the verdict is posted back
-                                                 ("ok", "mismatch: ...", "error: ...")
+  (or forget(tag): no longer wanted)             ("ok", "mismatch: ...", "error: ...")
 
 `recv` never blocks its caller: it starts the receive and returns an `Arrival`, which completes
 with the verified buffers, or fails with ValueError (the sender's buffers are not the specs) or
@@ -107,7 +107,8 @@ def link_bytes(specs: Sequence[jax.ShapeDtypeStruct]) -> int:
     side receives on one link per device), without the checksums."""
     per_device: dict[object, int] = {}
     for s in specs:
-        key = None if s.sharding is None else frozenset(s.sharding.device_set)
+        sharding = getattr(s, "sharding", None)  # a host (numpy) buffer has none
+        key = None if sharding is None else frozenset(sharding.device_set)
         per_device[key] = per_device.get(key, 0) + s.size * jnp.dtype(s.dtype).itemsize
     return max(per_device.values(), default=0)
 
@@ -147,6 +148,8 @@ class Transport(Protocol):
 
     def wait_ack(self, tag: str, timeout: float = 60.0) -> None: ...
 
+    def forget(self, tag: str) -> None: ...
+
     def send_meta(self, tag: str, meta: dict[str, Any]) -> None: ...
 
     def recv_meta(self, tag: str, timeout: float = 60.0) -> dict[str, Any]: ...
@@ -179,6 +182,9 @@ class Wrapper:
 
     def wait_ack(self, tag: str, timeout: float = 60.0) -> None:
         self._transport.wait_ack(tag, timeout)
+
+    def forget(self, tag: str) -> None:
+        self._transport.forget(tag)
 
     def send_meta(self, tag: str, meta: dict[str, Any]) -> None:
         self._transport.send_meta(tag, meta)
@@ -255,6 +261,12 @@ class Endpoint:
             raise ValueError(ack.removeprefix("mismatch: "))
         if ack != "ok":
             raise TransportError(f"decode side failed to receive {tag}: {ack}")
+
+    def forget(self, tag: str) -> None:
+        """Prefill side: nobody waits for `tag`'s verdict any more (its handoff was aborted):
+        the transport lets go of its buffers now; a verdict that comes later is never read."""
+        self._require("prefill", "forget")
+        self._acked(tag)
 
     # -- for the subclasses: the decode side's verdict ----------------------------------------
 

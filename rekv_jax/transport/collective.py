@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rekv_jax.errors import TransportError
+from rekv_jax.errors import TransportError, TransportTimeout
 from rekv_jax.transport import distributed
 from rekv_jax.transport.base import Arrival, Endpoint, Role, mismatch_text, spec_of
 from rekv_jax.transport.checksums import checksums_in_program
@@ -252,11 +252,24 @@ class CollectiveTransport(Endpoint):
 
     def wait_ack(self, tag: str, timeout: float = 60.0) -> None:
         """Prefill side: wait for `tag`'s exchange to end (by its send's deadline), then for the
-        decode side's verdict (`Endpoint.wait_ack`)."""
-        exchange = self._exchanges.pop(tag, None)
+        decode side's verdict (`Endpoint.wait_ack`). A `timeout` that ends before the send's
+        deadline leaves a running exchange running (TransportTimeout): a later wait goes on."""
+        exchange = self._exchanges.get(tag)
         if exchange is not None:
-            self._exchanged(tag, *exchange)
+            run, deadline = exchange
+            if time.monotonic() + timeout < deadline:
+                try:
+                    wait_for(run, time.monotonic() + timeout, self._channel.peer_alive, tag)
+                except TransportTimeout:
+                    raise  # this wait's time is up, not the exchange's
+                except Exception:  # the exchange failed: raised below, where it breaks the link
+                    pass
+            del self._exchanges[tag]
+            self._exchanged(tag, run, deadline)
         super().wait_ack(tag, timeout)
+
+    def _acked(self, tag: str) -> None:
+        self._exchanges.pop(tag, None)  # forgotten: its program runs on, unwaited
 
     def _exchanged(self, tag: str, run: concurrent.futures.Future, deadline: float) -> None:
         """Wait at most until `deadline` for a program started on the runner; one that did not

@@ -30,10 +30,10 @@ class LocalTransport(Endpoint):
 
     @classmethod
     def pair(cls, link_gbps: float | None = None) -> tuple[Transport, Transport]:
-        """The (prefill, decode) ends of one in-process link, the decode end paced to
-        `link_gbps` (None: unpaced)."""
+        """The (prefill, decode) ends of one in-process link, both paced to `link_gbps` (None:
+        unpaced; `paced.Paced`)."""
         board = Board()
-        return cls("prefill", board), paced(cls("decode", board), link_gbps)
+        return paced(cls("prefill", board), link_gbps), paced(cls("decode", board), link_gbps)
 
     @classmethod
     def run_pair(cls, prefill: Callable[[Transport], Any], decode: Callable[[Transport], T],
