@@ -16,9 +16,10 @@ import numpy as np
 from rekv_jax.action import Action
 from rekv_jax.handoff.sender import Prepared
 from rekv_jax.serving import prefill_worker
-from rekv_jax.serving.driver import Ask, ServeSetup
+from rekv_jax.serving.driver import Ask
 from rekv_jax.serving.engine import DecodeEngine, EngineConfig
 from rekv_jax.serving.inbox import LocalInbox
+from rekv_jax.serving.member import MemberSetup
 from rekv_jax.serving.pages import PoolConfig
 from rekv_jax.serving.prefill_worker import PrefillWorker
 from rekv_jax.serving.requests import Abort, Finished, PrefillDone, ServeRequest
@@ -32,7 +33,7 @@ LINK_S = 0.3  # what one request's handoff takes on the paced link
 
 @functools.cache
 def model():
-    return ServeSetup(MODEL).load()
+    return MemberSetup(MODEL, PoolConfig(64, 16)).load()
 
 
 def records(i: int):

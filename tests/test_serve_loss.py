@@ -23,7 +23,7 @@ from rekv_jax.serving.pages import PoolConfig
 from rekv_jax.serving.policy import Context, make_policies
 from rekv_jax.serving.requests import Assignment, PrefillDone, Ready, ServeRequest, Token
 from rekv_jax.serving.router import Router, Scheduled, drive
-from rekv_jax.serving.serve import Workers
+from rekv_jax.serving.serve_config import Workers
 
 TIMEOUT = 60.0  # each request's deadline; a hang would show as a deadline's error
 NEW, PROMPT, REQUESTS = 6, 32, 8
