@@ -185,10 +185,10 @@ def test_an_abort_ends_one_request_wherever_it_is_and_a_queued_one_is_never_pref
     r, w = router()
     for i in range(5):  # 0, 1 admitted; 2, 3 prefilled ahead of their pages; 4 queued
         r.arrive(request(i), 0.0)
-    r.abort(4, "client disconnected", 0.1)
-    r.abort(2, "client disconnected", 0.1)
+    r.abort([4], "client disconnected", 0.1)
+    r.abort([2], "client disconnected", 0.1)
     r.on_item("decode-0", Token(0, 0, 7, 0.2), 0.2)
-    r.abort(0, "client disconnected", 0.3)
+    r.abort([0], "client disconnected", 0.3)
     assert [s.request.id for s in r.served] == [4, 2, 0]
     for s in r.served:
         assert s.status == Status.ABORTED and s.aborted == "client disconnected"
@@ -200,7 +200,7 @@ def test_an_abort_ends_one_request_wherever_it_is_and_a_queued_one_is_never_pref
     assert [m.request_id for m in w.to("decode-0", Admit)] == [0, 1]  # 0's pages: not back yet
     r.on_item("decode-0", Finished(0, (7,), 0.1, 0.0, 1.0, None, "", False, None, "abort"), 0.4)
     assert [m.request_id for m in w.to("decode-0", Admit)] == [0, 1, 3]
-    r.abort(0, "again", 0.5)  # it ended: nothing more is sent
+    r.abort([0], "again", 0.5)  # it ended: nothing more is sent
     assert len(w.sent) == 10
     finish(r, 1)
     finish(r, 3)

@@ -135,7 +135,7 @@ class World:
         ids = sorted(set(range(self.arrived)) - self.ended) if pick % 4 else range(self.arrived)
         if ids:
             self.now += 0.01
-            self.router.abort(ids[pick % len(ids)], "client disconnected", self.now)
+            self.router.abort([ids[pick % len(ids)]], "client disconnected", self.now)
 
     def lose(self, pick: int, role: str) -> None:
         name = member_name(role, pick % WORKERS)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from rekv_jax.launch.child import DECODE, PREFILL, member_name, parse_member
@@ -293,13 +293,15 @@ class Router:
                                           "arrival")
         self._assign(now_s)
 
-    def abort(self, request_id: int, why: str, now_s: float) -> None:
-        """End request `request_id` now, wherever it is, as aborted (`why`: one line, e.g. its
-        client left; not a failure); one that ended, or never arrived, is left as it is."""
-        held = self._open.get(request_id)
-        if held is not None:
-            self._stop(held, now_s, aborted=why)
-            self._assign(now_s)
+    def abort(self, request_ids: Iterable[int], why: str, now_s: float) -> None:
+        """End these requests now, wherever each is, as aborted (`why`: one line, e.g. their
+        clients left; not a failure); one that ended, or never arrived, is left as it is. All
+        end before any queued request takes what they free, so a queued one among them is
+        never prefilled."""
+        for request_id in request_ids:
+            if (held := self._open.get(request_id)) is not None:
+                self._stop(held, now_s, aborted=why)
+        self._assign(now_s)
 
     def abort_all(self, why: str, now_s: float) -> None:
         """End every open request now, failed with `why` (the server stops)."""
@@ -408,8 +410,7 @@ def drive(workers: Workers, router: Router, arrivals: Arrivals,
         now = clock() - start
         for request in arrivals.take(now, not router.serving):
             router.arrive(request, now)
-        for request_id in arrivals.cancelled():
-            router.abort(request_id, "client disconnected", now)
+        router.abort(arrivals.cancelled(), "client disconnected", now)
         wait = min(max(0.0, arrivals.wait_s(now)), POLL_S)
         for event in workers.poll(wait):
             if on_item is not None:
