@@ -9,7 +9,7 @@ from test_queueing import _tiny7b_profile
 from test_serving_policy import COSTS
 
 from rekv_jax.launch.child import member_name, parse_member
-from rekv_jax.serving.ledger import Ledger
+from rekv_jax.serving.ledger import Ledger, PrefillQueue
 from rekv_jax.serving.lifecycle import Status
 from rekv_jax.serving.pages import PoolConfig
 from rekv_jax.serving.policy import Context, make_policies
@@ -21,6 +21,7 @@ from rekv_jax.serving.requests import (
     Load,
     Prefill,
     PrefillDone,
+    Prefilled,
     ServeRequest,
     Token,
 )
@@ -211,9 +212,12 @@ def test_reports_move_the_ledger():
     r, w = router()
     r.arrive(request(0), 0.0)
     before = r.ledger
+    r.on_item("prefill-0", Prefilled(0, 0, 20.0), 0.1)  # the prefill device is free again
+    assert r.ledger.prefill[0] == PrefillQueue((), 0.1) != before.prefill[0]
+    assert r.ledger.link(0, 0) == before.link(0, 0)
     r.on_item("prefill-0", PrefillDone(0, 0, 20.0, 100.0, 1_000_000), 0.2)
-    assert r.ledger.link(0, 0).estimate.gbps == pytest.approx(0.01)
-    assert r.ledger.prefill[0] != before.prefill[0]
+    assert r.ledger.link(0, 0).estimate.gbps == pytest.approx(0.01)  # the link is timed
+    assert r.ledger.prefill[0] == PrefillQueue((), 0.1)
     r.on_item("decode-0", Load(0, 1, 40.0, 5), 0.3)
     assert r.ledger.queues(0, 0, 0.3).running == 1
     with pytest.raises(ValueError, match="not a worker"):

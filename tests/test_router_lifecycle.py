@@ -24,6 +24,7 @@ from rekv_jax.serving.requests import (
     Finished,
     Prefill,
     PrefillDone,
+    Prefilled,
     ServeRequest,
     Token,
 )
@@ -33,8 +34,8 @@ SIZES = ((256, 32), (256, 32), (100, 8), (40, 3), (600, 4))  # (prompt, new); 60
 TIMEOUT = 10.0
 WORKERS = 2  # of each role
 # the events (a method of `World` and its arguments after `pick`), arrivals the commonest
-KINDS = (*[("arrive",)] * 4, ("prefill_done",), ("prefill_done", True), *[("token",)] * 2,
-         ("token", "stop"), ("token", "error"), ("take_abort",), ("abort",),
+KINDS = (*[("arrive",)] * 4, ("compute",), ("prefill_done",), ("prefill_done", True),
+         *[("token",)] * 2, ("token", "stop"), ("token", "error"), ("take_abort",), ("abort",),
          ("lose", "prefill"), ("lose", "decode"), ("tick",))
 
 
@@ -60,6 +61,7 @@ class World:
         self.now, self.arrived = 0.0, 0
         self.dead: set[str] = set()
         self.prefills: list[list[int]] = [[] for _ in range(WORKERS)]  # ids sent, unreported
+        self.computed: list[set[int]] = [set() for _ in range(WORKERS)]  # of those: Prefilled
         self.aborted_prefill: set[int] = set()  # ids a prefill worker was told to drop
         self.decodes = [Decode() for _ in range(WORKERS)]
         self.ended: set[int] = set()  # ids whose record ended
@@ -75,6 +77,10 @@ class World:
             self.prefills[index].append(rid)
             self.prefilled.add(rid)
         elif isinstance(message, Admit):
+            # its inbox is FIFO: an `Abort` of this id sent before is taken first, and finds
+            # nothing (a worker holds an id once), so it is ignored
+            assert rid not in self.decodes[index].held
+            self.decodes[index].aborts = [a for a in self.decodes[index].aborts if a != rid]
             self.decodes[index].held[rid] = (message, 0)
             assert self.decodes[index].used() <= POOL.usable_pages  # every Admit fits
         elif isinstance(message, Abort) and role == "decode":
@@ -95,11 +101,25 @@ class World:
         self.router.arrive(ServeRequest(self.arrived, (1,) * n, new, self.now), self.now)
         self.arrived += 1
 
+    def compute(self, pick: int) -> None:
+        """A prefill worker's device is done with its oldest prompt not yet computed."""
+        live = [p for p in range(WORKERS) if set(self.prefills[p]) - self.computed[p]
+                and f"prefill-{p}" not in self.dead]
+        if live:
+            p = live[pick % len(live)]
+            rid = next(r for r in self.prefills[p] if r not in self.computed[p])
+            self.computed[p].add(rid)
+            self.emit(member_name("prefill", p), Prefilled(rid, p, 1.0))
+
     def prefill_done(self, pick: int, fail: bool = False) -> None:
+        """A prefill worker reports its oldest request (`Prefilled` first, once per request)."""
         live = [p for p in range(WORKERS) if self.prefills[p] and f"prefill-{p}" not in self.dead]
         if live:
             p = live[pick % len(live)]
             rid = self.prefills[p].pop(0)  # first come first served
+            if rid not in self.computed[p]:
+                self.emit(member_name("prefill", p), Prefilled(rid, p, 0.0))
+            self.computed[p].discard(rid)
             error = "boom" if fail or rid in self.aborted_prefill else None
             self.emit(member_name("prefill", p), PrefillDone(rid, p, 1.0, 1.0, 1000, error))
 

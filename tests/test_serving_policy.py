@@ -11,7 +11,7 @@ from rekv_jax.planning.costmodel import Profile
 from rekv_jax.planning.queueing import DecodeCosts
 from rekv_jax.serving.ledger import DecodeQueue, Ledger, LinkEstimate, LinkQueue, PrefillQueue
 from rekv_jax.serving.policy import Context, check_policy_names, make_policies
-from rekv_jax.serving.requests import Load, PrefillDone, ServeRequest
+from rekv_jax.serving.requests import Load, ServeRequest
 
 COSTS = DecodeCosts(step_fixed_ms=6.0, step_per_request_ms=4.0, suffix_budget_ms=20.0)
 ARRIVALS = tuple(float(i) for i in range(8))  # one request a second lately
@@ -56,7 +56,7 @@ def test_the_ledger_books_and_corrects_each_resource():
     second = policy.choose(REQUEST, ledger, 0.1)
     assert second.why.predicted.prefill_wait_ms == pytest.approx(q.prefill_free_ms)
     ledger = ledger.assigned(second, 0.1)
-    done = ledger.prefill_done(PrefillDone(0, 0, 1.0, 1.0, 10), 0.2)  # the first ends early
+    done = ledger.prefilled(0, 0.2)  # the first ends early
     assert done.queues(0, 0, 0.2).prefill_free_ms == pytest.approx(
         second.why.predicted.prefill_busy_ms)
     loaded = done.loaded(Load(0, running=3, queued_suffix_ms=50.0, free_pages=9), 0.2, COSTS)

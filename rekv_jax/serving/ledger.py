@@ -4,7 +4,7 @@ update returns a new ledger.
 
 Times are seconds of the router's clock (from the run's start). Each resource's "free at" is
 predicted when a request is assigned (`queueing.ServedPrediction.after`) and corrected by what
-the workers report: a prefill worker's queue restarts from each `PrefillDone` (the next prompt
+the workers report: a prefill worker's queue restarts from each `Prefilled` (the next prompt
 starts then), a decode worker's from each `Load`, and each link's bandwidth is re-estimated from
 the transfers just timed (`LinkEstimate`). The router notes each arrival (`arrived`) before
 its policy chooses, so the ledger knows the recent arrival rate.
@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from rekv_jax.planning.queueing import DecodeCosts, Queues
-from rekv_jax.serving.requests import Assignment, Load, PrefillDone
+from rekv_jax.serving.requests import Assignment, Load
 
 WINDOW = 8  # transfers a link's bandwidth estimate is taken over
 ARRIVALS = 16  # arrivals the arrival rate is estimated over
@@ -128,10 +128,11 @@ class Ledger:
         decode = dataclasses.replace(self.decode[d], free_at_s=now_s + after.decode_free_ms / 1e3)
         return self._with(p, d, queue, link, decode)
 
-    def prefill_done(self, done: PrefillDone, now_s: float) -> Ledger:
-        """A prefill worker finished its oldest request at `now_s`: the next one starts now."""
-        queue = self.prefill[done.worker]
-        return self._with(prefill_worker=done.worker, prefill=PrefillQueue(
+    def prefilled(self, worker: int, now_s: float) -> Ledger:
+        """Prefill worker `worker`'s device finished its oldest prompt at `now_s` (`Prefilled`:
+        its handoff may still be on the link): the next one starts now."""
+        queue = self.prefill[worker]
+        return self._with(prefill_worker=worker, prefill=PrefillQueue(
             queue.busy_ms[1:], now_s) if queue.busy_ms else queue)
 
     def loaded(self, load: Load, now_s: float, costs: DecodeCosts) -> Ledger:

@@ -5,14 +5,17 @@ The router observes a request's arrival, its `Prefill` sent, its prefill worker'
 `PrefillDone`, its first `Token` and its decode worker's `Finished`, and it ends requests itself
 (an abort, a deadline, a worker's end). So a request is
 
-    waiting -> prefilling -> sent -> decoding -> length | stop | aborted | error
+    waiting -> prefilling -> prefilled -> sent -> decoding -> length | stop | aborted | error
 
-where `prefilling` spans its prompt's compute, its wait for decode pages (it may be prefilled
-before they are free) and its handoff on the link until the prefill worker reports it sent;
-its first token may come before that report (`prefilling -> decoding`; the report changes no
-status then). A request whose prefill worker ended before its handoff completed goes back to
-`waiting` for another: at once if its decode worker holds nothing of it, else through
-`requeuing` until that decode worker's `Finished` for it came back (its pages free). Every
+where `prefilling` is its prompt's wait for the prefill device and its compute there, until
+the prefill worker reports it `Prefilled`; `prefilled` spans its wait for decode pages (it may
+be prefilled before they are free) and its handoff on the link, until the prefill worker
+reports it sent (`PrefillDone`). Its first token may come before either report (the decode
+worker's items and the prefill worker's cross different pipes): it moves to `decoding`, and
+the reports change no status then. A request whose prefill worker ended before its handoff
+completed goes back to `waiting` for another: at once if its decode worker holds nothing of
+it, else through `requeuing` until that decode worker's `Finished` for it came back (its pages
+free). Every
 non-final status can end: aborted (told to, by a client that left) or error (failed).
 The transitions' times (the router's run clock) give each stage's queue wait and service time.
 """
@@ -28,7 +31,8 @@ from rekv_jax.serving.requests import Assignment, Finished, PrefillDone, ServeRe
 
 class Status(enum.Enum):
     WAITING = "waiting"  # queued for a pair, first come first served
-    PREFILLING = "prefilling"  # its `Prefill` sent: computing, held for pages or on the link
+    PREFILLING = "prefilling"  # its `Prefill` sent: queued on the prefill device or computing
+    PREFILLED = "prefilled"  # its prompt computed (`Prefilled`): held for pages or on the link
     SENT = "sent"  # its prefill worker reported its handoff sent (`PrefillDone`)
     DECODING = "decoding"  # its first token came
     REQUEUING = "requeuing"  # its prefill worker ended: its decode worker's `Finished` awaited
@@ -39,12 +43,15 @@ class Status(enum.Enum):
 
 
 ENDS = frozenset({Status.LENGTH, Status.STOP, Status.ABORTED, Status.ERROR})
+HANDING_OFF = frozenset({Status.PREFILLING, Status.PREFILLED})  # on the prefill side
 _ENDED_EARLY = frozenset({Status.ABORTED, Status.ERROR})
 
 LEGAL: dict[Status, frozenset[Status]] = {
     Status.WAITING: frozenset({Status.PREFILLING}) | _ENDED_EARLY,
-    Status.PREFILLING: frozenset({Status.SENT, Status.DECODING, Status.REQUEUING,
-                                  Status.WAITING}) | _ENDED_EARLY,
+    Status.PREFILLING: frozenset({Status.PREFILLED, Status.SENT, Status.DECODING,
+                                  Status.REQUEUING, Status.WAITING}) | _ENDED_EARLY,
+    Status.PREFILLED: frozenset({Status.SENT, Status.DECODING, Status.REQUEUING,
+                                 Status.WAITING}) | _ENDED_EARLY,
     Status.SENT: frozenset({Status.DECODING}) | _ENDED_EARLY,
     Status.DECODING: ENDS,
     Status.REQUEUING: frozenset({Status.WAITING}) | _ENDED_EARLY,

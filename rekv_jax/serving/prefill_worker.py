@@ -19,6 +19,9 @@ bounded; each turn it
      side has pages for it, and held until it is admitted (at most `HELD` prompts at once). A
      split or pipelined prefill sends as it computes, so it waits at the head of the queue
      until it is admitted and the link has room.
+Every request taken is told to the router twice: `Prefilled` once this device is done with its
+prompt (computed, or dropped before it was), then `PrefillDone` once its handoff's verdicts came
+(or it failed); the router's ledger starts the next prompt on this device at the first.
 The link to each decode worker stays one FIFO: a handoff is handed to it only after every
 handoff before it on that link. A decode side that refuses a request (it could never fit) says
 so in `TAG/admitted`. A request that fails (not admitted within the timeout, a send or a verdict
@@ -42,7 +45,7 @@ from rekv_jax.handoff.sender import Prepared, Sending, prepare_prompt, start_pro
 from rekv_jax.launch.child import Member
 from rekv_jax.model.transformer import Params
 from rekv_jax.serving.inbox import LocalInbox, MemberInbox, Requests
-from rekv_jax.serving.requests import Abort, Prefill, PrefillDone, tag
+from rekv_jax.serving.requests import Abort, Prefill, PrefillDone, Prefilled, tag
 from rekv_jax.serving.sampling import first_draw
 from rekv_jax.transport import Transport
 
@@ -60,6 +63,7 @@ class _Job:
     prepared: Prepared | None = None  # computed, held until admitted (full prefills)
     admitted_at: float | None = None  # time.perf_counter() when its admission was seen
     sending: Sending | None = None  # on the link
+    prefilled: bool = False  # its `Prefilled` was emitted
 
     @property
     def name(self) -> str:
@@ -129,7 +133,7 @@ class PrefillWorker:
                              f"{type(item).__name__}")
         job = _Job(item, time.monotonic())
         if not 0 <= item.decode_worker < len(self._links):
-            return emit(self._failed(job, f"no decode worker {item.decode_worker}"))
+            return self._fail(job, f"no decode worker {item.decode_worker}", emit)
         self._queue.append(job)
 
     def _abort(self, abort: Abort, emit: Callable[[object], None]) -> None:
@@ -140,7 +144,7 @@ class PrefillWorker:
                     jobs.remove(job)
                     if job.sending is not None:
                         job.sending.abandon()
-                    return emit(self._failed(job, abort.why))
+                    return self._fail(job, abort.why, emit)
 
     def _turn(self, emit: Callable[[object], None]) -> bool:
         """Steps 2-4 of the module's docstring; whether anything moved."""
@@ -161,7 +165,7 @@ class PrefillWorker:
             self._flying.remove(job)
             moved = True
             if isinstance(report, Exception):
-                emit(self._failed(job, f"{type(report).__name__}: {report}"))
+                self._fail(job, one_line(report), emit)
             else:
                 t = report.times
                 emit(PrefillDone(job.request.request_id, self.worker,
@@ -205,9 +209,10 @@ class PrefillWorker:
                 job.prepared = prepare_prompt(self._cfg, self._params, tokens, request.mode,
                                               first=first)
             except ValueError as e:
-                emit(self._failed(job, one_line(e)))
+                self._fail(job, one_line(e), emit)
                 return True
             job.since_s = time.monotonic()
+            self._prefilled(job, job.prepared.compute_ms, emit)
             self._held.append(job)
             return True
         if (any(h.request.decode_worker == request.decode_worker for h in self._held)
@@ -238,14 +243,14 @@ class PrefillWorker:
         except TransportTimeout:
             if time.monotonic() - job.since_s < self._timeout:
                 return None
-            emit(self._failed(job, f"TransportTimeout: {job.name} was not admitted within "
-                              f"{self._timeout:g}s"))
+            self._fail(job, f"TransportTimeout: {job.name} was not admitted within "
+                            f"{self._timeout:g}s", emit)
             return False
         except TransportError as e:
-            emit(self._failed(job, one_line(e)))
+            self._fail(job, one_line(e), emit)
             return False
         if "refused" in admitted:
-            emit(self._failed(job, admitted["refused"]))
+            self._fail(job, admitted["refused"], emit)
             return False
         job.admitted_at = job.admitted_at or time.perf_counter()
         return True
@@ -256,9 +261,18 @@ class PrefillWorker:
         try:
             job.sending = send()
         except (TransportError, ValueError) as e:
-            return emit(self._failed(job, one_line(e)))
+            return self._fail(job, one_line(e), emit)
+        t = job.sending.times
+        self._prefilled(job, t.prefill_ms + t.quantize_ms, emit)
         self._flying.append(job)
 
-    def _failed(self, job: _Job, error: str) -> PrefillDone:
-        return PrefillDone(job.request.request_id, self.worker, 0.0, 0.0, 0,
-                           first_line(error))
+    def _prefilled(self, job: _Job, compute_ms: float, emit: Callable[[object], None]) -> None:
+        """Tell the router this device is done with the job's prompt (once per job)."""
+        if not job.prefilled:
+            job.prefilled = True
+            emit(Prefilled(job.request.request_id, self.worker, compute_ms))
+
+    def _fail(self, job: _Job, error: str, emit: Callable[[object], None]) -> None:
+        """Report the job failed (`Prefilled` first if its prompt was never computed)."""
+        self._prefilled(job, 0.0, emit)
+        emit(PrefillDone(job.request.request_id, self.worker, 0.0, 0.0, 0, first_line(error)))

@@ -2,7 +2,8 @@
 picklable (they cross the launcher's pipes: `Group.send` to a worker, `Member.emit` back).
 
 Router -> prefill worker: `Prefill`. Router -> decode worker: `Admit`. Router -> either:
-`Abort`. Prefill worker -> router: `PrefillDone`. Decode worker -> router: `Held` (no pages
+`Abort`. Prefill worker -> router: `Prefilled` (its device is done with the prompt), then
+`PrefillDone` (its handoff's verdicts came). Decode worker -> router: `Held` (no pages
 yet: its sender sends the `Admit` again later; the router, which counts the pages, never gets
 one), `Token` (each generated token as it is known),
 `Finished` (once per request) and `Load` (its state, after an iteration that changed it). Every
@@ -162,6 +163,18 @@ class Held:
     request_id: int
     free_pages: int
     needed_pages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefilled:
+    """Prefill worker -> router, once per `Prefill` and before its `PrefillDone`: its prefill
+    device is done with the request (its prompt computed, or dropped before it was: then
+    `compute_ms` is 0), so its next prompt starts now. Its handoff may still wait for the
+    decode side's pages, and for the link."""
+
+    request_id: int
+    worker: int
+    compute_ms: float  # its prompt compute and quantize calls on the prefill device
 
 
 @dataclasses.dataclass(frozen=True)

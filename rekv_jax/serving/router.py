@@ -31,7 +31,7 @@ from rekv_jax.launch.child import DECODE, PREFILL, member_name, parse_member
 from rekv_jax.launch.group import Emitted, Event, MemberEnded
 from rekv_jax.planning.queueing import DecodeCosts
 from rekv_jax.serving.ledger import Ledger
-from rekv_jax.serving.lifecycle import OpenRequest, Status, Transition, ending
+from rekv_jax.serving.lifecycle import HANDING_OFF, OpenRequest, Status, Transition, ending
 from rekv_jax.serving.metrics import Served
 from rekv_jax.serving.pages import PoolConfig
 from rekv_jax.serving.policy import Policy
@@ -43,6 +43,7 @@ from rekv_jax.serving.requests import (
     Load,
     Prefill,
     PrefillDone,
+    Prefilled,
     ServeRequest,
     Token,
 )
@@ -187,6 +188,8 @@ class Router:
             self._token(name, item, now_s)
         elif isinstance(item, Finished):
             self._finished(index, item, now_s)
+        elif isinstance(item, Prefilled):
+            self._prefilled(item, now_s)
         elif isinstance(item, PrefillDone):
             self._prefill_done(item, now_s)
         elif isinstance(item, Load):
@@ -222,13 +225,19 @@ class Router:
         held.admitted, held.finished = False, item
         if held.status == Status.REQUEUING:
             self._requeue(held, now_s)
-        elif not (item.error and held.status == Status.PREFILLING and not held.prefill_done):
+        elif not (item.error and held.status in HANDING_OFF and not held.prefill_done):
             self._end(held, ending(None if item.error else item.finish_reason), now_s)
         self._pages_back(decode, held.pages, now_s)
 
+    def _prefilled(self, item: Prefilled, now_s: float) -> None:
+        """Its prefill worker's device is done with its prompt: the next one starts there."""
+        self._ledger = self._ledger.prefilled(item.worker, now_s)
+        held = self._open.get(item.request_id)
+        if held is not None and held.status == Status.PREFILLING:
+            held.move(Status.PREFILLED, now_s)
+
     def _prefill_done(self, item: PrefillDone, now_s: float) -> None:
         """Its prefill worker's report: its handoff was sent (`sent`), or it failed there."""
-        self._ledger = self._ledger.prefill_done(item, now_s)
         held = self._open.get(item.request_id)
         if held is None:
             return  # it ended (its decode worker gives its pages back)
@@ -241,7 +250,7 @@ class Router:
                 self._end(held, Status.ERROR, now_s, item.error)
                 self._assign(now_s)
             return  # else its decode worker reports how it ends
-        if held.status == Status.PREFILLING:
+        if held.status in HANDING_OFF:
             held.move(Status.SENT, now_s)
         self._ledger = self._ledger.link_timed(item.worker, a.decode_worker, item.sent_bytes,
                                                item.link_ms)
@@ -257,7 +266,7 @@ class Router:
             if role == DECODE:
                 held.admitted = False  # its pages ended with it
                 self._stop(held, now_s, error=f"decode worker {index} ended: {how}")
-            elif held.status == Status.PREFILLING:
+            elif held.status in HANDING_OFF:
                 self._retry(held, now_s)
         if role == DECODE:
             self._ended = {i: e for i, e in self._ended.items() if e[0] != index}
