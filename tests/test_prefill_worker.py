@@ -22,7 +22,7 @@ from rekv_jax.serving.inbox import LocalInbox
 from rekv_jax.serving.member import MemberSetup
 from rekv_jax.serving.pages import PoolConfig
 from rekv_jax.serving.prefill_worker import PrefillWorker
-from rekv_jax.serving.requests import Abort, Finished, PrefillDone, ServeRequest
+from rekv_jax.serving.requests import Abort, Finished, PrefillDone, Prefilled, ServeRequest
 from rekv_jax.sizes import action_bytes
 from rekv_jax.transport import LocalTransport
 
@@ -64,6 +64,7 @@ class Serving:
         self.computed: dict[tuple, float] = {}  # prompt -> when its compute ended
         self.sent: dict[str, float] = {}  # tag -> when its first message was handed over
         self.done: dict[int, list[tuple[float, PrefillDone]]] = {}
+        self.prefilled: dict[int, Prefilled] = {}  # id -> its Prefilled
         self._spy(monkeypatch)
         self.inbox = LocalInbox()
         self.thread = threading.Thread(target=self.worker.serve, args=(self.inbox, self._emit),
@@ -86,7 +87,11 @@ class Serving:
         monkeypatch.setattr(Prepared, "send", sending)
 
     def _emit(self, item: object) -> None:
-        assert isinstance(item, PrefillDone)
+        if isinstance(item, Prefilled):  # once per request, before its PrefillDone
+            assert item.request_id not in self.prefilled and item.request_id not in self.done
+            self.prefilled[item.request_id] = item
+            return
+        assert isinstance(item, PrefillDone) and item.request_id in self.prefilled
         self.done.setdefault(item.request_id, []).append((time.monotonic(), item))
 
     def wait(self, what, timeout: float = 60.0) -> None:
@@ -200,6 +205,8 @@ def test_an_abort_ends_a_request_wherever_it_is_and_is_answered_once(monkeypatch
     (_, done), = run.done[3]
     assert done.error is None
     assert tuple(prefills[2].tokens) not in run.computed
+    assert run.prefilled[2].compute_ms == 0  # dropped before it was computed
+    assert run.prefilled[1].compute_ms > 0 and run.prefilled[3].compute_ms > 0
     assert "req/1" not in run.sent
     run.close()
 

@@ -95,14 +95,15 @@ class PrefillWorker:
         return sum(j.sending.nbytes for j in self._flying)
 
     def prefill(self, request: Prefill) -> PrefillDone:
-        """One request alone, from its `Prefill` to its `PrefillDone` (`serve` of it)."""
+        """One request alone, from its `Prefill` to its `PrefillDone` (`serve` of it; its
+        `Prefilled` is not returned)."""
         if not self.idle:
             raise RuntimeError("prefill() serves one request on an idle worker")
         inbox, out = LocalInbox(), []
         inbox.put(request)
         inbox.close()
         self.serve(inbox, out.append)
-        return out[0]
+        return out[-1]
 
     def serve(self, requests: Requests, emit: Callable[[object], None]) -> None:
         """Serve what comes from `requests` until they end and every request is reported; it

@@ -3,11 +3,11 @@ picklable (they cross the launcher's pipes: `Group.send` to a worker, `Member.em
 
 Router -> prefill worker: `Prefill`. Router -> decode worker: `Admit`. Router -> either:
 `Abort`. Prefill worker -> router: `Prefilled` (its device is done with the prompt), then
-`PrefillDone` (its handoff's verdicts came). Decode worker -> router: `Held` (no pages
-yet: its sender sends the `Admit` again later; the router, which counts the pages, never gets
-one), `Token` (each generated token as it is known),
-`Finished` (once per request) and `Load` (its state, after an iteration that changed it). Every
-worker -> router, once, when it can serve: `Ready`. The router's own: `ServeRequest` (what
+`PrefillDone` (its handoff's verdicts came). Decode worker -> router: `Held` (no pages yet:
+its sender sends the `Admit` again later; the router, which counts the pages, never gets one),
+`Token` (each generated token as it is known), `Finished` (once per request) and `Load` (its
+state, after an iteration that changed it). Every worker -> router, once, when it can serve:
+`Ready`. The router's own: `ServeRequest` (what
 arrives), `Assignment` (what its policy chose, and `Why`).
 
 Ids are the router's, unique in a run; a handoff's transport tags carry the id (`tag`). Times a
