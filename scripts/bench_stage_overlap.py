@@ -39,7 +39,8 @@ def run(args: argparse.Namespace) -> dict:
     from rekv_jax.planning.profile import load_profiles
     from rekv_jax.serving.metrics import Slo
     from rekv_jax.serving.requests import PrefillDone, ServeRequest
-    from rekv_jax.serving.serve import ServeConfig, Stream, Workers, serve
+    from rekv_jax.serving.serve import serve
+    from rekv_jax.serving.serve_config import ServeConfig, Stream, Workers
 
     cfg = load_config(args.model)
     profiles = tuple(p for p in load_profiles(args.profile)
