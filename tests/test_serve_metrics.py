@@ -11,6 +11,7 @@ from rekv_jax.action import Action
 from rekv_jax.phases import Phases
 from rekv_jax.planning.queueing import Queues, ServedPrediction
 from rekv_jax.serving import metrics
+from rekv_jax.serving.lifecycle import Status, Transition
 from rekv_jax.serving.metrics import Served, Slo
 from rekv_jax.serving.policy import served_mode
 from rekv_jax.serving.requests import Assignment, Finished, ServeRequest, Why
@@ -30,6 +31,28 @@ def _served(i: int, policy: str, rate: float, ttft_s: float, tpot_s: float, n: i
     f = Finished(i, tuple(range(len(times))), ttft_s, tpot_s, 2 * predicted_ms,
                  Phases(1, 2, 3, 4, 5), "bitwise", False)
     return Served(req, policy, rate, times, a, f)
+
+
+def test_a_requests_stages_are_predicted_and_measured_from_its_assignment():
+    """Each stage's end, in ms after the (last) assignment: the prediction's parts, and when
+    the lifecycle entered the stage's status (a requeued request: its last attempt)."""
+    s = _served(0, "p", 1.0, 0.25, 0.01)
+    pred = dataclasses.replace(s.assignment.why.predicted, prefill_wait_ms=30.0,
+                               prefill_busy_ms=40.0, ttft_ms=180.0,
+                               after=Queues(link_free_ms=120.0))
+    a = dataclasses.replace(s.assignment, why=dataclasses.replace(s.assignment.why,
+                                                                  predicted=pred))
+    life = [Transition(st, t) for st, t in ((Status.WAITING, 0.0), (Status.PREFILLING, 0.01),
+                                            (Status.REQUEUING, 0.05), (Status.WAITING, 0.06),
+                                            (Status.PREFILLING, 0.1), (Status.PREFILLED, 0.18),
+                                            (Status.DECODING, 0.25), (Status.LENGTH, 0.3))]
+    s = dataclasses.replace(s, assignment=a, lifecycle=tuple(life))
+    got = {st.name: (st.predicted_ms, st.measured_ms) for st in s.stages()}
+    assert got["prefill"] == (70.0, pytest.approx(80.0))
+    assert got["link"] == (120.0, None)  # its PrefillDone never came
+    assert got["first_token"] == (180.0, pytest.approx(150.0))
+    assert json.loads(json.dumps(s.to_json()))["stages"][0]["name"] == "prefill"
+    assert dataclasses.replace(s, assignment=None).stages() == ()
 
 
 def test_a_requests_latencies():

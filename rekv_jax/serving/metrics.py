@@ -40,6 +40,22 @@ class Slo:
 
 
 @dataclasses.dataclass(frozen=True)
+class Stage:
+    """When one stage of a served request ended, as the cost model predicted it when the
+    request was assigned and as the router saw it, both in ms after that assignment (None:
+    never reached)."""
+
+    name: str  # `STAGES`
+    predicted_ms: float
+    measured_ms: float | None
+
+
+# each stage and the status a request enters when it ends: its prompt computed, its handoff's
+# verdicts in (the link done with it), its first token at the router
+STAGES = (("prefill", Status.PREFILLED), ("link", Status.SENT), ("first_token", Status.DECODING))
+
+
+@dataclasses.dataclass(frozen=True)
 class Served:
     """One request as the router saw it served under `policy` at arrival `rate`."""
 
@@ -101,6 +117,22 @@ class Served:
         t = self.token_times_s
         return (t[-1] - self.request.arrival_s) * 1e3 if t else None
 
+    def entered_s(self, status: Status) -> float | None:
+        """When it last entered `status` (the router's run clock; None: never)."""
+        return next((t.t_s for t in reversed(self.lifecycle) if t.status == status), None)
+
+    def stages(self) -> tuple[Stage, ...]:
+        """Each of `STAGES`, predicted and measured from its (last) assignment; () if it was
+        never assigned."""
+        assigned = self.entered_s(Status.PREFILLING)
+        if self.assignment is None or assigned is None:
+            return ()
+        p = self.assignment.why.predicted
+        predicted = {"prefill": p.prefill_wait_ms + p.prefill_busy_ms,
+                     "link": p.after.link_free_ms, "first_token": p.ttft_ms}
+        return tuple(Stage(name, predicted[name], None if (t := self.entered_s(status)) is None
+                           else (t - assigned) * 1e3) for name, status in STAGES)
+
     def meets(self, slo: Slo) -> bool:
         tpot = self.tpot_ms
         return (self.completed and self.ttft_ms <= slo.ttft_ms
@@ -115,7 +147,8 @@ class Served:
                "assignment": self.assignment.to_json() if self.assignment else None,
                "token_times_s": list(self.token_times_s), "error": self.error,
                "finish_reason": self.finish_reason, "aborted": self.aborted,
-               "lifecycle": [t.to_json() for t in self.lifecycle]}
+               "lifecycle": [t.to_json() for t in self.lifecycle],
+               "stages": [dataclasses.asdict(stage) for stage in self.stages()]}
         if f is not None:
             out |= {"tokens": list(f.tokens), "stop": f.stop,
                     "handoff_ms": f.handoff_ms,
