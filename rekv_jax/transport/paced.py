@@ -55,14 +55,13 @@ class Paced(Wrapper):
         if tag not in self._verified:
             try:
                 self._transport.wait_ack(tag, timeout)
-            except TransportTimeout:
-                raise
-            except BaseException:
-                self._due.pop(tag, None)  # failed: nothing of it is paced any more
+            except BaseException as e:
+                if not isinstance(e, TransportTimeout):  # failed: nothing of it is paced now
+                    self._due.pop(tag, None)
                 raise
             self._verified.add(tag)
         due = self._due.get(tag, 0.0)
-        if due - time.monotonic() > deadline - time.monotonic():
+        if due > deadline:
             time.sleep(max(0.0, deadline - time.monotonic()))
             raise TransportTimeout(f"{tag}: the paced link delivers it {due - deadline:.3f}s "
                                    f"after the {timeout:g}s wait")
