@@ -60,6 +60,21 @@ def test_a_closed_connection_fails_waits_at_once_and_keeps_what_came():
     end0.close()
 
 
+def test_nothing_lands_on_a_closed_board():
+    """An in-process link that is gone takes no more values, as a dead peer's socket does: a
+    put fails, a post is dropped, and a wait for either fails."""
+    board = control.Board()
+    board.put("came", 1)
+    board.close("the prefill side is gone")
+    with pytest.raises(TransportError, match="the prefill side is gone .*'late'"):
+        board.put("late", 2)
+    board.post("posted", 3)
+    for key in ("late", "posted"):
+        with pytest.raises(TransportError, match="the prefill side is gone"):
+            board.get(key, 10)
+    assert board.get("came", 0) == 1
+
+
 def test_only_holders_of_the_key_open_a_connection_and_no_key_bytes_cross():
     key = JobKey.new()
     derived = key.derive(control.PURPOSE)

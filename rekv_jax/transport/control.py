@@ -14,6 +14,7 @@ docs/reliability.md). Without a key (`--insecure`) the first connection is taken
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -43,13 +44,19 @@ class Board:
         self.closed: str | None = None
 
     def put(self, key: str, value: object) -> None:
+        """Post `value` under `key`; TransportError once closed (nothing lands on a dead link)."""
         with self._cond:
+            if self.closed:
+                raise TransportError(f"{self.closed} (posting {key!r})")
             if key in self._values:
                 raise ValueError(f"{key!r} was already posted (tags must be unique)")
             self._values[key] = value
             self._cond.notify_all()
 
-    post = put  # in-process, a put does not wait for anything
+    def post(self, key: str, value: object) -> None:
+        """`put`, dropped once closed (`base.Channel.post`); in-process it waits for nothing."""
+        with contextlib.suppress(TransportError):
+            self.put(key, value)
 
     def release(self, key: str) -> None:
         """Let go of the value under `key` (its key stays posted: write-once still holds)."""
