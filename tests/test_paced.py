@@ -39,12 +39,12 @@ def test_the_prefill_side_hears_each_verdict_no_sooner_than_the_paced_link_deliv
     arrivals[0].result(timeout=10)  # the transport's own verdict on "a" is in by now ...
     with pytest.raises(TransportTimeout):
         prefill.wait_ack("c", timeout=0.0)  # ... but "c" is not due before 3 n / W
-    heard = []
+    heard, came = [], []
     for t in "abc":
-        prefill.wait_ack(t, timeout=10)
+        came.append(prefill.wait_ack(t, timeout=10) - t0)  # when its verdict came ...
         heard.append(time.monotonic() - t0)
-    for k, h in enumerate(heard):
-        assert h >= (k + 1) * PER_S
+    for k, (c, h) in enumerate(zip(came, heard, strict=True)):
+        assert (k + 1) * PER_S <= c <= h  # ... is when the paced link delivered it
     assert heard[-1] <= 3 * PER_S + 0.3  # and not much later (a loaded machine wakes late)
     for a in arrivals:
         a.result(timeout=10)

@@ -157,6 +157,11 @@ def test_prompts_are_computed_while_earlier_handoffs_are_on_the_paced_link(monke
         assert done.error is None
         assert done.link_ms >= 1e3 * done.sent_bytes / (gbps * 1e9)
         assert end - first_sent >= (k + 1) * 1e-9 * done.sent_bytes / gbps  # behind the others
+        assert 0 <= done.queued_ms <= done.link_ms
+    assert run.done[0][0][1].queued_ms == 0.0  # nothing before it on the link
+    # each crossing starts once the one before it is acknowledged: they do not overlap
+    crossings = [d.link_ms - d.queued_ms for _, d in (run.done[i][0] for i in range(3))]
+    assert sum(crossings) <= 1e3 * (ends[-1] - first_sent)
     run.close()
 
 

@@ -104,11 +104,18 @@ def _tokens_of(h: jax.Array, start: int, stop: int) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class SendReport:
-    """What the prefill side did for one handoff: the times it told the decode side, and how
-    long its messages held the link (from the first handed to it to the last acknowledged)."""
+    """What the prefill side did for one handoff: the times it told the decode side, when its
+    first message was handed to the link and when the verdict on its last one came
+    (time.monotonic, as the transport's verdicts are timed: `Transport.wait_ack`)."""
 
     times: PrefillTimes
-    link_ms: float
+    sent_s: float
+    acked_s: float
+
+    @property
+    def link_ms(self) -> float:
+        """From its first message handed to the link to its last verdict."""
+        return 1e3 * (self.acked_s - self.sent_s)
 
 
 class Sending:
@@ -116,9 +123,10 @@ class Sending:
     on them: it holds their buffers until then (as the transport does), so that what is in
     flight can be bounded by `nbytes`. `poll()` never blocks, `wait(timeout)` blocks at most
     that long; either gives the `SendReport` once every verdict came (its `link_ms` ends when
-    the last one was seen) and raises a failed message's error (ValueError, TransportError),
-    or TransportTimeout once the verdicts did not come within the send's timeout. `abandon()`
-    stops waiting and lets every buffer go (the transport's too: `Transport.forget`)."""
+    the last one came, however late it is polled) and raises a failed message's error
+    (ValueError, TransportError), or TransportTimeout once the verdicts did not come within the
+    send's timeout. `abandon()` stops waiting and lets every buffer go (the transport's too:
+    `Transport.forget`)."""
 
     def __init__(self, link: Transport, tags: list[str], buffers: list[jax.Array],
                  times: PrefillTimes, first_sent: float, timeout: float) -> None:
@@ -126,6 +134,7 @@ class Sending:
         self._waiting, self._buffers = list(tags), buffers  # in the order they were sent
         self._first_sent, self._timeout = first_sent, timeout
         self._deadline = time.monotonic() + timeout
+        self._acked_s = first_sent  # the latest verdict yet
         self.report: SendReport | None = None
 
     def poll(self) -> SendReport | None:
@@ -143,7 +152,7 @@ class Sending:
         end = min(time.monotonic() + timeout, self._deadline)
         while self._waiting:
             try:
-                self.link.wait_ack(self._waiting[0], max(0.0, end - time.monotonic()))
+                came = self.link.wait_ack(self._waiting[0], max(0.0, end - time.monotonic()))
             except TransportTimeout:
                 if time.monotonic() < self._deadline:
                     return None
@@ -155,10 +164,10 @@ class Sending:
                 self.abandon()
                 raise
             self._waiting.pop(0)
+            self._acked_s = max(self._acked_s, came)
         if self.report is None:
             self._buffers = []
-            self.report = SendReport(self.times, elapsed_ms(self._first_sent,
-                                                            time.perf_counter()))
+            self.report = SendReport(self.times, self._first_sent, self._acked_s)
         return self.report
 
     def abandon(self) -> None:
@@ -178,7 +187,7 @@ class _Sent:
         self.prefill_ms = self.quantize_ms = self.boundary_at_ms = 0.0
         self.link: Transport | None = None
         self.t0, self.bytes_before = 0.0, 0
-        self.first_sent: float | None = None
+        self.first_sent: float | None = None  # time.monotonic(), as verdicts are timed
         self.tags: list[str] = []
         self.buffers: list[jax.Array] = []
         self.nonfinite: list[jax.Array] = []
@@ -205,7 +214,7 @@ class _Sent:
     def send(self, tag: str, message: Message, buffers: list[jax.Array], timeout: float) -> None:
         if {Part.BOUNDARY, Part.FIRST} & set(message.parts) and not self.boundary_at_ms:
             self.boundary_at_ms = elapsed_ms(self.t0, time.perf_counter())
-        self.first_sent = self.first_sent or time.perf_counter()
+        self.first_sent = self.first_sent or time.monotonic()
         self.link.send(f"{tag}/{message.name}", buffers, timeout)
         self.tags.append(message.name)
         self.buffers += buffers
@@ -218,7 +227,7 @@ class _Sent:
                              self.link.sent_bytes - self.bytes_before, suffix_sums)
         self.link.send_meta(f"{tag}/prefill", times.to_json())
         return Sending(self.link, [f"{tag}/{name}" for name in self.tags], self.buffers, times,
-                       self.first_sent or time.perf_counter(), timeout)
+                       self.first_sent or time.monotonic(), timeout)
 
 
 class Prepared:

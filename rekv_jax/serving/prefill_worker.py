@@ -11,7 +11,8 @@ bounded; each turn it
      longer awaited, its buffers let go) and is answered with `PrefillDone(error=why)`; one for
      a request this worker does not hold is ignored;
   2. reports each handoff on the link whose verdicts all came (`PrefillDone`, its `link_ms` from
-     its first message handed to the link to its last verdict seen), its buffers let go;
+     its first message handed to the link to its last verdict, of which `queued_ms` it waited
+     for the last verdict of the handoff before it on that link), its buffers let go;
   3. sends each held prompt whose decode side admitted it (`TAG/admitted`, polled without
      waiting), while the bytes on the link are under `IN_FLIGHT_BYTES` (back-pressure: past
      it, nothing more is sent until the oldest handoffs' verdicts come);
@@ -41,7 +42,7 @@ import jax.numpy as jnp
 
 from rekv_jax.config import ModelConfig
 from rekv_jax.errors import TransportError, TransportTimeout, first_line, one_line
-from rekv_jax.handoff.sender import Prepared, Sending, prepare_prompt, start_prompt
+from rekv_jax.handoff.sender import Prepared, Sending, SendReport, prepare_prompt, start_prompt
 from rekv_jax.launch.child import Member
 from rekv_jax.model.transformer import Params
 from rekv_jax.serving.inbox import LocalInbox, MemberInbox, Requests
@@ -83,6 +84,7 @@ class PrefillWorker:
         self._queue: list[_Job] = []  # taken, not computed (first come, first served)
         self._held: list[_Job] = []  # computed, not yet admitted
         self._flying: list[_Job] = []  # on the link, in the order they were sent
+        self._acked_s = [0.0] * len(self._links)  # each link's latest verdict (time.monotonic)
 
     @property
     def idle(self) -> bool:
@@ -168,10 +170,17 @@ class PrefillWorker:
             if isinstance(report, Exception):
                 self._fail(job, one_line(report), emit)
             else:
-                t = report.times
-                emit(PrefillDone(job.request.request_id, self.worker,
-                                 t.prefill_ms + t.quantize_ms, report.link_ms, t.sent_bytes))
+                self._done(job, report, emit)
         return moved
+
+    def _done(self, job: _Job, report: SendReport, emit: Callable[[object], None]) -> None:
+        """Report a handoff whose verdicts all came (polled in the order they were sent, so the
+        one before it on its link was reported first)."""
+        d, t = job.request.decode_worker, report.times
+        queued_s = max(0.0, self._acked_s[d] - report.sent_s)
+        self._acked_s[d] = max(self._acked_s[d], report.acked_s)
+        emit(PrefillDone(job.request.request_id, self.worker, t.prefill_ms + t.quantize_ms,
+                         report.link_ms, t.sent_bytes, queued_ms=1e3 * queued_s))
 
     def _send_admitted(self, emit: Callable[[object], None]) -> bool:
         """Hand each held prompt whose decode side admitted it to its link, in order per link,

@@ -185,9 +185,12 @@ class PrefillDone:
     request_id: int
     worker: int
     compute_ms: float  # its prompt compute and quantize calls on the prefill device
-    link_ms: float  # from its first message handed to the link to its last one acknowledged
+    link_ms: float  # from its first message handed to the link to its last verdict
     sent_bytes: int  # what its transport put on the wire
     error: str | None = None
+    # of link_ms, the time its first message waited for the handoff before it on its link (the
+    # link is one FIFO): its bytes crossed in link_ms - queued_ms
+    queued_ms: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -65,6 +65,10 @@ class Channel(Protocol):
         known to be gone."""
         ...
 
+    def came_at(self, key: str) -> float:
+        """When the value under `key` reached this side (time.monotonic), once `get` gave it."""
+        ...
+
     def peer_alive(self) -> bool: ...
 
 
@@ -146,7 +150,10 @@ class Transport(Protocol):
     def recv(self, tag: str, specs: Sequence[jax.ShapeDtypeStruct], timeout: float = 60.0
              ) -> Arrival: ...
 
-    def wait_ack(self, tag: str, timeout: float = 60.0) -> None: ...
+    def wait_ack(self, tag: str, timeout: float = 60.0) -> float:
+        """Prefill side: wait for the decode side's verdict on `tag`; when it reached this side
+        (time.monotonic). Raises the verdict's error (ValueError, TransportError)."""
+        ...
 
     def forget(self, tag: str) -> None: ...
 
@@ -180,8 +187,8 @@ class Wrapper:
              ) -> Arrival:
         return self._transport.recv(tag, specs, timeout)
 
-    def wait_ack(self, tag: str, timeout: float = 60.0) -> None:
-        self._transport.wait_ack(tag, timeout)
+    def wait_ack(self, tag: str, timeout: float = 60.0) -> float:
+        return self._transport.wait_ack(tag, timeout)
 
     def forget(self, tag: str) -> None:
         self._transport.forget(tag)
@@ -251,9 +258,10 @@ class Endpoint:
         self._receive(arrival, specs, [*specs, checksums_spec(specs)])
         return arrival
 
-    def wait_ack(self, tag: str, timeout: float = 60.0) -> None:
-        """Prefill side: block until the decode side confirms `tag` arrived intact; raise its error
-        otherwise (ValueError for mismatched buffers, TransportError for a failed transfer)."""
+    def wait_ack(self, tag: str, timeout: float = 60.0) -> float:
+        """Prefill side: block until the decode side confirms `tag` arrived intact, and return
+        when its verdict came (time.monotonic); raise its error otherwise (ValueError for
+        mismatched buffers, TransportError for a failed transfer)."""
         self._require("prefill", "wait_ack")
         ack = self._channel.get(f"{tag}/ack", timeout)
         self._acked(tag)
@@ -261,6 +269,7 @@ class Endpoint:
             raise ValueError(ack.removeprefix("mismatch: "))
         if ack != "ok":
             raise TransportError(f"decode side failed to receive {tag}: {ack}")
+        return self._channel.came_at(f"{tag}/ack")
 
     def forget(self, tag: str) -> None:
         """Prefill side: nobody waits for `tag`'s verdict any more (its handoff was aborted):

@@ -250,7 +250,7 @@ class CollectiveTransport(Endpoint):
 
         return run
 
-    def wait_ack(self, tag: str, timeout: float = 60.0) -> None:
+    def wait_ack(self, tag: str, timeout: float = 60.0) -> float:
         """Prefill side: wait for `tag`'s exchange to end (by its send's deadline), then for the
         decode side's verdict (`Endpoint.wait_ack`). A `timeout` that ends before the send's
         deadline leaves a running exchange running (TransportTimeout): a later wait goes on."""
@@ -266,7 +266,7 @@ class CollectiveTransport(Endpoint):
                     pass
             del self._exchanges[tag]
             self._exchanged(tag, run, deadline)
-        super().wait_ack(tag, timeout)
+        return super().wait_ack(tag, timeout)
 
     def _acked(self, tag: str) -> None:
         self._exchanges.pop(tag, None)  # forgotten: its program runs on, unwaited

@@ -40,6 +40,7 @@ class Board:
 
     def __init__(self) -> None:
         self._values: dict[str, object] = {}
+        self._came: dict[str, float] = {}  # when each key was posted (time.monotonic)
         self._cond = threading.Condition()
         self.closed: str | None = None
 
@@ -51,6 +52,7 @@ class Board:
             if key in self._values:
                 raise ValueError(f"{key!r} was already posted (tags must be unique)")
             self._values[key] = value
+            self._came[key] = time.monotonic()
             self._cond.notify_all()
 
     def post(self, key: str, value: object) -> None:
@@ -72,6 +74,11 @@ class Board:
             if key not in self._values:
                 raise TransportError(f"{self.closed} (waiting for {key!r})")
             return self._values[key]
+
+    def came_at(self, key: str) -> float:
+        """When the value under `key` was posted here (time.monotonic; KeyError before)."""
+        with self._cond:
+            return self._came[key]
 
     def close(self, reason: str) -> None:
         with self._cond:

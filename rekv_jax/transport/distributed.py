@@ -247,6 +247,9 @@ class PeerChannel:
         with contextlib.suppress(TransportError):
             self.put(key, value)
 
+    def came_at(self, key: str) -> float:
+        return self._board.came_at(key)
+
     def get(self, key: str, timeout: float) -> str:
         """The value the peer sent under `key` (or this side did)."""
         deadline = time.monotonic() + timeout

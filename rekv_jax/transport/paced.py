@@ -39,7 +39,8 @@ class Paced(Wrapper):
         self._free_at = 0.0
         self._pacer = Worker(f"rekv-{transport.role}-pacer")
         self._due: dict[str, float] = {}  # prefill side: e_i of each message not yet acked
-        self._verified: set[str] = set()  # prefill side: acked by the transport, not yet due
+        # prefill side: acked by the transport (when), not yet due
+        self._verified: dict[str, float] = {}
 
     def send(self, tag: str, arrays: Sequence[jax.Array], timeout: float = 60.0) -> None:
         arrays = list(arrays)
@@ -48,18 +49,19 @@ class Paced(Wrapper):
         self._free_at = start + link_bytes(arrays) / (self.gbps * 1e9)
         self._due[tag] = self._free_at
 
-    def wait_ack(self, tag: str, timeout: float = 60.0) -> None:
+    def wait_ack(self, tag: str, timeout: float = 60.0) -> float:
         """The transport's verdict on `tag` (`Transport.wait_ack`), an "ok" no sooner than the
-        paced link delivers the message; TransportTimeout if that is not within `timeout`."""
+        paced link delivers the message (and that is when it came); TransportTimeout if that is
+        not within `timeout`."""
         deadline = time.monotonic() + timeout
         if tag not in self._verified:
             try:
-                self._transport.wait_ack(tag, timeout)
+                came = self._transport.wait_ack(tag, timeout)
             except BaseException as e:
                 if not isinstance(e, TransportTimeout):  # failed: nothing of it is paced now
                     self._due.pop(tag, None)
                 raise
-            self._verified.add(tag)
+            self._verified[tag] = came
         due = self._due.get(tag, 0.0)
         if due > deadline:
             time.sleep(max(0.0, deadline - time.monotonic()))
@@ -67,11 +69,11 @@ class Paced(Wrapper):
                                    f"after the {timeout:g}s wait")
         time.sleep(max(0.0, due - time.monotonic()))
         self._due.pop(tag, None)
-        self._verified.discard(tag)
+        return max(due, self._verified.pop(tag))
 
     def forget(self, tag: str) -> None:
         self._due.pop(tag, None)
-        self._verified.discard(tag)
+        self._verified.pop(tag, None)
         self._transport.forget(tag)
 
     def recv(self, tag: str, specs: Sequence[jax.ShapeDtypeStruct], timeout: float = 60.0
