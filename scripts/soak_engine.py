@@ -1,5 +1,5 @@
 """Soak the decode engine: N requests through one engine and one prefill worker (both in this
-process over the in-process link, `serving.driver.serve_local`); does its memory stay flat and
+process over the in-process link, `serving.scripted.serve_local`); does its memory stay flat and
 does its page pool empty? (JSON)
 
 Requests of mixed actions and prompt lengths (drawn from `--seed`) arrive `--gap-ms` apart, so
@@ -30,10 +30,10 @@ def rss_kib() -> int:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from rekv_jax.serving.driver import Ask, serve_local
     from rekv_jax.serving.member import MemberSetup
     from rekv_jax.serving.pages import PoolConfig
     from rekv_jax.serving.requests import Finished, ServeRequest
+    from rekv_jax.serving.scripted import Ask, serve_local
 
     setup = MemberSetup(args.model, pool=PoolConfig(args.pool_pages, 16), timeout=120)
     model = setup.load()
@@ -54,14 +54,13 @@ def run(args: argparse.Namespace) -> dict:
     start = time.monotonic()
     out = serve_local(setup, asks, on_item, model)
     seen["rss"]["end"] = rss_kib()
-    failed = [f.error for f in out.finished if f.error is not None]
+    failed = [s.failure for s in out.served if s.failure is not None]
     growth = seen["rss"]["end"] / seen["rss"]["after_warmup"] - 1
     return {"model": args.model, "requests": args.requests, "gap_ms": args.gap_ms,
             "pool_pages": args.pool_pages, "wall_s": round(time.monotonic() - start, 1),
             "load_average": os.getloadavg()[0], "rss_kib": seen["rss"], "rss_growth": growth,
             "max_rss_growth": args.max_rss_growth, "failed": len(failed),
             "errors": sorted(set(failed))[:5], "used_pages_at_end": out.used_pages,
-            "held": sum(type(i).__name__ == "Held" for i in out.items),
             "ok": not failed and out.used_pages == 0 and growth <= args.max_rss_growth}
 
 

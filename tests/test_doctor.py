@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from rekv_jax.cli.main import main
-from rekv_jax.serving.driver import Driven
-from rekv_jax.serving.requests import Finished
+from rekv_jax.serving.metrics import Served
+from rekv_jax.serving.requests import Finished, ServeRequest
+from rekv_jax.serving.scripted import Driven
 from rekv_jax.study import doctor
 
 CHECKS = {"pallas_kernels", "exact_suffix/qwen2", "exact_suffix/qwen3", "exact_suffix/llama",
@@ -56,7 +57,13 @@ def test_gaussian_error_estimate_matches_a_simulation(bits):
 
 
 def served(tokens, checks="bitwise", error=None, request_id=0):
-    return Finished(request_id, tuple(tokens), 0.1, 0.01, 5.0, None, checks, False, error)
+    finished = Finished(request_id, tuple(tokens), 0.1, 0.01, 5.0, None, checks, False, error)
+    return Served(ServeRequest(request_id, [0], 3), "asked", 0.0, (), finished=finished)
+
+
+def refused(request_id=0):
+    """Ended by the router before a decode worker had it."""
+    return Served(ServeRequest(request_id, [0], 3), "asked", 0.0, (), error="needs 31 pages")
 
 
 def test_engine_verdict_judges_failures_cache_checks_first_tokens_and_pages():
@@ -75,7 +82,8 @@ def test_engine_verdict_judges_failures_cache_checks_first_tokens_and_pages():
     assert found.passed and "2 of 3" in found.detail
     for bad, words in (([served((), error="TransportError: lost"), *good[1:]], "lost"),
                        ([served((1, 2, 3), "MISMATCH in prefix"), *good[1:]], "cache check"),
-                       ([served((0, 2, 3)), *good[1:]], "first token differs")):
+                       ([served((0, 2, 3)), *good[1:]], "first token differs"),
+                       ([refused(), *good[1:]], "needs 31 pages")):
         found = doctor.engine_verdict(asks, Driven(bad, [], 0), want)
         assert not found.passed and words in found.detail
     assert not doctor.engine_verdict(asks, Driven(good, [], 1), want).passed

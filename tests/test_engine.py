@@ -23,20 +23,20 @@ from rekv_jax.handoff.receiver import Reception, WorkBudget
 from rekv_jax.handoff.sender import send_prompt
 from rekv_jax.mode import Interval, PrefillMode, Reference, Schedule
 from rekv_jax.model.transformer import greedy_decode
-from rekv_jax.serving.driver import Ask, serve_local, serve_pair
 from rekv_jax.serving.engine import DecodeEngine, EngineConfig, serving_mode
+from rekv_jax.serving.inbox import LocalInbox
 from rekv_jax.serving.member import MemberSetup
 from rekv_jax.serving.pages import PoolConfig
 from rekv_jax.serving.prefill_worker import PrefillWorker
 from rekv_jax.serving.requests import (
     Abort,
     Finished,
-    Held,
     Load,
     PrefillDone,
     ServeRequest,
     Token,
 )
+from rekv_jax.serving.scripted import Ask, serve_local, serve_pair
 from rekv_jax.transport import LocalTransport
 
 MODEL = "tiny"  # 6 layers
@@ -147,20 +147,19 @@ def test_a_reception_dispatches_its_suffix_within_each_budget_into_its_sink():
 
 def test_every_action_in_one_process_with_a_pool_that_makes_requests_wait():
     """Seven requests of every kind arrive while others decode, into a pool that holds two
-    or three at once (the others are held and admitted again as pages free up); each one's
-    tokens and pages are what the single process gives, and the pool ends empty."""
+    or three at once (the router admits the others as pages free up); each one's tokens and
+    pages are what the single process gives, and the pool ends empty."""
     asked = asks()
     pool = PoolConfig(18, 16)  # 17 pages; a 96-token request takes 7
     out = serve_local(MemberSetup(MODEL, pool=pool, check=True), asked, model=model())
     check_served(asked, out.finished)
     assert out.used_pages == 0
-    held = {i.request_id for i in out.items if isinstance(i, Held)}
-    assert held  # the pool was full at times; those requests still finished
     for ask in asked:  # tokens in order, the first from the handoff
         mine = [i for i in out.items if isinstance(i, Token) and i.request_id == ask.request.id]
         assert [t.index for t in mine] == list(range(NEW))
     loads = [i for i in out.items if isinstance(i, Load)]
     assert loads and loads[-1].running == 0 and loads[-1].free_pages == pool.usable_pages
+    assert min(i.free_pages for i in loads) < pool.pages_for(96 + NEW)  # too full at times
     assert sum(isinstance(i, PrefillDone) and i.error is None for i in out.items) == len(asked)
 
 
@@ -186,7 +185,7 @@ def test_requests_admitted_together_share_decode_steps():
     worker = PrefillWorker(cfg, params, [prefill_end])
     for ask in asked:
         admit, prefill = ask.records(cfg.num_layers)
-        assert engine.admit(dataclasses.replace(admit, max_new_tokens=LONG))
+        engine.admit(dataclasses.replace(admit, max_new_tokens=LONG))
         assert worker.prefill(prefill).error is None  # sent, acknowledged
     steps, finished = [], []
     while not engine.idle:
@@ -291,20 +290,48 @@ def test_two_processes_serve_staggered_requests_of_every_kind():
 
 
 def test_a_request_that_can_never_fit_fails_alone():
-    """A request needing more pages than the pool holds fails at once, in one line; its
-    prefill side is told not to send (it does not wait out its timeout), the other is served."""
+    """A request needing more pages than a decode worker holds fails at once at the router, in
+    one line, and is never prefilled; the other is served."""
     asked = asks((("bf16:full", 40), ("bf16:r=2", 96)))
     asked[1] = dataclasses.replace(asked[1], request=dataclasses.replace(
         asked[1].request, max_new_tokens=400))
     out = serve_local(MemberSetup(MODEL, pool=PoolConfig(12, 16), timeout=60), asked,
                       model=model())
-    assert out.finished[1].error == ("ValueError: a request of 496 positions needs 31 pages; "
-                                     "the pool holds 11 of 16")
-    assert out.finished[1].tokens == ()
-    refused = [i for i in out.items if isinstance(i, PrefillDone) and i.request_id == 1]
-    assert refused and "needs 31 pages" in refused[0].error
+    assert out.served[1].failure == ("needs 31 pages of 16 positions; a decode worker has 11")
+    assert out.finished[1] is None
+    assert not [i for i in out.items if getattr(i, "request_id", None) == 1]  # never prefilled
     check_served(asked[:1], out.finished[:1], checked=False)
     assert out.used_pages == 0
+
+
+def test_the_engine_refuses_what_could_never_fit_and_stops_on_what_does_not_fit_now():
+    """An `Admit` no pool could hold fails its request in one line and tells its prefill side
+    not to send (it does not wait out its timeout); one that does not fit now is the router's
+    error (it counts the pages), and the engine says so rather than decide."""
+    cfg, params = model().cfg, model().params
+    big, small = asks((("bf16:r=2", 96), ("bf16:full", 40)))
+    big_admit, big_prefill = big.records(cfg.num_layers)
+    big_admit = dataclasses.replace(big_admit, max_new_tokens=400)
+    prefill_end, decode_end = LocalTransport.pair()
+    engine = DecodeEngine(cfg, params, [decode_end], EngineConfig(PoolConfig(12, 16), None))
+    inbox, out = LocalInbox(), []
+    inbox.put(big_admit)
+    inbox.close()
+    engine.serve(inbox, out.append)
+    (f,) = out
+    assert f.error == ("ValueError: a request of 496 positions needs 31 pages; the pool holds "
+                       "11 of 16")
+    done = PrefillWorker(cfg, params, [prefill_end], timeout=60).prefill(big_prefill)
+    assert "needs 31 pages" in done.error and done.sent_bytes == 0
+    admit, _ = small.records(cfg.num_layers)
+    for i in range(2):  # 40 + 5 positions: 3 pages each; 11 hold three such requests
+        engine.admit(dataclasses.replace(admit, request_id=10 + i))
+    with pytest.raises(RuntimeError, match="admitted with 5 pages free, too few"):
+        engine.admit(dataclasses.replace(admit, request_id=12, max_new_tokens=100))
+    assert engine.used_pages == 6
+    for i in range(2):
+        engine.abort(10 + i)
+    assert engine.used_pages == 0
 
 
 def four_and_one_aborted(abort_at: int | None) -> tuple[dict[int, Finished], list[int]]:
@@ -319,7 +346,7 @@ def four_and_one_aborted(abort_at: int | None) -> tuple[dict[int, Finished], lis
     worker = PrefillWorker(cfg, params, [prefill_end])
     for ask in asked[:4] if abort_at is None else asked:
         admit, prefill = ask.records(cfg.num_layers)
-        assert engine.admit(dataclasses.replace(admit, max_new_tokens=LONG))
+        engine.admit(dataclasses.replace(admit, max_new_tokens=LONG))
         if ask.request.id < 4:
             assert worker.prefill(prefill).error is None
     finished, used = {}, []

@@ -16,13 +16,13 @@ import numpy as np
 from rekv_jax.action import Action
 from rekv_jax.handoff.sender import Prepared
 from rekv_jax.serving import prefill_worker
-from rekv_jax.serving.driver import Ask
 from rekv_jax.serving.engine import DecodeEngine, EngineConfig
 from rekv_jax.serving.inbox import LocalInbox
 from rekv_jax.serving.member import MemberSetup
 from rekv_jax.serving.pages import PoolConfig
 from rekv_jax.serving.prefill_worker import PrefillWorker
 from rekv_jax.serving.requests import Abort, Finished, PrefillDone, Prefilled, ServeRequest
+from rekv_jax.serving.scripted import Ask
 from rekv_jax.sizes import action_bytes
 from rekv_jax.transport import LocalTransport
 

@@ -17,11 +17,11 @@ from rekv_jax.serving.requests import (
     Abort,
     Admit,
     Finished,
-    Held,
     Load,
     Prefill,
     PrefillDone,
     Prefilled,
+    Ready,
     ServeRequest,
     Token,
 )
@@ -224,8 +224,8 @@ def test_reports_move_the_ledger():
         r.on_item("router", Load(0, 1, 40.0, 5), 0.3)
     with pytest.raises(ValueError, match="does not take"):
         r.on_item("decode-0", "hello", 0.3)
-    with pytest.raises(ValueError, match="does not take"):  # it counts the pages itself
-        r.on_item("decode-0", Held(0, 0, 18), 0.3)
+    with pytest.raises(ValueError, match="does not take"):  # a worker's own records only
+        r.on_item("decode-0", Ready("decode-0"), 0.3)
 
 
 def test_member_names_round_trip():

@@ -10,7 +10,7 @@ from rekv_jax.gate_result import GateResult
 from rekv_jax.planning.costmodel import Profile
 from rekv_jax.planning.queueing import DecodeCosts
 from rekv_jax.serving.ledger import DecodeQueue, Ledger, LinkEstimate, LinkQueue, PrefillQueue
-from rekv_jax.serving.policy import Context, check_policy_names, make_policies
+from rekv_jax.serving.policy import Asked, Context, check_policy_names, make_policies, served_mode
 from rekv_jax.serving.requests import Load, ServeRequest
 
 COSTS = DecodeCosts(step_fixed_ms=6.0, step_per_request_ms=4.0, suffix_budget_ms=20.0)
@@ -163,3 +163,21 @@ def test_profiles_of_other_lengths_are_scaled_from_the_nearest():
 def test_bad_policy_names(text, match):
     with pytest.raises(ValueError, match=match):
         check_policy_names(text, TINY7B.num_layers)
+
+
+def test_asked_runs_each_request_as_asked_on_the_cheaper_pair():
+    """`Asked` gives each request the mode asked for it, whatever another mode would cost, on
+    the pair of workers whose queues predict it soonest; a request nobody asked for is an
+    error."""
+    profile = _tiny7b_profile()
+    slow, fast = served_mode(Action.parse("bf16:full", 28)), served_mode(Action.parse("q8:r=4", 28))
+    policy = Asked(_context(profile), {0: slow, 1: fast})
+    busy = PrefillQueue((5000.0,), 0.0)  # prefill worker 0 has 5 s of prompts queued
+    ledger = Ledger((busy, IDLE_PREFILL), (IDLE_DECODE,),
+                    (LinkQueue(LinkEstimate(0.01)),) * 2, ARRIVALS)
+    for request, mode in ((REQUEST, slow), (dataclasses.replace(REQUEST, id=1), fast)):
+        chosen = policy.choose(request, ledger, 0.0)
+        assert chosen.mode == mode and (chosen.prefill_worker, chosen.decode_worker) == (1, 0)
+        assert chosen.why.policy == "asked"
+    with pytest.raises(ValueError, match="no mode was asked for request 2"):
+        policy.choose(dataclasses.replace(REQUEST, id=2), ledger, 0.0)

@@ -23,10 +23,9 @@ When nothing runs and no queued suffix work waits, it sleeps on the receptions' 
 
 A request takes every page it can need at admission (`admit`); its prefill side holds its sends
 until the decode side posts `TAG/admitted` on the control connection. The router counts this
-worker's pages and sends only `Admit`s that fit; a loop that does not count them
-(`serving.driver`) gets `Held` for one that does not (nothing reserved; it sends it again), and
-for every request after it until it is admitted (first come, first served). An `Abort` ends an
-admitted request wherever it is (`abort`): its pages free at once. Faults stay with their
+worker's pages and sends only `Admit`s that fit: one that does not is the router's error, and
+the engine stops on it. An `Abort` ends an admitted request wherever it is (`abort`): its pages
+free at once. Faults stay with their
 request: a reception's error (a lost or corrupt prefix without the recompute fallback, its
 prefill process gone) fails that request alone, in one line.
 """
@@ -34,6 +33,7 @@ prefill process gone) fails that request alone, in one line.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import time
@@ -64,7 +64,7 @@ from rekv_jax.serving.pages import (
     batch_bucket,
     step_inputs,
 )
-from rekv_jax.serving.requests import Abort, Admit, Finished, Held, Load, Token, tag
+from rekv_jax.serving.requests import Abort, Admit, Finished, Load, Token, tag
 from rekv_jax.serving.sampling import Drawn, Sampling, draw, first_specs, rows_of
 from rekv_jax.transport import Transport
 
@@ -160,43 +160,33 @@ class DecodeEngine:
         self._handoffs: list[_Request] = []  # receptions in flight, in admission order
         self._joining: list[_Request] = []  # cache complete: join the batch next iteration
         self._running: list[_Request] = []  # in the decode batch, in the order they joined
-        # held requests, first come first: (id, when first held)
-        self._held: list[tuple[int, float]] = []
         self._changed = True  # since the last `Load`
 
     # -- the loop's interface ----------------------------------------------------------------
 
-    def admit(self, request: Admit) -> bool:
-        """Take the request's pages and start its handoff; False (nothing reserved: held) when
-        too few pages are free, or while a request held before it waits (first come, first
-        served: prefill workers send in that order, so a later request admitted first could
-        wait on its prefill behind the held one, which waits on its pages). ValueError if it
-        could never fit, or its stops cannot be honoured."""
+    def admit(self, request: Admit) -> None:
+        """Take the request's pages and start its handoff. ValueError if it could never fit, or
+        its stops cannot be honoured; RuntimeError if too few pages are free (its router counts
+        them: an `Admit` that does not fit is the router's error)."""
         link = self._link(request)
         ending = Ending(request.stops, request.max_new_tokens, self._eos_ids, self._tokenizer)
-        now = time.monotonic()
-        while self._held and now - self._held[0][1] > self.config.timeout:
-            self._held.pop(0)  # never sent again (its router gave up on it): it holds none up
-        ids = [i for i, _ in self._held]
-        table = (self._alloc.admit(request.prompt_len + request.max_new_tokens)
-                 if ids[:1] in ([], [request.request_id]) else None)
-        if table is None:
-            if request.request_id not in ids:
-                self._held.append((request.request_id, now))
-            return False
-        if ids:
-            self._held.pop(0)
+        table = self._alloc.admit(request.prompt_len + request.max_new_tokens)
         name = tag(request.request_id)
+        if table is None:
+            raise RuntimeError(f"{name} was admitted with {self._alloc.free_pages} pages free, "
+                               f"too few: the router counts this worker's pages")
         reception = Reception(link, self._cfg, self._params, request.mode, 1,
                               request.prompt_len, name, self.config.fallback,
                               timeout=self.config.timeout,
                               sink=functools.partial(self._write, table),
                               first=first_specs(request.sampling))
         reception.start()
-        link.send_meta(f"{name}/admitted", {})  # its prefill side may send now
+        # its prefill side may send now; if that side is gone, the reception's waits fail with
+        # the link and the request ends alone
+        with contextlib.suppress(TransportError):
+            link.send_meta(f"{name}/admitted", {})
         self._handoffs.append(_Request(request, table, reception, ending, time.monotonic()))
         self._changed = True
-        return True
 
     def _link(self, request: Admit) -> Transport:
         """The link to the request's prefill worker; ValueError if there is none."""
@@ -308,8 +298,7 @@ class DecodeEngine:
     def abort(self, request_id: int) -> list[Finished]:
         """End an admitted request now, wherever it is (its reception abandoned, or out of the
         batch): its pages free at once; its `Finished` ("abort", its tokens so far). [] for one
-        it does not hold (it ended, or was never admitted: a held one is forgotten)."""
-        self._held = [(i, t) for i, t in self._held if i != request_id]
+        it does not hold (it ended, or was never admitted)."""
         for queue in (self._handoffs, self._joining, self._running):
             for r in queue:
                 if r.admit.request_id == request_id:
@@ -318,24 +307,22 @@ class DecodeEngine:
         return []
 
     def _take(self, request: object) -> list[object]:
-        """One message from the parent: an `Abort` (its `Finished`, if it held the request), or
-        an `Admit` ([] once admitted, else what it is told)."""
+        """One message from the router: an `Abort` (its `Finished`, if it held the request), or
+        an `Admit` ([] once admitted; its failed `Finished` if it could never be)."""
         if isinstance(request, Abort):
             return self.abort(request.request_id)
         if not isinstance(request, Admit):
             raise ValueError(f"a decode engine takes Admit and Abort messages, got "
                              f"{type(request).__name__}")
         try:
-            if self.admit(request):
-                return []
+            self.admit(request)
+            return []
         except ValueError as e:  # it could never fit: its prefill side is told not to send
             if 0 <= request.prefill_worker < len(self._links):
                 self._links[request.prefill_worker].send_meta(
                     f"{tag(request.request_id)}/admitted", {"refused": one_line(e)})
             return [Finished(request.request_id, (), 0.0, 0.0, 0.0, None, "", False,
                              one_line(e))]
-        pages = self.config.pool.pages_for(request.prompt_len + request.max_new_tokens)
-        return [Held(request.request_id, self._alloc.free_pages, pages)]
 
     # -- an iteration ------------------------------------------------------------------------
 

@@ -12,6 +12,8 @@ modes they weigh:
   `bf16:recompute`): that action after a full prefill, overlapped (the paper's setting);
 - `PREC:balanced`: the paper's balanced joint cut at that precision (Proposition 2 under the
   profile of the request's length, the better of its adjacent cuts), the same way;
+- `asked` (`Asked`, not a `--policy`): each request's own mode, as its caller asked; tests, soaks
+  and the doctor run the actions they choose through the router this way;
 - `adaptive`: every action of the precisions it is given, each under the overlapped and chunked
   schedules after a full, split or pipelined prefill, among the actions the quality gate allows.
   A split or pipelined prefill stops at the cut, so a cut moves prompt compute from the prefill
@@ -29,7 +31,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from rekv_jax.action import Action, action_space
 from rekv_jax.gate_result import GateResult
@@ -41,6 +43,7 @@ from rekv_jax.serving.ledger import Ledger
 from rekv_jax.serving.requests import Assignment, ServeRequest, Weighed, Why
 
 ADAPTIVE = "adaptive"
+ASKED = "asked"  # `Asked`: each request's mode as its caller asked
 BALANCED = "balanced"  # the cut of `PREC:balanced`
 ADAPTIVE_BITS = (16, 8)  # the precisions `adaptive` weighs unless told
 ADAPTIVE_CHUNKS = (2, 4)  # the token chunks it weighs for the chunked schedule and prefill
@@ -134,7 +137,7 @@ class Policy(abc.ABC):
             gbps = ledger.link(p, d).estimate.gbps
             profile, queues = self.profile(n).at_link(gbps), ledger.queues(p, d, now_s)
             weighed += [(served(profile, mode, queues, ctx.decode), i, mode, p, d, gbps)
-                        for i, mode in enumerate(self.modes(n))]
+                        for i, mode in enumerate(self._modes_for(request))]
         weighed.sort(key=lambda w: (w[0].cost_ms, w[1]))  # ties: the earlier mode
         pred, _, mode, p, d, gbps = weighed[0]
         others = [Weighed(m.label, w.ttft_ms, w.cost_ms, wp, wd)
@@ -142,6 +145,9 @@ class Policy(abc.ABC):
         why = Why(self.name, pred, gbps, ctx.quality(mode.action, mode.chunks, n),
                   tuple(others))
         return Assignment(request.id, mode, p, d, why)
+
+    def _modes_for(self, request: ServeRequest) -> tuple[Mode, ...]:
+        return self.modes(request.prompt_len)
 
 
 class Fixed(Policy):
@@ -187,6 +193,23 @@ class Adaptive(Policy):
             raise ValueError(f"adaptive: the gate allows no action for {ctx.model} at "
                              f"{seq_len} tokens")
         return tuple(modes)
+
+
+class Asked(Policy):
+    """Each request's own mode (`modes[request id]`), on the pair of least predicted cost."""
+
+    def __init__(self, context: Context, modes: Mapping[int, Mode]):
+        super().__init__(ASKED, context)
+        self._asked = dict(modes)
+
+    def _modes_for(self, request: ServeRequest) -> tuple[Mode, ...]:
+        if request.id not in self._asked:
+            raise ValueError(f"no mode was asked for request {request.id}")
+        return (self._asked[request.id],)
+
+    def _weighed(self, seq_len: int) -> tuple[Mode, ...]:
+        """Every mode asked, whatever its request's length."""
+        return tuple(dict.fromkeys(self._asked.values()))
 
 
 def served_mode(action: Action) -> Mode:

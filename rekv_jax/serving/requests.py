@@ -3,12 +3,10 @@ picklable (they cross the launcher's pipes: `Group.send` to a worker, `Member.em
 
 Router -> prefill worker: `Prefill`. Router -> decode worker: `Admit`. Router -> either:
 `Abort`. Prefill worker -> router: `Prefilled` (its device is done with the prompt), then
-`PrefillDone` (its handoff's verdicts came). Decode worker -> router: `Held` (no pages yet:
-its sender sends the `Admit` again later; the router, which counts the pages, never gets one),
-`Token` (each generated token as it is known), `Finished` (once per request) and `Load` (its
-state, after an iteration that changed it). Every worker -> router, once, when it can serve:
-`Ready`. The router's own: `ServeRequest` (what
-arrives), `Assignment` (what its policy chose, and `Why`).
+`PrefillDone` (its handoff's verdicts came). Decode worker -> router: `Token` (each generated
+token as it is known), `Finished` (once per request) and `Load` (its state, after an iteration
+that changed it). Every worker -> router, once, when it can serve: `Ready`. The router's own:
+`ServeRequest` (what arrives), `Assignment` (what its policy chose, and `Why`).
 
 Ids are the router's, unique in a run; a handoff's transport tags carry the id (`tag`). Times a
 worker stamps are `time.monotonic()` seconds of its own clock (the router measures latency on
@@ -130,7 +128,8 @@ class Prefill:
 @dataclasses.dataclass(frozen=True)
 class Admit:
     """Router -> decode worker: reserve pages for a request (prompt plus `max_new_tokens`) and
-    receive its handoff from `prefill_worker` under `tag(request_id)`; or answer `Held`."""
+    receive its handoff from `prefill_worker` under `tag(request_id)` (the router counted the
+    decode worker's pages: they are free)."""
 
     request_id: int
     prompt_len: int  # its tokens
@@ -152,17 +151,6 @@ class Abort:
 
     request_id: int
     why: str  # one line
-
-
-@dataclasses.dataclass(frozen=True)
-class Held:
-    """Decode worker -> its sender: a request's `Admit` found too few free pages; nothing was
-    reserved, and the sender sends the `Admit` again once pages are free (nothing is dropped).
-    The router counts the pages and never gets one; `serving.driver`'s loops do not."""
-
-    request_id: int
-    free_pages: int
-    needed_pages: int
 
 
 @dataclasses.dataclass(frozen=True)

@@ -76,7 +76,7 @@ def serve(config: ServeConfig, on_event: OnEvent | None = None,
         raise ValueError("serve() runs a generated load or --http; Python callers use Server")
     setup = member_setup(config, link)
     with config.workers.start(serving_member, (setup,)) as group:
-        costs = ready(group, config, setup, config.profiles)
+        costs = ready(group, setup, config.profiles)
         policies = make_policies_for(config, config.profiles, costs)
         try:
             return _serve_streams(group, config, setup, policies, costs, on_event)

@@ -57,12 +57,11 @@ OnEvent = Callable[[Event], None]
 GREEDY, EOS = Sampling(), Stops()  # a request's defaults: greedy, ended by EOS or its length
 
 
-def ready(group: Members, config: ServeConfig, setup: MemberSetup,
-          profiles: Sequence[Profile]) -> DecodeCosts:
+def ready(group: Members, setup: MemberSetup, profiles: Sequence[Profile]) -> DecodeCosts:
     """Wait until every member is `Ready`; the decode members' iteration costs (the slowest
     member's steps; the suffix budget from the shortest profile's suffix compute)."""
     waiting, steps = set(group.names), []
-    deadline_s = config.workers.timeout * 4  # links, a model load and the steps' compiles
+    deadline_s = setup.timeout * 4  # links, a model load and the steps' compiles
     for event in _events(group, deadline_s, lambda: bool(waiting)):
         if isinstance(event, MemberEnded):
             raise TransportError(event.failure or f"{event.name} ended before it was ready")
@@ -286,7 +285,7 @@ class Server:
         profiles = c.profiles or (analytic_profile(load_config(c.model), ESTIMATED_LENGTH),)
         self._group = c.workers.start(serving_member, (self._setup,))
         try:
-            costs = ready(self._group, c, self._setup, profiles)
+            costs = ready(self._group, self._setup, profiles)
             (policy,) = make_policies_for(c, profiles, costs)
             self.router = make_router(self._group, c, self._setup, policy, costs, 0.0,
                                       profiles[0].link_gbps, self._served,

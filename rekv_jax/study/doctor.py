@@ -42,10 +42,10 @@ from rekv_jax.model.transformer import (
     run_prefix,
     run_suffix,
 )
-from rekv_jax.serving.driver import Ask, Driven, serve_pair
 from rekv_jax.serving.member import MemberSetup
 from rekv_jax.serving.pages import PoolConfig
 from rekv_jax.serving.requests import ServeRequest
+from rekv_jax.serving.scripted import Ask, Driven, serve_pair
 from rekv_jax.study import bench
 from rekv_jax.study.experiment import Experiment
 from rekv_jax.study.records import Summary
@@ -335,7 +335,7 @@ def greedy_references(model: str, asks: list[Ask]) -> list[tuple[int, ...]]:
     m = synthetic_model(ModelConfig.preset(model))
     out = []
     for ask in asks:
-        mode = ask.records(m.cfg.num_layers)[0].mode
+        mode = ask.mode(m.cfg.num_layers)
         tokens = jnp.asarray([ask.request.tokens], jnp.int32)
         kv, logits = reference(m.cfg, m.params, tokens, mode.reference, mode.action.cut)
         out.append(tuple(np.asarray(greedy_decode(m.cfg, m.params, kv, logits,
@@ -348,15 +348,18 @@ def engine_verdict(asks: list[Ask], driven: Driven, want: list[tuple[int, ...]])
     first token is the single process's and the pool ends empty. How many requests decoded
     all their tokens as the single process does is reported, not judged: the engine's paged
     attention on a GPU (Pallas) has its own bits."""
-    f = driven.finished
-    data = EngineData(tuple(a.action for a in asks), tuple(x.tokens for x in f), tuple(want),
-                      tuple(x.checks for x in f), tuple(x.error for x in f), driven.used_pages)
-    failed = [f"{a.action}: {x.error}" for a, x in zip(asks, f, strict=True) if x.error]
-    unchecked = [a.action for a, x in zip(asks, f, strict=True)
-                 if not x.error and not x.checks.startswith(("bitwise", "suffix bitwise"))]
-    first = [a.action for a, x, w in zip(asks, f, want, strict=True)
-             if not x.error and x.tokens[:1] != w[:1]]
-    same = sum(x.tokens == w for x, w in zip(f, want, strict=True))
+    served = driven.served
+    tokens = tuple(s.finished.tokens if s.finished else () for s in served)
+    checks = tuple(s.finished.checks if s.finished else "" for s in served)
+    errors = tuple(s.failure for s in served)
+    data = EngineData(tuple(a.action for a in asks), tokens, tuple(want), checks, errors,
+                      driven.used_pages)
+    failed = [f"{a.action}: {e}" for a, e in zip(asks, errors, strict=True) if e]
+    unchecked = [a.action for a, e, c in zip(asks, errors, checks, strict=True)
+                 if not e and not c.startswith(("bitwise", "suffix bitwise"))]
+    first = [a.action for a, e, t, w in zip(asks, errors, tokens, want, strict=True)
+             if not e and t[:1] != w[:1]]
+    same = sum(t == w for t, w in zip(tokens, want, strict=True))
     ok = not (failed or unchecked or first) and driven.used_pages == 0
     detail = (f"{len(asks)} requests: " + ("; ".join(
         [*failed, *(f"{a} cache check failed" for a in unchecked),
