@@ -1,8 +1,9 @@
 """A scripted stream: requests that each name the action they are handed off with (`Ask`),
 served through the router's loop (`router.drive`) under the `Asked` policy, as every serving
 frontend serves its requests: on workers that are threads of this process over in-process links
-(`serve_local`, `in_process.InProcess`) or the two member processes of a group (`serve_pair`).
-Tests, the engine soak and the doctor choose each request's action this way.
+(`serve_local`, `in_process.InProcess`) or the two member processes of a group (`serve_pair`);
+a `Pair` of them serves such streams in turn. Tests, the engine soak, the doctor and `rekv
+generate` choose each request's mode this way.
 
 The router's predictions of a scripted stream come from the model's roofline profile; its
 choices do not depend on them (each request runs as it asked).
@@ -12,17 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from rekv_jax.action import Action
-from rekv_jax.config import ModelConfig
 from rekv_jax.launch.environments import group_environments, visible_gpus
 from rekv_jax.launch.group import Emitted, Event, Group
-from rekv_jax.launch.processes import Ended
 from rekv_jax.mode import Mode
 from rekv_jax.model.loader import LoadedModel, load_config
 from rekv_jax.planning.planner import analytic_profile
-from rekv_jax.planning.queueing import DecodeCosts
 from rekv_jax.serving.engine import CHUNK_TOKENS, serving_mode
 from rekv_jax.serving.in_process import InProcess
 from rekv_jax.serving.ledger import Ledger
@@ -30,7 +28,7 @@ from rekv_jax.serving.member import MemberSetup, serving_member
 from rekv_jax.serving.metrics import Served
 from rekv_jax.serving.policy import Asked, Context
 from rekv_jax.serving.requests import Admit, Finished, Prefill, ServeRequest
-from rekv_jax.serving.router import Router, Scheduled, Workers, drive
+from rekv_jax.serving.router import Router, Scheduled, drive
 from rekv_jax.serving.server import ESTIMATED_LENGTH, decode_costs, ready
 from rekv_jax.transport import JobKey
 
@@ -71,64 +69,90 @@ class Driven:
         return [s.finished for s in self.served]
 
 
+class Pair:
+    """One prefill worker and one decode engine that serve scripted streams in turn (`serve`):
+    threads of this process over the in-process link (`model` given: already loaded), or two
+    member processes of a group (`serving_member`, on this machine, under a key made for them).
+    `close` ends them: the pages the engine's requests still hold (RuntimeError naming each
+    worker that failed); leaving the `with` block without it kills them."""
+
+    def __init__(self, setup: MemberSetup, model: LoadedModel | None = None) -> None:
+        self.setup = setup
+        self.cfg = model.cfg if model is not None else load_config(setup.model)
+        profiles = (analytic_profile(self.cfg, ESTIMATED_LENGTH),)
+        if model is not None:
+            self._workers: InProcess | Group = InProcess(setup, model)
+            self._costs = decode_costs([{1: 0.0}], profiles, setup.suffix_budget)
+        else:
+            member = dataclasses.replace(setup, cost_position=0)  # its timed steps: short rows
+            envs = group_environments(visible_gpus(), os.environ, 1, 1)
+            self._workers = Group(serving_member, (member,), envs, key=JobKey.new())
+            try:
+                self._costs = ready(self._workers, setup, profiles)
+            except BaseException:
+                self._workers.kill()
+                raise
+        self._profiles, self._closed = profiles, False
+
+    def serve(self, requests: Sequence[ServeRequest], modes: Mapping[int, Mode],
+              on_item: OnItem | None = None) -> tuple[list[Served], list[object]]:
+        """Every request, arriving at its `arrival_s`, through a router of the `Asked` policy
+        (`modes`: each one's), to its end: the records in the order given, and everything the
+        workers emitted meanwhile (each also handed to `on_item` as it came)."""
+        if len({r.id for r in requests}) != len(requests):
+            raise ValueError("request ids must be unique")
+        cfg, setup = self.cfg, self.setup
+        policy = Asked(Context(cfg.name, cfg.num_layers, self._profiles, self._costs), modes)
+        gbps = setup.link_gbps or self._profiles[0].link_gbps
+        router = Router(policy, Ledger.idle(1, 1, gbps), setup.pool, self._costs,
+                        self._workers.send, 0.0, setup.timeout)
+        items: list[object] = []
+
+        def heard(event: Event) -> None:
+            if isinstance(event, Emitted):
+                items.append(event.item)
+                if on_item is not None:
+                    on_item(event.item)
+
+        stream = Scheduled(sorted(requests, key=lambda r: r.arrival_s))
+        by_id = {s.request.id: s for s in drive(self._workers, router, stream, heard)}
+        return [by_id[r.id] for r in requests], items
+
+    def close(self) -> int:
+        self._closed = True
+        ends = self._workers.close(self.setup.timeout)
+        failed = [f"{name}: {e.error}" for name, e in ends.items() if not e.ok]
+        if failed:
+            raise RuntimeError("; ".join(failed))
+        return ends["decode-0"].value
+
+    def __enter__(self) -> Pair:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._closed:
+            return
+        if isinstance(self._workers, Group):
+            self._workers.kill()
+        else:
+            self._workers.close(0.0)
+
+
 def serve_local(setup: MemberSetup, asks: Sequence[Ask], on_item: OnItem | None = None,
                 model: LoadedModel | None = None) -> Driven:
     """Serve `asks` on a prefill worker and a decode engine on threads of this process;
     `model`: already loaded (else `setup.load()`)."""
-    model = model or setup.load()
-    workers = InProcess(setup, model)
-    costs = decode_costs([{1: 0.0}], _profiles(model.cfg), setup.suffix_budget)
-    try:
-        served, items = _drive(workers, setup, model.cfg, costs, asks, on_item)
-    finally:
-        ends = workers.close(setup.timeout)
-    return _driven(asks, served, items, ends)
+    with Pair(setup, model or setup.load()) as pair:
+        return _driven(pair, asks, on_item)
 
 
 def serve_pair(setup: MemberSetup, asks: Sequence[Ask], on_item: OnItem | None = None) -> Driven:
-    """Serve `asks` on a prefill worker and a decode engine, each a member process of a group
-    (`serving_member`, on this machine, under a key made for them)."""
-    cfg = load_config(setup.model)
-    member = dataclasses.replace(setup, cost_position=0)  # its timed steps: short rows
-    envs = group_environments(visible_gpus(), os.environ, 1, 1)
-    with Group(serving_member, (member,), envs, key=JobKey.new()) as group:
-        costs = ready(group, setup, _profiles(cfg))
-        served, items = _drive(group, setup, cfg, costs, asks, on_item)
-        ends = group.close(setup.timeout)
-    return _driven(asks, served, items, ends)
+    """Serve `asks` on a prefill worker and a decode engine, each a member process of a group."""
+    with Pair(setup) as pair:
+        return _driven(pair, asks, on_item)
 
 
-def _profiles(cfg: ModelConfig) -> tuple:
-    return (analytic_profile(cfg, ESTIMATED_LENGTH),)
-
-
-def _drive(workers: Workers, setup: MemberSetup, cfg: ModelConfig, costs: DecodeCosts,
-           asks: Sequence[Ask], on_item: OnItem | None) -> tuple[list[Served], list[object]]:
-    """Every ask through a router of the `Asked` policy over one pair of workers."""
-    if len({a.request.id for a in asks}) != len(asks):
-        raise ValueError("request ids must be unique")
-    profiles = _profiles(cfg)
-    policy = Asked(Context(cfg.name, cfg.num_layers, profiles, costs),
-                   {a.request.id: a.mode(cfg.num_layers) for a in asks})
-    router = Router(policy, Ledger.idle(1, 1, setup.link_gbps or profiles[0].link_gbps),
-                    setup.pool, costs, workers.send, 0.0, setup.timeout)
-    items: list[object] = []
-
-    def heard(event: Event) -> None:
-        if isinstance(event, Emitted):
-            items.append(event.item)
-            if on_item is not None:
-                on_item(event.item)
-
-    stream = sorted((a.request for a in asks), key=lambda r: r.arrival_s)
-    return drive(workers, router, Scheduled(stream), heard), items
-
-
-def _driven(asks: Sequence[Ask], served: list[Served], items: list[object],
-            ends: dict[str, Ended]) -> Driven:
-    """The stream's result; RuntimeError naming each member that failed."""
-    failed = [f"{name}: {e.error}" for name, e in ends.items() if not e.ok]
-    if failed:
-        raise RuntimeError("; ".join(failed))
-    by_id = {s.request.id: s for s in served}
-    return Driven([by_id[a.request.id] for a in asks], items, ends["decode-0"].value)
+def _driven(pair: Pair, asks: Sequence[Ask], on_item: OnItem | None) -> Driven:
+    modes = {a.request.id: a.mode(pair.cfg.num_layers) for a in asks}
+    served, items = pair.serve([a.request for a in asks], modes, on_item)
+    return Driven(served, items, pair.close())
