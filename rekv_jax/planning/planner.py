@@ -46,9 +46,11 @@ def analytic_profile(cfg: ModelConfig, seq_len: int, batch: int = 1,
         return max(flops / (tflops * 1e9), nbytes / (hbm_gbps * 1e6))
 
     kv16 = sizes.kv_layer_bytes(cfg, seq_len, batch)
-    # Quantize reads BF16 and writes codes + scales; restore reads those and writes BF16.
+    # Quantize reads BF16 and writes codes + scales; restore reads those and writes BF16. A head
+    # dim that is not whole groups cannot be quantized: its profile has no Q8/Q4 costs.
+    bits = (8, 4) if cfg.head_dim % sizes.GROUP_SIZE == 0 else ()
     memory = {16: 0.0} | {b: roofline(0, kv16 + sizes.kv_layer_bytes(cfg, seq_len, batch, b))
-                          for b in (8, 4)}
+                          for b in bits}
     # the first token: LM head of the last position (transfer-only receives it with the KV)
     head_ms = roofline(sizes.head_flops(cfg, 1, batch),
                        sizes.head_weight_count(cfg) * sizes.WEIGHT_BYTES)

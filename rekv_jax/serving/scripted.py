@@ -102,7 +102,9 @@ class Pair:
         if len({r.id for r in requests}) != len(requests):
             raise ValueError("request ids must be unique")
         cfg, setup = self.cfg, self.setup
-        policy = Asked(Context(cfg.name, cfg.num_layers, self._profiles, self._costs), modes)
+        context = Context(cfg.name, cfg.num_layers, self._profiles, self._costs,
+                          adaptive_bits=(16,))  # `Asked` weighs no precision of its own
+        policy = Asked(context, modes)
         gbps = setup.link_gbps or self._profiles[0].link_gbps
         router = Router(policy, Ledger.idle(1, 1, gbps), setup.pool, self._costs,
                         self._workers.send, 0.0, setup.timeout)
