@@ -45,7 +45,9 @@ def balanced_cut(num_layers: int, alpha: float, beta: float, gamma: float,
     return c_star, tuple(sorted({math.floor(c_star), math.ceil(c_star)}))
 
 
-@functools.lru_cache(maxsize=4096)  # pure, and called per chunk of every mode a policy weighs
+# pure, and called per chunk of every mode a policy weighs; typed, so that a Fraction share is
+# never answered with a float one that compares equal
+@functools.lru_cache(maxsize=4096, typed=True)
 def chunk_share(seq_len: int, chunk: int, chunks: int, attention_share: float) -> float:
     """Chunk `chunk`'s share of a prompt layer's γ: its T_i of S tokens, and its attention over
     the w_i cache positions of its bucket (`sizes.attention_width`) where the prompt program's
