@@ -1,7 +1,8 @@
 """How one handoff runs, described once: the `Mode` record (action, schedule, prefill mode, token
-chunks, timed interval), validated at construction, and everything that follows from it: the
-messages that cross and their order, what the decode side computes and when, which
-single-process cache it must equal, and which of the cost model's formulas predicts it.
+chunks, timed interval), validated at construction, and everything that follows from it: its
+plan (the typed steps of `rekv_jax.plan`: what each side computes and when, the messages that
+cross and their order), which single-process cache it must equal, and which of the cost model's
+closed forms it has.
 
 Every other module takes a `Mode` and asks it; none compares schedule, prefill or interval
 values itself. The modes' values are `StrEnum`s: each member equals its string, so JSON, the
@@ -13,11 +14,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 import itertools
 from collections.abc import Sequence
 
 from rekv_jax.action import Action, ActionKind
-from rekv_jax.sizes import token_chunks
+from rekv_jax.plan import (
+    Builder,
+    Message,
+    Part,
+    Plan,
+    Prefill,
+    Quantize,
+    Receive,
+    chunks_of,
+)
 
 
 class Interval(enum.StrEnum):
@@ -51,7 +62,7 @@ class Fallback(enum.StrEnum):
 
 
 class Formula(enum.StrEnum):
-    """The cost model's formula for a mode (`planning.costmodel.predicted_ms`)."""
+    """The cost model's closed form for a mode (`planning.costmodel.closed_form_ends`)."""
 
     SEQUENTIAL = "sequential"  # Eq. 8 (transfer-only and full recomputation too)
     OVERLAPPED = "overlapped"  # Eq. 9
@@ -67,27 +78,6 @@ PAPER_SCHEDULES = (Schedule.OVERLAPPED.value, Schedule.SEQUENTIAL.value)  # Eqs.
 FALLBACKS = tuple(m.value for m in Fallback)
 NO_SCHEDULE = "n/a"  # a record's schedule where the action has nothing to overlap
 DEFAULT_CHUNKS = 4  # token chunks when a chunked run asks for none
-
-
-class Part(enum.StrEnum):
-    """What a message carries."""
-
-    TOKENS = "tokens"  # the token ids [B, S] int32
-    FIRST = "first"  # the prefill side's first token [B] int32
-    BOUNDARY = "boundary"  # h_c of a token range [B, T, D]
-    PREFIX = "prefix"  # the (quantized) KV of a range of layers and tokens
-
-
-@dataclasses.dataclass(frozen=True)
-class Message:
-    """One message of a handoff, in the order sent: its tag (under the handoff's), what it carries
-    in order, and the token and layer ranges of its h_c and prefix parts."""
-
-    name: str
-    parts: tuple[Part, ...]
-    tokens: tuple[int, int]  # the token range [start, stop) of a BOUNDARY or PREFIX part
-    layers: tuple[int, int] = (0, 0)  # the layer range [start, stop) of a PREFIX part
-    chunk: int = 0  # the token chunk it belongs to (its boundary chunk or prefix chunk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +203,7 @@ class Mode:
 
     @property
     def formula(self) -> Formula:
-        """Which of the cost model's formulas predicts it."""
+        """Which of the cost model's closed forms its played plan has."""
         if self.prefill == PrefillMode.PIPELINED:
             return Formula.PIPELINED
         if self.prefill == PrefillMode.SPLIT:
@@ -279,59 +269,113 @@ class Mode:
             return Reference()
         return Reference(self.chunks, split_at_cut=self.prefill == PrefillMode.FULL)
 
-    # -- the wire ------------------------------------------------------------------------------
+    # -- the plan ------------------------------------------------------------------------------
 
-    def messages(self, seq_len: int, num_layers: int) -> list[Message]:
-        """Every message of the handoff in the order the prefill side sends it (a FIFO link
-        delivers them in that order)."""
+    def plan(self, seq_len: int, num_layers: int) -> Plan:
+        """The handoff as typed steps (`rekv_jax.plan`): what each side computes, every message
+        in the order sent, and what each step waits for."""
         if self.action.num_layers != num_layers:
             raise ValueError(f"{self.action} is not for a {num_layers}-layer model")
-        if self.prefill == PrefillMode.SPLIT:
-            return self._streamed_layers(seq_len)
-        if self.prefill == PrefillMode.PIPELINED:
-            return self._pipelined(seq_len)
-        return self._whole(seq_len)
+        return _plan(self, seq_len)
 
-    def _whole(self, seq_len: int) -> list[Message]:
-        """A full prefill: the ids and first token with h_c's first chunk, then h_c's other
-        chunks, then the prefix."""
-        c, every = self.action.cut, (0, seq_len)
-        ranges = token_chunks(seq_len, self.chunks)
-        head = (Part.TOKENS, Part.FIRST) + (Part.BOUNDARY,) * self.joint
-        out = [Message("boundary", head, ranges[0] if self.joint else every)]
-        out += [Message(f"boundary{i}", (Part.BOUNDARY,), r, chunk=i)
-                for i, r in enumerate(ranges[1:], 1)]
-        if c:
-            out.append(Message("prefix", (Part.PREFIX,), every, (0, c)))
-        return out
+    def messages(self, seq_len: int, num_layers: int) -> list[Message]:
+        """Every message of the handoff in the order the prefill side sends it."""
+        return self.plan(seq_len, num_layers).messages
 
-    def _streamed_layers(self, seq_len: int) -> list[Message]:
-        """A split prefill: the ids at once, then each layer's prefix as computed, with h_c (or,
-        transfer-only, the first token) leaving once the last prefix layer is computed, before
-        that layer's payload."""
-        c, every = self.action.cut, (0, seq_len)
-        out = [Message("tokens", (Part.TOKENS,), every)]
-        for layer in range(c):
-            if layer == c - 1 and c:
-                part = Part.BOUNDARY if self.joint else Part.FIRST
-                out.append(Message("boundary", (part,), every))
-            out.append(Message(f"layer{layer}", (Part.PREFIX,), every, (layer, layer + 1)))
-        return out
 
-    def _pipelined(self, seq_len: int) -> list[Message]:
-        """A pipelined prefill: the ids at once, then per token chunk its h_c and its prefix;
-        transfer-only sends the first token before the last chunk's prefix."""
-        c = self.action.cut
-        out = [Message("tokens", (Part.TOKENS,), (0, seq_len))]
-        ranges = token_chunks(seq_len, self.chunks) if c else []
-        for i, r in enumerate(ranges):
-            if self.joint:
-                out.append(Message("boundary" + (str(i) if i else ""), (Part.BOUNDARY,), r,
-                                   chunk=i))
-            elif i == len(ranges) - 1:
-                out.append(Message("boundary", (Part.FIRST,), (0, seq_len), chunk=i))
-            out.append(Message(f"prefix{i}", (Part.PREFIX,), r, (0, c), chunk=i))
-        return out
+@functools.lru_cache(maxsize=1024)  # pure; the serving policy plays every mode it weighs
+def _plan(mode: Mode, seq_len: int) -> Plan:
+    build = Builder(mode.action, seq_len)
+    if mode.prefill == PrefillMode.SPLIT:
+        _split(mode, build)
+    elif mode.prefill == PrefillMode.PIPELINED:
+        _pipelined(mode, build)
+    else:
+        _full(mode, build)
+    return build.plan()
+
+
+def _full(mode: Mode, build: Builder) -> None:
+    """A full prefill (timed from the prompt: computed first), the prefix quantized at once; the
+    ids and the first token cross with h_c's first chunk, then h_c's other chunks, then the
+    prefix. The suffix runs on each chunk as it lands (the sequential schedule: once the prefix
+    is restored too); a full recomputation runs on the ids."""
+    action, S = mode.action, build.seq_len
+    c, L = action.cut, action.num_layers
+    whole, chunks = chunks_of(S, 1), chunks_of(S, mode.chunks)
+    ready: tuple[int, ...] = ()
+    if mode.from_prompt:
+        ready = (build.add(Prefill((0, L), whole[0])),)
+    if c and action.bits < 16:
+        ready = (build.add(Quantize((0, c), whole[0], ready)),)
+    head = (Part.TOKENS, Part.FIRST) + (Part.BOUNDARY,) * mode.joint
+    first = Message("boundary", head, chunks[0].tokens if mode.joint else (0, S))
+    pieces = [build.add(Receive(first, ready))]
+    pieces += [build.add(Receive(Message(f"boundary{k.index}", (Part.BOUNDARY,), k.tokens,
+                                         chunk=k.index), ready)) for k in chunks[1:]]
+    restored: tuple[int, ...] = ()
+    if c:
+        restored = (build.prefix(Message("prefix", (Part.PREFIX,), (0, S), (0, c)), ready),)
+    if mode.joint:
+        waits = restored if mode.schedule == Schedule.SEQUENTIAL else ()
+        build.suffixes(c, chunks, pieces, waits)
+    elif c == 0:
+        build.suffixes(0, whole, pieces)
+
+
+def _split(mode: Mode, build: Builder) -> None:
+    """A split prefill: the ids at once, then layers 0..c-1 one call each, each layer's prefix
+    quantized and sent as computed; h_c (transfer-only: the first token) leaves once layer c-1 is
+    computed, before that layer's payload. The suffix as under a full prefill."""
+    action, S = mode.action, build.seq_len
+    c, whole = action.cut, chunks_of(S, 1)
+    tokens = build.add(Receive(Message("tokens", (Part.TOKENS,), (0, S))))
+    done: tuple[int, ...] = ()
+    restored, boundary = [], tokens
+    for layer in range(c):
+        computed = build.add(Prefill((layer, layer + 1), whole[0], done))
+        done = (computed,)
+        if layer == c - 1:
+            part = Part.BOUNDARY if mode.joint else Part.FIRST
+            boundary = build.add(Receive(Message("boundary", (part,), (0, S)), done))
+        if action.bits < 16:
+            done = (build.add(Quantize((layer, layer + 1), whole[0], done)),)
+        message = Message(f"layer{layer}", (Part.PREFIX,), (0, S), (layer, layer + 1))
+        restored.append(build.prefix(message, done))
+    if mode.joint:
+        waits = tuple(restored) if mode.schedule == Schedule.SEQUENTIAL else ()
+        build.suffixes(c, whole, [boundary], waits)
+    elif c == 0:
+        build.suffixes(0, whole, [tokens])
+
+
+def _pipelined(mode: Mode, build: Builder) -> None:
+    """A pipelined prefill: the ids at once, then per token chunk its layers 0..c-1 in one call,
+    its piece of h_c, its quantized prefix; the suffix runs on each piece as it lands.
+    Transfer-only sends the first token before the last chunk's prefix; a full recomputation runs
+    the chunks on the ids."""
+    action, S = mode.action, build.seq_len
+    c, chunks = action.cut, chunks_of(S, mode.chunks)
+    tokens = build.add(Receive(Message("tokens", (Part.TOKENS,), (0, S))))
+    if c == 0:
+        build.suffixes(0, chunks, [tokens] * len(chunks))
+        return
+    done: tuple[int, ...] = ()
+    pieces = []
+    for k in chunks:
+        done = (build.add(Prefill((0, c), k, done)),)
+        if mode.joint:
+            name = "boundary" + (str(k.index) if k.index else "")
+            message = Message(name, (Part.BOUNDARY,), k.tokens, chunk=k.index)
+            pieces.append(build.add(Receive(message, done)))
+        elif k.last:
+            first = Message("boundary", (Part.FIRST,), (0, S), chunk=k.index)
+            build.add(Receive(first, done))
+        if action.bits < 16:
+            done = (build.add(Quantize((0, c), k, done)),)
+        build.prefix(Message(f"prefix{k.index}", (Part.PREFIX,), k.tokens, (0, c), k.index), done)
+    if mode.joint:
+        build.suffixes(c, chunks, pieces)
 
 
 def check_timing(interval: str, prefill: str) -> None:

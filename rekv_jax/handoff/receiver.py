@@ -40,7 +40,7 @@ from rekv_jax.handoff.outcome import Clock, Event, Handoff, PrefillTimes, phases
 from rekv_jax.handoff.payload import prefix_specs, unpack_prefix
 from rekv_jax.handoff.prefix_format import PrefixCodec
 from rekv_jax.kv import KVCache
-from rekv_jax.mode import Fallback, Message, Mode, Part, check_fallback
+from rekv_jax.mode import Fallback, Mode, check_fallback
 from rekv_jax.model.transformer import (
     LayerPrograms,
     Params,
@@ -48,6 +48,7 @@ from rekv_jax.model.transformer import (
     new_cache,
     token_chunks,
 )
+from rekv_jax.plan import Message, Part
 from rekv_jax.transport import Arrival, Transport, checksums
 from rekv_jax.transport.workers import LIVENESS_S, Worker
 

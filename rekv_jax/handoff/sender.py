@@ -34,7 +34,7 @@ from rekv_jax.handoff.outcome import PrefillTimes, elapsed_ms
 from rekv_jax.handoff.payload import check_finite, pack_prefix
 from rekv_jax.handoff.prefix_format import PrefixCodec
 from rekv_jax.kv import KVCache
-from rekv_jax.mode import Message, Mode, Part
+from rekv_jax.mode import Mode
 from rekv_jax.model.transformer import (
     Params,
     greedy_token,
@@ -45,6 +45,7 @@ from rekv_jax.model.transformer import (
     run_prefix,
     run_suffix,
 )
+from rekv_jax.plan import Message, Part
 from rekv_jax.sizes import token_chunks
 from rekv_jax.transport import Transport, checksums
 

@@ -24,7 +24,11 @@ of the handoff. Transfer-only
 runs the embedding and all `L` layers (the `suffix` phase). Byte counts come from
 `rekv_jax.sizes`; times are in ms, bandwidth in GB/s (1e9 bytes/s, as the transports' pacing).
 
-A handoff's `Mode` names its formula (`Mode.formula`, `predicted_ms`).
+A prediction (`predicted_ms`, `handoff_ends`) plays the handoff's plan against the profile
+(`Mode.plan`, `planning.play`): each step at its cost, each device one step at a time. The
+formulas below are its closed forms for the modes that have one, with equal token chunks: a
+handoff's `Mode` names its formula (`Mode.formula`, `closed_form_ends`), and a test checks each
+against the played plan.
 
 Served among other requests (`Contention`, `handoff_ends`), each formula holds the handoff's
 first message until the link is free, starts its decode-side compute (suffix, each suffix chunk,
@@ -99,6 +103,12 @@ from rekv_jax.action import Action, ActionKind
 from rekv_jax.config import ModelConfig
 from rekv_jax.mode import Formula, Mode, PrefillMode
 from rekv_jax.phases import Phases
+from rekv_jax.planning.play import (  # noqa: F401 (this module's API too)
+    IDLE,
+    Contention,
+    Ends,
+    play,
+)
 from rekv_jax.planning.profile import (  # noqa: F401 (this module's API too)
     Profile,
     balanced_cut,
@@ -179,57 +189,25 @@ def predict(profile: Profile, action: Action) -> Prediction:
     return Prediction(action, ph, t_seq(*ph.ready), t_ov(*ph.ready), saved(ph.prefix, ph.suffix))
 
 
-@dataclasses.dataclass(frozen=True)
-class Contention:
-    """Other requests' work on the two resources a handoff shares when it is served among
-    others, as its formula sees them (ms after its interval starts): nothing of this handoff
-    crosses the link before `link_free_ms`, and its decode-side compute (suffix or
-    recomputation) starts no earlier than `decode_free_ms` and runs `stretch` times its own
-    cost, interleaved with the decode steps of the requests already running
-    (`queueing.DecodeCosts.stretch`). The default, an idle link and device, gives the paper's
-    formulas exactly (its values are ints, so exact rationals stay exact)."""
-
-    link_free_ms: float = 0
-    decode_free_ms: float = 0
-    stretch: float = 1
-
-    def __post_init__(self) -> None:
-        if not (self.link_free_ms >= 0 and self.decode_free_ms >= 0 and self.stretch >= 1):
-            raise ValueError(f"contention needs free times >= 0 and a stretch >= 1, got {self}")
-
-    def after(self, ms: float) -> Contention:
-        """The same contention seen from `ms` later (what is left of each wait)."""
-        return dataclasses.replace(self, link_free_ms=max(0, self.link_free_ms - ms),
-                                   decode_free_ms=max(0, self.decode_free_ms - ms))
-
-
-IDLE = Contention()
-
-
-@dataclasses.dataclass(frozen=True)
-class Ends:
-    """When the parts of one handoff end, ms after its interval starts."""
-
-    end_ms: float  # the complete cache and the first token: the predicted total
-    link_ms: float  # its last message has crossed the link (and been restored)
-
-    def shifted(self, ms: float) -> Ends:
-        """The same ends in a frame that starts `ms` earlier."""
-        return Ends(ms + self.end_ms, ms + self.link_ms)
-
-
 def predicted_ms(profile: Profile, mode: Mode) -> float:
-    """The predicted total of a handoff run as `mode`, timed from its interval, by the formula
-    the mode names (`Mode.formula`; see the module docstring)."""
+    """The predicted total of a handoff run as `mode`, timed from its interval: its plan played
+    against `profile` (`planning.play`)."""
     return handoff_ends(profile, mode).end_ms
 
 
 def handoff_ends(profile: Profile, mode: Mode, contention: Contention = IDLE) -> Ends:
     """When a handoff run as `mode` ends (and its link and decode-side parts do), timed from its
-    interval, on a link and decode device that `contention` shares with other requests."""
-    if mode.chunks > profile.seq_len:
-        raise ValueError(f"{mode.chunks} chunks need at least as many tokens, the profile has "
-                         f"{profile.seq_len}")
+    interval, on a link and decode device that `contention` shares with other requests: its plan
+    played against `profile`."""
+    _check_chunks(profile, mode)
+    phase_ms(profile, mode.action)  # validates the action against the profile
+    return play(mode.plan(profile.seq_len, profile.num_layers), profile, contention)
+
+
+def closed_form_ends(profile: Profile, mode: Mode, contention: Contention = IDLE) -> Ends:
+    """`handoff_ends` by the closed form the mode names (`Mode.formula`; the module docstring),
+    which the played plan equals where its token chunks are equal."""
+    _check_chunks(profile, mode)
     action, formula = mode.action, mode.formula
     if formula == Formula.PIPELINED:
         return _pipelined(profile, action, mode.chunks, contention)
@@ -240,6 +218,12 @@ def handoff_ends(profile: Profile, mode: Mode, contention: Contention = IDLE) ->
     if formula == Formula.CHUNKED:
         return _chunked(profile, action, mode.chunks, seen).shifted(lead)
     return _ready(profile, action, formula == Formula.SEQUENTIAL, seen).shifted(lead)
+
+
+def _check_chunks(profile: Profile, mode: Mode) -> None:
+    if mode.chunks > profile.seq_len:
+        raise ValueError(f"{mode.chunks} chunks need at least as many tokens, the profile has "
+                         f"{profile.seq_len}")
 
 
 def _ready(profile: Profile, action: Action, sequential: bool, contention: Contention) -> Ends:

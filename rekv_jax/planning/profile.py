@@ -161,10 +161,15 @@ class Profile:
 
     def beta(self, bits: int, fmt: str = PAPER) -> float:
         """β_b: per-layer prefix transfer (in prefix format `fmt`) plus restore."""
+        return (transfer_ms(self.prefix_layer_bytes(bits, fmt), self.link_gbps)
+                + self.restore_ms[bits])
+
+    def prefix_layer_bytes(self, bits: int, fmt: str = PAPER) -> int:
+        """B_KV,b: one prefix layer's bytes on the wire in prefix format `fmt`."""
         self._check_bits(bits)
-        nbytes = self.kv_layer_bytes[bits] if bits == 16 else sizes.format_layer_bytes(
-            self.kv_layer_bytes[bits], self.seq_len, fmt)
-        return transfer_ms(nbytes, self.link_gbps) + self.restore_ms[bits]
+        if bits == 16:
+            return self.kv_layer_bytes[bits]
+        return sizes.format_layer_bytes(self.kv_layer_bytes[bits], self.seq_len, fmt)
 
     def prefix_ms(self, bits: int, cut: int, fmt: str = PAPER) -> float:
         """X_b(c): the prefix message, its restore call, and `c` layers at β_b."""
