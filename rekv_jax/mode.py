@@ -75,6 +75,8 @@ INTERVALS = tuple(m.value for m in Interval)  # the values, as plain strings (ar
 PREFILL_MODES = tuple(m.value for m in PrefillMode)
 SCHEDULES = tuple(m.value for m in Schedule)
 PAPER_SCHEDULES = (Schedule.OVERLAPPED.value, Schedule.SEQUENTIAL.value)  # Eqs. 8-9
+OVERLAPPING = (Schedule.OVERLAPPED.value, Schedule.CHUNKED.value)  # the suffix beside the prefix
+DEFAULT_SCHEDULE = Schedule.OVERLAPPED.value  # a joint action's schedule unless one is asked
 FALLBACKS = tuple(m.value for m in Fallback)
 NO_SCHEDULE = "n/a"  # a record's schedule where the action has nothing to overlap
 DEFAULT_CHUNKS = 4  # token chunks when a chunked run asks for none
@@ -151,6 +153,17 @@ class Mode:
             schedule = None
         return cls(action, schedule, prefill, chunks if _chunked(schedule, prefill) else 1,
                    Interval(interval))
+
+    @classmethod
+    def in_chunks(cls, action: Action, chunks: int) -> Mode:
+        """`action` timed from the prompt with its decode-side compute in `chunks` token chunks
+        (if 2 or more): a joint action's suffix chunked, a recomputation as a pipelined prefill of
+        no layers (the decode side prefills in chunks), transfer-only as it is."""
+        if chunks < 2 or action.kind == ActionKind.TRANSFER:
+            return cls.of(action, interval=Interval.PROMPT)
+        if action.kind == ActionKind.JOINT:
+            return cls.of(action, Schedule.CHUNKED, chunks=chunks, interval=Interval.PROMPT)
+        return cls.of(action, None, PrefillMode.PIPELINED, chunks, Interval.PROMPT)
 
     @classmethod
     def of_record(cls, action: Action, schedule: str, prefill: str, chunks: int, interval: str
@@ -296,10 +309,9 @@ def _plan(mode: Mode, seq_len: int) -> Plan:
 
 
 def _full(mode: Mode, build: Builder) -> None:
-    """A full prefill (timed from the prompt: computed first), the prefix quantized at once; the
-    ids and the first token cross with h_c's first chunk, then h_c's other chunks, then the
-    prefix. The suffix runs on each chunk as it lands (the sequential schedule: once the prefix
-    is restored too); a full recomputation runs on the ids."""
+    """A full prefill (from the prompt: computed first), the prefix quantized at once; the ids
+    and first token cross with h_c's first chunk, then its other chunks, then the prefix. The
+    suffix runs on each chunk as it lands (sequential: once the prefix is restored too)."""
     action, S = mode.action, build.seq_len
     c, L = action.cut, action.num_layers
     whole, chunks = chunks_of(S, 1), chunks_of(S, mode.chunks)
@@ -325,8 +337,8 @@ def _full(mode: Mode, build: Builder) -> None:
 
 def _split(mode: Mode, build: Builder) -> None:
     """A split prefill: the ids at once, then layers 0..c-1 one call each, each layer's prefix
-    quantized and sent as computed; h_c (transfer-only: the first token) leaves once layer c-1 is
-    computed, before that layer's payload. The suffix as under a full prefill."""
+    quantized and sent as computed; h_c (transfer-only: the first token) leaves once layer c-1
+    is computed, before that layer's payload."""
     action, S = mode.action, build.seq_len
     c, whole = action.cut, chunks_of(S, 1)
     tokens = build.add(Receive(Message("tokens", (Part.TOKENS,), (0, S))))
@@ -351,9 +363,8 @@ def _split(mode: Mode, build: Builder) -> None:
 
 def _pipelined(mode: Mode, build: Builder) -> None:
     """A pipelined prefill: the ids at once, then per token chunk its layers 0..c-1 in one call,
-    its piece of h_c, its quantized prefix; the suffix runs on each piece as it lands.
-    Transfer-only sends the first token before the last chunk's prefix; a full recomputation runs
-    the chunks on the ids."""
+    its piece of h_c (transfer-only: the first token, once), its quantized prefix; the suffix
+    runs on each piece as it lands, a recomputation on the ids' chunks."""
     action, S = mode.action, build.seq_len
     c, chunks = action.cut, chunks_of(S, mode.chunks)
     tokens = build.add(Receive(Message("tokens", (Part.TOKENS,), (0, S))))

@@ -19,7 +19,6 @@ import dataclasses
 import json
 
 from rekv_jax.action import Action
-from rekv_jax.mode import Schedule
 from rekv_jax.model.loader import load_config
 from rekv_jax.study.calibrate import LinkCalibration, calibrate_link_in_child
 from rekv_jax.study.experiment import Experiment, open_session, side_environments
@@ -34,10 +33,10 @@ def experiments(args: argparse.Namespace) -> tuple[list[Experiment], LinkCalibra
     cfg = load_config(args.model)
     action = Action.parse(args.action, cfg.num_layers)
     base = Experiment(model=args.model, seq_len=args.seq_len, actions=(action,),
-                      schedules=(Schedule.OVERLAPPED,), warmup=args.warmup, reps=args.reps)
+                      schedules=("overlapped",), warmup=args.warmup, reps=args.reps)
     link = calibrate_link_in_child(args.model, args.seq_len, side_environments(base)["decode"])
     base = dataclasses.replace(base, link_gbps=link.link_gbps)
-    chunked = [dataclasses.replace(base, schedules=(Schedule.CHUNKED,), chunks=int(n))
+    chunked = [dataclasses.replace(base, schedules=("chunked",), chunks=int(n))
                for n in args.chunks.split(",")]
     return [base, *chunked], link
 

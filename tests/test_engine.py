@@ -110,19 +110,17 @@ def test_work_budget_spends_and_always_lets_one_unit_through():
     assert all(WorkBudget(None).take(10**6) for _ in range(3))
 
 
-def test_a_reception_dispatches_its_suffix_within_each_budget_into_its_sink():
+def test_a_reception_dispatches_its_suffix_within_each_budget_as_data():
     """A chunked suffix (96 tokens in 3 chunks through the last 2 layers: 6 units of 32
-    token-layers): an advance given a budget of 64 dispatches at most that; the layers reach
-    the sink, not the outcome, and are the chunked reference's bit for bit."""
+    token-layers): an advance given a budget of 64 dispatches at most that; the layers come out
+    as produced parts, not in the outcome, and are the chunked reference's bit for bit."""
     cfg, params = model().cfg, model().params
     ask = asks((("bf16:r=2", 96),))[0]
     admit, prefill = ask.records(cfg.num_layers)
     tokens = jnp.asarray([prefill.tokens], jnp.int32)
     prefill_end, decode_end = LocalTransport.pair()
     sunk = {}
-    reception = Reception(decode_end, cfg, params, admit.mode, 1, 96, "r", sink=lambda kv, first,
-                          start: sunk.update({(first + i, start): (kv.keys[i], kv.values[i])
-                                              for i in range(kv.num_layers)}))
+    reception = Reception(decode_end, cfg, params, admit.mode, 1, 96, "r", keeps_cache=False)
     reception.start()
     sender = threading.Thread(target=send_prompt, args=(prefill_end, cfg, params, tokens,
                                                         admit.mode, "r"), kwargs={"go": False})
@@ -131,6 +129,8 @@ def test_a_reception_dispatches_its_suffix_within_each_budget_into_its_sink():
     while True:
         budget = WorkBudget(64)
         done = reception.advance(budget)
+        sunk.update({(part.first + i, part.start): (part.kv.keys[i], part.kv.values[i])
+                     for part in reception.produced() for i in range(part.kv.num_layers)})
         spent.append(budget.spent)
         if done:
             break

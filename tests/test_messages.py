@@ -19,7 +19,7 @@ import pytest
 from rekv_jax import init_params
 from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
-from rekv_jax.handoff.receiver import receive_handoff
+from rekv_jax.handoff.receiver import Reception, receive_handoff
 from rekv_jax.handoff.sender import prepare, send_handoff
 from rekv_jax.mode import Mode
 from rekv_jax.transport import (
@@ -32,7 +32,7 @@ from rekv_jax.transport import (
 from rekv_jax.transport.control import Board
 from rekv_jax.transport.transfer_server import TransferServerTransport
 from rekv_jax.transport.verdicts import Verdicts
-from rekv_jax.transport.workers import Watchdog, Worker, wait_for
+from rekv_jax.transport.workers import LIVENESS_S, Watchdog, Worker, wait_for
 
 # one phase, both sides: the header posted by the prefill side, then the ack posted by the decode
 # side and collected at the end; no go-ahead, no separate checksums (they travel with the
@@ -139,8 +139,9 @@ def test_failed_phases_cost_no_extra_message(make, monkeypatch):
 
 
 def test_no_thread_is_started_inside_a_handoff(monkeypatch):
-    """The threads a handoff waits on (the transport's receive worker, the watchers of its
-    device work) are made once, not per handoff; `close` ends the transport's."""
+    """The threads a handoff waits on are made before its interval starts: the transport's
+    receive worker once, a reception's watchers of its device work when it is made; the
+    reception's end ends its watchers, and `close` ends the transport's worker."""
     cfg = ModelConfig.preset("tiny")
     params = init_params(cfg, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (1, 16), 0, cfg.vocab_size, jnp.int32)
@@ -156,11 +157,21 @@ def test_no_thread_is_started_inside_a_handoff(monkeypatch):
     def no_new_threads(self):
         raise AssertionError(f"thread {self.name} started inside a handoff")
 
-    monkeypatch.setattr(threading.Thread, "start", no_new_threads)
     for i in range(1, reps):
-        receive_handoff(decode, cfg, params, mode, 1, 16, f"h{i}", timeout=60)
-    monkeypatch.undo()
+        reception = Reception(decode, cfg, params, mode, 1, 16, f"h{i}", timeout=60)
+        decode.agree(f"h{i}/go", {}, 60)
+        monkeypatch.setattr(threading.Thread, "start", no_new_threads)
+        reception.start()
+        while not reception.advance():
+            concurrent.futures.wait(reception.waitables(), LIVENESS_S,
+                                    concurrent.futures.FIRST_COMPLETED)
+        reception.outcome()
+        monkeypatch.undo()
     sender.join(60)
+    deadline = time.monotonic() + 10
+    while any(t.name.startswith("rekv-h") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "a done reception's watcher threads still run"
+        time.sleep(0.01)
     worker = decode._worker._thread
     assert worker.is_alive()
     decode.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import time
 
 import jax
 import numpy as np
@@ -17,7 +18,7 @@ from rekv_jax import Action, ModelConfig, init_params
 from rekv_jax.handoff.check import reference
 from rekv_jax.handoff.payload import round_trip
 from rekv_jax.handoff.prefix_format import PrefixCodec
-from rekv_jax.handoff.receiver import Reception, receive_handoff
+from rekv_jax.handoff.receiver import TRANSITIONS, Reception, State, receive_handoff
 from rekv_jax.handoff.sender import prepare, send_handoff
 from rekv_jax.mode import Mode
 from rekv_jax.transport import LocalTransport
@@ -97,14 +98,16 @@ def _expected(params, tokens, mode: Mode):
 
 
 @pytest.mark.parametrize("make", [local_pair, transfer_server_pair])
-def test_one_thread_advances_two_receptions_of_different_modes(model, make, monkeypatch):
-    """A Q8 overlapped handoff and a BF16 chunked one, started together and advanced in turn by
-    this thread only (it blocks on nothing but their waitables): both end with their reference's
-    cache bitwise and their first token, over the in-process link and a real transfer server."""
+def test_one_thread_advances_three_receptions_of_different_modes(model, make, monkeypatch):
+    """A Q8 overlapped handoff, a BF16 chunked one and a Q8 sequential one, started together and
+    advanced in turn by this thread only (it blocks on nothing but their waitables): all three
+    end with their reference's cache bitwise and their first token, over the in-process link and
+    a real transfer server; each ends done, its watcher's threads ended with it."""
     params, tokens = model
     send, recv = make(Board(), monkeypatch)
     modes = [Mode.of(Action.parse("q8:r=3", CFG.num_layers)),
-             Mode.of(Action.parse("bf16:r=2", CFG.num_layers), "chunked", chunks=4)]
+             Mode.of(Action.parse("bf16:r=2", CFG.num_layers), "chunked", chunks=4),
+             Mode.of(Action.parse("q8:r=2", CFG.num_layers), "sequential")]
     states = [prepare(CFG, params, tokens, m) for m in modes]
     senders = [threading.Thread(target=send_handoff, args=(send, s, m, f"h{i}"))
                for i, (s, m) in enumerate(zip(states, modes, strict=True))]
@@ -123,8 +126,44 @@ def test_one_thread_advances_two_receptions_of_different_modes(model, make, monk
     outcomes = [r.outcome() for r in receptions]
     for t in senders:
         t.join()
+    assert [r.state for r in receptions] == [State.DONE] * len(receptions)
+    deadline = time.monotonic() + 10
+    while _watching(receptions) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _watching(receptions)
     for mode, state, out in zip(modes, states, outcomes, strict=True):
         got = [np.asarray(x) for x in (*out.kv.keys, *out.kv.values)]
         want = _expected(params, tokens, mode)
         assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True)), mode.label
         assert np.array_equal(np.asarray(out.first_token), np.asarray(state.first_token))
+
+
+def _watching(receptions: list[Reception]) -> list[str]:
+    """The live threads that watch the device work of `receptions`."""
+    names = tuple(f"rekv-{r.tag}-watch-" for r in receptions)
+    return [t.name for t in threading.enumerate() if t.name.startswith(names)]
+
+
+def test_a_reception_moves_only_along_its_transitions(model):
+    """New, receiving, joining, done; abandoned from anywhere not ended; nothing after an end. An
+    abandoned reception's watcher threads end, and it is never advanced again."""
+    params, _ = model
+    send, recv = local_pair(Board())
+    mode = Mode.of(Action.parse("q8:r=3", CFG.num_layers))
+    reception = Reception(recv, CFG, params, mode, 1, SEQ, "moves")
+    assert reception.state == State.NEW
+    for state, allowed in TRANSITIONS.items():
+        assert allowed <= set(State) and state not in allowed
+    with pytest.raises(RuntimeError, match="cannot go from new to joining"):
+        reception._move(State.JOINING)
+    reception.start()
+    assert reception.state == State.RECEIVING and not reception.advance()
+    reception.abandon()
+    assert reception.state == State.ABANDONED
+    reception.abandon()  # an ended reception stays as it ended
+    with pytest.raises(RuntimeError, match="cannot go from abandoned"):
+        reception.start()
+    deadline = time.monotonic() + 10
+    while _watching([reception]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _watching([reception])

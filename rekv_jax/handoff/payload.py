@@ -21,6 +21,7 @@ import numpy as np
 from rekv_jax.config import ModelConfig
 from rekv_jax.handoff.prefix_format import PrefixCodec, key_specs
 from rekv_jax.kv import KVCache
+from rekv_jax.plan import Message, Part
 from rekv_jax.quantize import (
     QuantizedTensor,
     dequantize,
@@ -109,3 +110,20 @@ def prefix_specs(cfg: ModelConfig, codec: PrefixCodec, batch: int, tokens: int, 
     keys = [jax.ShapeDtypeStruct(s.shape[1:], s.dtype)
             for s in key_specs((1, *kv.shape), codec.bits, codec.format)]
     return [*keys, *quantized_specs(kv.shape, codec.bits, GROUP_SIZE)] * layers
+
+
+def message_specs(cfg: ModelConfig, codec: PrefixCodec, message: Message, batch: int,
+                  seq_len: int, dtype: jnp.dtype, first: list[jax.ShapeDtypeStruct]
+                  ) -> list[jax.ShapeDtypeStruct]:
+    """The buffers a handoff's `message` carries, its parts in order: the ids [B, S] int32, the
+    first-token part's `first`, h_c's token range [B, T, D], the prefix part's per-layer
+    buffers."""
+    start, stop = message.tokens
+    specs = {Part.TOKENS: [jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)],
+             Part.FIRST: first,
+             Part.BOUNDARY: [jax.ShapeDtypeStruct((batch, stop - start, cfg.hidden_size), dtype)]}
+    out = []
+    for part in message.parts:
+        out += specs[part] if part != Part.PREFIX else prefix_specs(
+            cfg, codec, batch, stop - start, message.layers[1] - message.layers[0], dtype)
+    return out

@@ -45,7 +45,7 @@ from rekv_jax.model.transformer import (
     run_prefix,
     run_suffix,
 )
-from rekv_jax.plan import Message, Part
+from rekv_jax.plan import Message, Part, Plan
 from rekv_jax.sizes import token_chunks
 from rekv_jax.transport import Transport, checksums
 
@@ -236,9 +236,10 @@ class Prepared:
     yet sent: what a serving prefill worker holds while its decode side has no pages for it.
     `compute_ms`: its prompt compute and quantize."""
 
-    def __init__(self, state: PrefillState, mode: Mode, payload: list[jax.Array], sent: _Sent
-                 ) -> None:
+    def __init__(self, state: PrefillState, mode: Mode, payload: list[jax.Array], sent: _Sent,
+                 plan: Plan) -> None:
         self.state, self.mode, self._payload, self._sent = state, mode, payload, sent
+        self.plan = plan
         self.compute_ms = sent.prefill_ms + sent.quantize_ms
 
     def send(self, link: Transport, tag: str, timeout: float = 60.0, t0: float | None = None
@@ -248,30 +249,43 @@ class Prepared:
         interval its boundary's send time is told from."""
         state, sent = self.state, self._sent
         sent.start(link, time.perf_counter() if t0 is None else t0)
-        for message in self.mode.messages(state.tokens.shape[1], self.mode.action.num_layers):
+        for message in self.plan.messages:
             buffers = []
             for part in message.parts:
                 buffers += {Part.TOKENS: lambda: [state.tokens],
                             Part.FIRST: lambda: list(state.first),
                             Part.BOUNDARY: lambda m=message: [_tokens_of(state.h_c, *m.tokens)],
-                            Part.PREFIX: lambda: self._payload}[part]()
+                            Part.PREFIX: lambda m=message: self._layers(m)}[part]()
             sent.send(tag, message, buffers, timeout)
         return sent.handed(tag, timeout, state.suffix_sums)
 
+    def _layers(self, message: Message) -> list[jax.Array]:
+        """A prefix message's buffers: its layers' of the whole prefix's payload (a full
+        prefill's prefix crosses in layer ranges over all its tokens)."""
+        if message.tokens != (0, self.state.tokens.shape[1]):
+            raise ValueError(f"{message.name}: a full prefill sends its prefix over every token")
+        per_layer = len(self._payload) // self.mode.action.cut
+        return self._payload[message.layers[0] * per_layer:message.layers[1] * per_layer]
 
-def _packed(state: PrefillState, mode: Mode, backend: str | None, sent: _Sent) -> Prepared:
-    """`state` with its prefix quantized (Q, timed into `sent`), ready to send."""
-    messages = mode.messages(state.tokens.shape[1], mode.action.num_layers)
-    payload = [] if state.prefix is None else sent.pack(state.prefix, backend, messages[-1])
-    return Prepared(state, mode, payload, sent)
+
+def _packed(state: PrefillState, mode: Mode, backend: str | None, sent: _Sent,
+            plan: Plan | None = None) -> Prepared:
+    """`state` with its prefix quantized (Q, timed into `sent`), ready to send as `plan` (None:
+    the mode's)."""
+    S, c = state.tokens.shape[1], mode.action.cut
+    whole = Message("prefix", (Part.PREFIX,), (0, S), (0, c))
+    payload = [] if state.prefix is None else sent.pack(state.prefix, backend, whole)
+    return Prepared(state, mode, payload, sent, plan or mode.plan(S, mode.action.num_layers))
 
 
 def send_handoff(link: Transport, state: PrefillState, mode: Mode, tag: str,
-                 backend: str | None = None, timeout: float = 60.0) -> SendReport:
-    """Prefill side of one handoff from a ready prefill state (the paper's interval)."""
+                 backend: str | None = None, timeout: float = 60.0, plan: Plan | None = None
+                 ) -> SendReport:
+    """Prefill side of one handoff from a ready prefill state (the paper's interval), its
+    messages as `plan` has them (None: the mode's)."""
     link.agree(f"{tag}/go", {}, timeout)  # both sides start their clocks here
     t0 = time.perf_counter()
-    prepared = _packed(state, mode, backend, _Sent(state.codec))
+    prepared = _packed(state, mode, backend, _Sent(state.codec), plan)
     return prepared.send(link, tag, timeout, t0).wait(timeout)
 
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -43,15 +42,15 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
-from rekv_jax.action import Action, ActionKind
+from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
 from rekv_jax.errors import TransportError, one_line
 from rekv_jax.handoff.check import HostReference, check_cache, reference
 from rekv_jax.handoff.prefix_format import KeyBias
-from rekv_jax.handoff.receiver import Reception, WorkBudget
+from rekv_jax.handoff.receiver import Produced, Reception, WorkBudget
 from rekv_jax.kv import KVCache
 from rekv_jax.launch.child import Member
-from rekv_jax.mode import Fallback, Interval, Mode, PrefillMode, Reference, Schedule, check_fallback
+from rekv_jax.mode import Fallback, Mode, Reference, check_fallback
 from rekv_jax.model import paged
 from rekv_jax.model.transformer import Params
 from rekv_jax.serving.ends import End, Ending
@@ -78,16 +77,9 @@ OUTCOME_WAIT_S = 1.0  # the longest a retiring request waits for its prefill sid
 
 def serving_mode(action: Action, prompt_len: int, chunk_tokens: int = CHUNK_TOKENS) -> Mode:
     """How a serving request of `action` is handed off, timed from the prompt, so that its
-    decode-side compute comes in units of at most `chunk_tokens` tokens through one layer: a
-    joint action under the chunked schedule; a recomputation as a pipelined prefill of no
-    layers (only the ids cross; the decode side prefills in chunks); transfer-only as it is.
-    Its cache's reference is `Mode.reference` either way."""
-    chunks = -(-prompt_len // chunk_tokens)
-    if chunks < 2 or action.kind == ActionKind.TRANSFER:
-        return Mode.of(action, interval=Interval.PROMPT)
-    if action.kind == ActionKind.JOINT:
-        return Mode.of(action, Schedule.CHUNKED, chunks=chunks, interval=Interval.PROMPT)
-    return Mode.of(action, None, PrefillMode.PIPELINED, chunks, Interval.PROMPT)
+    decode-side compute comes in units of at most `chunk_tokens` tokens through one layer
+    (`Mode.in_chunks`). Its cache's reference is `Mode.reference` either way."""
+    return Mode.in_chunks(action, -(-prompt_len // chunk_tokens))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,8 +169,7 @@ class DecodeEngine:
                                f"too few: the router counts this worker's pages")
         reception = Reception(link, self._cfg, self._params, request.mode, 1,
                               request.prompt_len, name, self.config.fallback,
-                              timeout=self.config.timeout,
-                              sink=functools.partial(self._write, table),
+                              timeout=self.config.timeout, keeps_cache=False,
                               first=first_specs(request.sampling))
         reception.start()
         # its prefill side may send now; if that side is gone, the reception's waits fail with
@@ -326,10 +317,11 @@ class DecodeEngine:
 
     # -- an iteration ------------------------------------------------------------------------
 
-    def _write(self, table: BlockTable, kv: KVCache, first: int, start: int) -> None:
-        """A reception's sink: layers first.. of kv [n, 1, T, K, H] into the request's pages
-        at positions start..start+T-1 (the pool donated: written in place)."""
-        self._pool = paged.write_cache(self._pool, kv, first, table.rows(start, start + kv.seq_len))
+    def _write(self, table: BlockTable, part: Produced) -> None:
+        """Cache layers a reception produced (KV [n, 1, T, K, H]) into the request's pages at
+        their positions (the pool donated: written in place)."""
+        rows = table.rows(part.start, part.start + part.kv.seq_len)
+        self._pool = paged.write_cache(self._pool, part.kv, part.first, rows)
 
     def _dispatch_step(self) -> Drawn:
         """One decode step of the running requests, each at its position; their next tokens
@@ -350,7 +342,10 @@ class DecodeEngine:
         items: list[object] = []
         for r in list(self._handoffs):
             try:
-                if not r.reception.advance(budget):
+                done = r.reception.advance(budget)
+                for part in r.reception.produced():
+                    self._write(r.table, part)
+                if not done:
                     continue
                 self._handoffs.remove(r)
                 items.append(self._first_token(r))

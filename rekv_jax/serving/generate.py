@@ -26,7 +26,7 @@ from rekv_jax.action import Action
 from rekv_jax.config import ModelConfig
 from rekv_jax.errors import TransportError
 from rekv_jax.launch.group import run_child
-from rekv_jax.mode import Fallback, Interval, Mode, PrefillMode, Schedule
+from rekv_jax.mode import DEFAULT_SCHEDULE, Fallback, Interval, Mode, PrefillMode
 from rekv_jax.model.loader import SHIPPED_MODEL, LoadedModel, load_config, load_model, tokenizer_of
 from rekv_jax.model.transformer import greedy_decode, prefill
 from rekv_jax.serving.member import TIMEOUT_S, MemberSetup
@@ -50,7 +50,7 @@ class Request:
     max_new_tokens: int = 32
     dtype: str = "bfloat16"
     prefill: str = PrefillMode.SPLIT
-    schedule: str = Schedule.OVERLAPPED
+    schedule: str = DEFAULT_SCHEDULE
     chunks: int = 1  # token chunks of the chunked schedule / pipelined prefill
     transport: str = "transfer-server"
     link_gbps: float | None = None

@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 
 from rekv_jax.action import Action, action_space
 from rekv_jax.gate_result import GateResult
-from rekv_jax.mode import PREFILL_MODES, Interval, Mode, PrefillMode, Schedule
+from rekv_jax.mode import DEFAULT_SCHEDULE, OVERLAPPING, PREFILL_MODES, Interval, Mode, PrefillMode
 from rekv_jax.planning.costmodel import Profile, predicted_ms
 from rekv_jax.planning.planner import gate_verdicts, standing
 from rekv_jax.planning.queueing import DecodeCosts, served
@@ -47,7 +47,7 @@ ASKED = "asked"  # `Asked`: each request's mode as its caller asked
 BALANCED = "balanced"  # the cut of `PREC:balanced`
 ADAPTIVE_BITS = (16, 8)  # the precisions `adaptive` weighs unless told
 ADAPTIVE_CHUNKS = (2, 4)  # the token chunks it weighs for the chunked schedule and prefill
-ADAPTIVE_SCHEDULES = (Schedule.OVERLAPPED.value, Schedule.CHUNKED.value)
+ADAPTIVE_SCHEDULES = OVERLAPPING  # the schedules it weighs
 LOSSLESS = "lossless"  # a BF16 action's standing: nothing for a gate to judge
 ALLOWED = (LOSSLESS, "eligible")  # the standings adaptive may choose under a gate
 
@@ -214,7 +214,7 @@ class Asked(Policy):
 
 def served_mode(action: Action) -> Mode:
     """How a fixed action is served: after a full prefill, overlapped, timed from the prompt."""
-    return Mode.of(action, Schedule.OVERLAPPED, PrefillMode.FULL, 1, Interval.PROMPT)
+    return Mode.of(action, DEFAULT_SCHEDULE, PrefillMode.FULL, 1, Interval.PROMPT)
 
 
 def check_policy_names(text: str, num_layers: int) -> tuple[str, ...]:

@@ -33,7 +33,6 @@ from rekv_jax.errors import one_line
 from rekv_jax.handoff.check import SUFFIX_ACROSS, reference
 from rekv_jax.launch.environments import visible_gpus
 from rekv_jax.launch.group import run_child
-from rekv_jax.mode import Schedule
 from rekv_jax.model.loader import load_config, synthetic_model
 from rekv_jax.model.transformer import (
     attention_backend,
@@ -287,7 +286,7 @@ def check_handoff(seq_len: int) -> Finding:
     It runs as a sweep's experiments do (`sweep.run_experiment`: both sides spawned)."""
     action = Action.parse("q8:r=2", ModelConfig.preset("tiny").num_layers)
     exp = Experiment(model="tiny", seq_len=seq_len, actions=(action,),
-                     schedules=(Schedule.OVERLAPPED,),
+                     schedules=("overlapped",),
                      warmup=1, reps=3, timeout=120.0)
     try:
         summaries = run_experiment(exp, timeout=4 * exp.timeout)

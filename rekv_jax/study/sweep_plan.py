@@ -160,7 +160,7 @@ def chunked_cut(prof: costmodel.Profile, bits: int, chunks: int) -> int:
     """The interior cut of `bits` the profile predicts fastest under the chunked schedule."""
     L = prof.num_layers
     return min(range(1, L), key=lambda c: costmodel.predicted_ms(
-        prof, Mode.of(Action(bits, c, L), Schedule.CHUNKED, chunks=chunks)))
+        prof, Mode.of(Action(bits, c, L), "chunked", chunks=chunks)))
 
 
 def far_cuts(num_layers: int) -> list[int]:
@@ -177,7 +177,7 @@ def profile_experiment(model: str, seq_len: int, transport: str, link_gbps: floa
     actions = [Action(b, L, L) for b in (16, 8, 4)] + [
         Action(b, c, L) for b in (16, 8, 4) for c in far_cuts(L)] + [Action(16, 0, L)]
     return Experiment(model=model, seq_len=seq_len, actions=tuple(actions),
-                      schedules=(Schedule.SEQUENTIAL,), transport=transport, link_gbps=link_gbps,
+                      schedules=("sequential",), transport=transport, link_gbps=link_gbps,
                       warmup=warmup, reps=reps)
 
 
@@ -231,7 +231,7 @@ def tail_experiments(preset: SweepPreset, model: str, link: float,
         q8_cut = best_cut(start[mid], 8) if mid in start else L - lens[len(lens) // 2]
         crossover = (Action(16, L, L), Action(8, L, L), Action(8, q8_cut, L), Action(16, 0, L))
         out += [Experiment(model=model, seq_len=mid, actions=crossover,
-                           schedules=(Schedule.OVERLAPPED,),
+                           schedules=("overlapped",),
                            transport=preset.transport, link_gbps=round(link * f, 6),
                            warmup=warmup, reps=reps)
                 for f in preset.crossover_factors if f != 1.0]
@@ -254,7 +254,7 @@ def prompt_experiment(model: str, seq_len: int, prof: costmodel.Profile, transpo
     sequential and overlapped as paired reps; the prefill worker runs the full prompt."""
     L = prof.num_layers
     return Experiment(model=model, seq_len=seq_len, actions=(Action(16, best_cut(prof, 16), L),),
-                      schedules=(Schedule.SEQUENTIAL, Schedule.OVERLAPPED), transport=transport,
+                      schedules=("sequential", "overlapped"), transport=transport,
                       link_gbps=link_gbps, warmup=warmup, reps=reps, interval=Interval.PROMPT,
                       prefill=PrefillMode.FULL, paired=True)
 
@@ -267,7 +267,7 @@ def batch_experiment(model: str, seq_len: int, batch: int, prof: costmodel.Profi
     L = prof.num_layers
     return Experiment(model=model, seq_len=seq_len, batch=batch,
                       actions=(Action(8, best_cut(prof, 8), L), Action(8, L, L)),
-                      schedules=(Schedule.OVERLAPPED,), transport=transport, link_gbps=link_gbps,
+                      schedules=("overlapped",), transport=transport, link_gbps=link_gbps,
                       warmup=warmup, reps=reps)
 
 
