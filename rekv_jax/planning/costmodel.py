@@ -101,12 +101,14 @@ import dataclasses
 from rekv_jax import sizes
 from rekv_jax.action import Action, ActionKind
 from rekv_jax.config import ModelConfig
-from rekv_jax.mode import Formula, Mode, PrefillMode
+from rekv_jax.mode import Formula, Mode
 from rekv_jax.phases import Phases
 from rekv_jax.planning.play import (  # noqa: F401 (this module's API too)
     IDLE,
     Contention,
+    Device,
     Ends,
+    busy_ms,
     play,
 )
 from rekv_jax.planning.profile import (  # noqa: F401 (this module's API too)
@@ -336,29 +338,19 @@ def _streamed(profile: Profile, action: Action, sequential: bool, contention: Co
 
 
 def prefill_busy_ms(profile: Profile, mode: Mode) -> float:
-    """How long a handoff run as `mode` occupies the prefill worker's device: its prompt compute
-    and its quantize calls (a full prefill runs all L layers; a split or pipelined one stops at
-    the cut, and sends only the ids at c = 0)."""
-    p, action = profile, mode.action
-    c, b, n = action.cut, action.bits, mode.chunks
-    if mode.prefill == PrefillMode.FULL:
-        return prompt_compute_ms(p, p.num_layers) + phase_ms(p, action).quantize
-    if c == 0:
-        return 0
-    if mode.prefill == PrefillMode.SPLIT:  # C_{c-1} + a
-        return (p.embed_ms + c * (p.suffix_fixed_ms + p.suffix_layer_ms)
-                + c * (p.quantize_fixed_ms + p.quantize_ms[b] if b < 16 else 0))
-    quantize = p.quantize_fixed_ms + c * p.quantize_ms[b] / n if b < 16 else 0
-    return sum(p.embed_ms / n + p.suffix_fixed_ms + c * p.chunk_layer(i, n) + quantize
-               for i in range(n))
+    """How long a handoff run as `mode` occupies the prefill worker's device: its plan's steps
+    there (a full prefill runs all L layers; a split or pipelined one stops at the cut, and
+    sends only the ids at c = 0)."""
+    return _busy_ms(profile, mode, Device.PREFILL)
 
 
 def decode_busy_ms(profile: Profile, mode: Mode) -> float:
-    """The decode device's compute of a handoff run as `mode`, alone: its suffix (in its token
-    chunks) or, at c = 0, the embedding and all L layers; nothing for transfer-only."""
-    p, c, n = profile, mode.action.cut, mode.suffix_chunks
-    if c == p.num_layers:
-        return 0
-    layers = p.num_layers - c
-    calls = sum(p.suffix_fixed_ms + layers * p.chunk_layer(i, n) for i in range(n))
-    return calls + (p.embed_ms if c == 0 else 0)
+    """The decode device's compute of a handoff run as `mode`, alone: its plan's steps there
+    (the suffix in its token chunks or, at c = 0, the embedding and all L layers; nothing for
+    transfer-only)."""
+    return _busy_ms(profile, mode, Device.DECODE)
+
+
+def _busy_ms(profile: Profile, mode: Mode, device: Device) -> float:
+    _check_chunks(profile, mode)
+    return busy_ms(mode.plan(profile.seq_len, profile.num_layers), profile, device)
