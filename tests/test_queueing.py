@@ -52,12 +52,14 @@ def _modes(L: int) -> list[Mode]:
 
 
 @SETTINGS
-@given(**PROFILES, wait=small, busy=small, k=st.fractions(1, 4, max_denominator=8))
+@given(**PROFILES, wait=small, busy=small, k=st.fractions(1, 4, max_denominator=8),
+       f=st.fractions(Fraction(1, 4), 4, max_denominator=8))
 def test_contention_delays_by_at_most_itself_and_never_speeds_up(L, gamma, alpha, gbps, fixed,
-                                                                  share, wait, busy, k):
+                                                                  share, wait, busy, k, f):
     """For every mode: a link or decode device busy for w delays the handoff by at most w; a
     stretch k adds at most (k - 1) times its decode-side compute; none makes it faster; an idle
-    link and device give `predicted_ms`."""
+    link and device give `predicted_ms`. A prefill stretch f moves it by at most (f - 1) times
+    its prefill-side compute, later for f > 1 and earlier for f < 1."""
     p = _profile(L, gamma, alpha, gbps, fixed, share)
     for mode in _modes(L):
         idle = cm.predicted_ms(p, mode)
@@ -70,6 +72,28 @@ def test_contention_delays_by_at_most_itself_and_never_speeds_up(L, gamma, alpha
         assert _le(idle, slow) and _le(slow, idle + (k - 1) * cm.decode_busy_ms(p, mode)), mode
         if mode.action.cut == L:  # transfer-only computes nothing on the decode side
             assert device == slow == idle
+        prompt = cm.handoff_ends(p, mode, cm.Contention(prefill_stretch=f)).end_ms
+        lo, hi = sorted((idle, idle + (f - 1) * cm.prefill_busy_ms(p, mode)))
+        assert _le(lo, prompt) and _le(prompt, hi), mode
+
+
+def test_the_lately_timed_stretches_scale_each_devices_compute():
+    p, running = _tiny7b_profile(), 2
+    mode = Mode.of(Action.parse("q8:r=14", 28), interval="prompt")
+    plain = qm.served(p, mode, qm.Queues(running=running), COSTS)
+    timed = qm.served(p, mode, qm.Queues(running=running, prefill_stretch=0.5,
+                                         decode_stretch=3), COSTS)
+    assert timed.prefill_busy_ms == pytest.approx(plain.prefill_busy_ms / 2)
+    assert timed.stretch == pytest.approx(3 * plain.stretch) and timed.decode_stretch == 3
+    assert timed.after.decode_free_ms == pytest.approx(3 * plain.after.decode_free_ms)
+    assert timed.decode_busy_ms == plain.decode_busy_ms  # the compute itself, unstretched
+
+
+def test_the_closed_forms_refuse_a_prefill_stretch():
+    p, mode = _tiny7b_profile(), Mode.of(Action.parse("q8:full", 28), interval="prompt")
+    assert cm.closed_form_ends(p, mode) == cm.handoff_ends(p, mode)
+    with pytest.raises(ValueError, match="play the plan"):
+        cm.closed_form_ends(p, mode, cm.Contention(prefill_stretch=2))
 
 
 @SETTINGS

@@ -9,7 +9,8 @@ from test_queueing import _tiny7b_profile
 from test_serving_policy import COSTS
 
 from rekv_jax.launch.child import member_name, parse_member
-from rekv_jax.serving.ledger import Ledger, PrefillQueue
+from rekv_jax.phases import Phases
+from rekv_jax.serving.ledger import Ledger
 from rekv_jax.serving.lifecycle import Status
 from rekv_jax.serving.pages import PoolConfig
 from rekv_jax.serving.policy import Context, make_policies
@@ -213,11 +214,14 @@ def test_reports_move_the_ledger():
     r.arrive(request(0), 0.0)
     before = r.ledger
     r.on_item("prefill-0", Prefilled(0, 0, 20.0), 0.1)  # the prefill device is free again
-    assert r.ledger.prefill[0] == PrefillQueue((), 0.1) != before.prefill[0]
+    done, (priced,) = r.ledger.prefill[0], before.prefill[0].priced_ms
+    assert (done.busy_ms, done.started_s) == ((), 0.1) and before.prefill[0].busy_ms
+    assert done.estimate.alone == ((priced, 20.0),)  # its compute against its price, timed
+    assert r.ledger.queues(0, 0, 0.1).prefill_stretch == pytest.approx(20.0 / priced)
     assert r.ledger.link(0, 0) == before.link(0, 0)
     r.on_item("prefill-0", PrefillDone(0, 0, 20.0, 100.0, 1_000_000), 0.2)
     assert r.ledger.link(0, 0).estimate.gbps == pytest.approx(0.01)  # the link is timed
-    assert r.ledger.prefill[0] == PrefillQueue((), 0.1)
+    assert r.ledger.prefill[0] == done
     r.on_item("decode-0", Load(0, 1, 40.0, 5), 0.3)
     assert r.ledger.queues(0, 0, 0.3).running == 1
     with pytest.raises(ValueError, match="not a worker"):
@@ -226,6 +230,30 @@ def test_reports_move_the_ledger():
         r.on_item("decode-0", "hello", 0.3)
     with pytest.raises(ValueError, match="does not take"):  # a worker's own records only
         r.on_item("decode-0", Ready("decode-0"), 0.3)
+
+
+def test_a_finished_suffix_times_its_decode_worker_beside_or_alone():
+    """A suffix's measured time over its price goes into its decode worker's estimate, kept
+    apart by whether a prompt was computing when its own was done; a later choice uses it."""
+    r, _ = router("q8:balanced")
+    for i in range(2):
+        r.arrive(request(i), 0.0)
+    first, second = (r._open[i].assignment.why.predicted for i in range(2))
+    r.on_item("prefill-0", Prefilled(0, 0, 20.0), 0.1)  # request 1's prompt starts: beside
+    r.on_item("prefill-0", Prefilled(1, 0, 20.0), 0.2)  # nothing follows it: alone
+    for i, (p, factor) in enumerate(((first, 2.0), (second, 0.5))):
+        price = p.decode_busy_ms * p.stretch
+        assert price > 0 and p.decode_stretch == 1
+        r.on_item("prefill-0", PrefillDone(i, 0, 20.0, 100.0, 1_000_000), 0.3)
+        r.on_item("decode-0", Token(i, 0, 7, 0.4), 0.4)
+        r.on_item("decode-0", Finished(i, (7,), 0.1, 0.01, 50.0, Phases(
+            0.0, 1.0, 1.0, factor * price, 0.0, 20.0), "", False), 0.5)
+    estimate = r.ledger.decode[0].estimate
+    assert estimate.stretch(beside=True) == pytest.approx(2.0)
+    assert estimate.stretch(beside=False) == pytest.approx(0.5)
+    assert r.ledger.queues(0, 0, 0.5).decode_stretch == pytest.approx(0.5)  # no prompt now
+    r.arrive(request(2), 0.6)  # its prompt computes now: the next suffix runs beside it
+    assert r.ledger.queues(0, 0, 0.6).decode_stretch == pytest.approx(2.0)
 
 
 def test_member_names_round_trip():

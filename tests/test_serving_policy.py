@@ -9,7 +9,14 @@ from rekv_jax.action import Action
 from rekv_jax.gate_result import GateResult
 from rekv_jax.planning.costmodel import Profile
 from rekv_jax.planning.queueing import DecodeCosts
-from rekv_jax.serving.ledger import DecodeQueue, Ledger, LinkEstimate, LinkQueue, PrefillQueue
+from rekv_jax.serving.ledger import (
+    ComputeEstimate,
+    DecodeQueue,
+    Ledger,
+    LinkEstimate,
+    LinkQueue,
+    PrefillQueue,
+)
 from rekv_jax.serving.policy import Asked, Context, check_policy_names, make_policies, served_mode
 from rekv_jax.serving.requests import Load, ServeRequest
 
@@ -65,6 +72,33 @@ def test_the_ledger_books_and_corrects_each_resource():
     timed = loaded.link_timed(0, 0, 1_000_000, 100.0)
     assert timed.link(0, 0).estimate.gbps == pytest.approx(0.01)
     assert timed.arrival_rate == pytest.approx(10.0)  # arrivals at 0 and 0.1 s
+
+
+def test_the_prefill_device_is_timed_apart_alone_and_beside_decodes():
+    profile, ledger = _tiny7b_profile(), Ledger.idle(1, 1, 0.01)
+    policy, = make_policies(["bf16:full"], _context(profile))
+    first = policy.choose(REQUEST, ledger, 0.0)
+    priced = first.why.predicted.prefill_busy_ms
+    assert first.why.predicted.prefill_stretch == 1 and priced > 0  # untimed: the profile's price
+    ledger = ledger.assigned(first, 0.0).prefilled(0, 1.0, 0.5 * priced)  # alone, in half of it
+    alone = policy.choose(REQUEST, ledger, 1.0).why.predicted
+    assert alone.prefill_stretch == 0.5 and alone.prefill_busy_ms == pytest.approx(priced / 2)
+    busy = ledger.loaded(Load(0, running=2, queued_suffix_ms=0.0, free_pages=9), 1.0, COSTS)
+    beside = policy.choose(REQUEST, busy, 1.0)  # beside running decodes: not timed yet
+    assert beside.why.predicted.prefill_busy_ms == pytest.approx(priced)
+    timed = busy.assigned(beside, 1.0).prefilled(0, 3.0, 1.5 * priced)
+    assert timed.queues(0, 0, 3.0).prefill_stretch == pytest.approx(1.5)
+    assert timed.prefill[0].estimate.stretch(beside=False) == 0.5
+    assert (policy.choose(REQUEST, timed, 3.0).why.predicted.ttft_ms
+            > policy.choose(REQUEST, ledger, 1.0).why.predicted.ttft_ms)
+
+
+def test_a_compute_estimate_keeps_its_window_and_ignores_untimed_prompts():
+    e = ComputeEstimate(window=2)
+    for priced, measured in ((10.0, 30.0), (10.0, 10.0), (30.0, 15.0), (10.0, 0.0), (0.0, 5.0)):
+        e = e.observed(priced, measured, beside=True)
+    assert e.beside == ((10.0, 10.0), (30.0, 15.0)) and e.stretch(True) == 25 / 40
+    assert e.alone == () and e.stretch(False) == 1.0
 
 
 def test_fixed_and_balanced_policies_run_one_action_after_a_full_prefill():

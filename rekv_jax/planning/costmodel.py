@@ -208,8 +208,12 @@ def handoff_ends(profile: Profile, mode: Mode, contention: Contention = IDLE) ->
 
 def closed_form_ends(profile: Profile, mode: Mode, contention: Contention = IDLE) -> Ends:
     """`handoff_ends` by the closed form the mode names (`Mode.formula`; the module docstring),
-    which the played plan equals where its token chunks are equal."""
+    which the played plan equals where its token chunks are equal. The closed forms price the
+    prefill device at the profile's costs (a prefill stretch of 1)."""
     _check_chunks(profile, mode)
+    if contention.prefill_stretch != 1:
+        raise ValueError("the closed forms take the prefill device at the profile's costs; "
+                         f"play the plan for a prefill stretch of {contention.prefill_stretch}")
     action, formula = mode.action, mode.formula
     if formula == Formula.PIPELINED:
         return _pipelined(profile, action, mode.chunks, contention)

@@ -17,8 +17,9 @@ restore with its transfer (`β_b = B_KV,b / W + restore_b`), so a restore holds 
 closed forms have it. Each device runs its steps one at a time in the plan's order: a step starts
 once the steps it needs are done and its device is free, and the predicted total is when the join
 ends (the plan's critical path). Among other requests (`Contention`) the link is free only from
-`link_free_ms`, the decode device from `decode_free_ms`, and a suffix runs `stretch` times its own
-cost. With equal chunks the closed forms of `costmodel` are special cases of this (tested).
+`link_free_ms`, the decode device from `decode_free_ms`, a suffix runs `stretch` times its own
+cost and a prefill-side step `prefill_stretch` times. With equal chunks (and a prefill stretch
+of 1) the closed forms of `costmodel` are special cases of this (tested).
 """
 
 from __future__ import annotations
@@ -50,16 +51,23 @@ class Contention:
     crosses the link before `link_free_ms`, and its decode-side compute (suffix or
     recomputation) starts no earlier than `decode_free_ms` and runs `stretch` times its own
     cost, interleaved with the decode steps of the requests already running
-    (`queueing.DecodeCosts.stretch`). The default, an idle link and device, gives the paper's
-    formulas exactly (its values are ints, so exact rationals stay exact)."""
+    (`queueing.DecodeCosts.stretch`) and as the device has lately run against its price. Its
+    prefill-side compute runs `prefill_stretch` times the profile's cost: what the prefill
+    device has lately taken per ms of the profile's price (`serving.ledger.ComputeEstimate`).
+    Either is below 1 where a device computes faster than it was profiled. The default, an
+    idle link and device, gives the paper's formulas exactly (its values are ints, so exact
+    rationals stay exact)."""
 
     link_free_ms: float = 0
     decode_free_ms: float = 0
     stretch: float = 1
+    prefill_stretch: float = 1
 
     def __post_init__(self) -> None:
-        if not (self.link_free_ms >= 0 and self.decode_free_ms >= 0 and self.stretch >= 1):
-            raise ValueError(f"contention needs free times >= 0 and a stretch >= 1, got {self}")
+        if not (self.link_free_ms >= 0 and self.decode_free_ms >= 0 and self.stretch > 0
+                and self.prefill_stretch > 0):
+            raise ValueError(f"contention needs free times >= 0 and positive stretches, got "
+                             f"{self}")
 
     def after(self, ms: float) -> Contention:
         """The same contention seen from `ms` later (what is left of each wait)."""
@@ -99,7 +107,8 @@ def play(plan: Plan, profile: Profile, contention: Contention = IDLE) -> Ends:
     decode device that `contention` shares with other requests."""
     free = {Device.PREFILL: 0, Device.LINK: contention.link_free_ms,
             Device.DECODE: contention.decode_free_ms}
-    stretch = {Device.PREFILL: 1, Device.LINK: 1, Device.DECODE: contention.stretch}
+    stretch = {Device.PREFILL: contention.prefill_stretch, Device.LINK: 1,
+               Device.DECODE: contention.stretch}
     ends: list[float] = []
     link = 0
     for step, (cost, device) in zip(plan.steps, _costs(plan, _Same(profile)), strict=True):

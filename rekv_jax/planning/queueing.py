@@ -18,9 +18,14 @@ so a suffix of R ms alone takes `k R` with the stretch
 
     k = 1 + d(B) / u   (B >= 1; k = 1 on an idle worker).
 
+The prefill device's steps run `Queues.prefill_stretch` times the profile's cost, and the
+decode device's `Queues.decode_stretch` times `k R`: what each device has lately taken against
+its price (`serving.ledger.ComputeEstimate`; on a host whose devices share memory and power,
+each computes slower while the other side computes too).
+
 What a choice costs the requests after it is in `ServedPrediction.after`: the prefill device is
-busy for the mode's prompt compute and quantize calls (`costmodel.prefill_busy_ms`: a split or
-pipelined prefill stops at the cut), the link until its last message has crossed (FIFO: the
+busy for the mode's prompt compute and quantize calls (`costmodel.prefill_busy_ms`, stretched: a
+split or pipelined prefill stops at the cut), the link until its last message has crossed (FIFO: the
 next request's messages follow), and the decode device for its suffix's stretched compute (a
 backlog of work, not a reservation: the device runs whatever suffix has arrived, so a suffix
 waiting for its boundary holds nothing up). Each ms a choice adds to a resource's busy time delays
@@ -91,10 +96,12 @@ class Queues:
     decode_free_ms: float = 0
     running: int = 0
     arrival_rate: float = 0  # λ: requests per second arriving lately (0: unknown)
+    prefill_stretch: float = 1  # the prefill device's compute per ms of the profile's, lately
+    decode_stretch: float = 1  # the decode device's suffix time per ms of its price, lately
 
     def __post_init__(self) -> None:
         if min(self.prefill_free_ms, self.link_free_ms, self.decode_free_ms, self.running,
-               self.arrival_rate) < 0:
+               self.arrival_rate) < 0 or not (self.prefill_stretch > 0 and self.decode_stretch > 0):
             raise ValueError(f"queues cannot be negative, got {self}")
 
 
@@ -109,12 +116,14 @@ class ServedPrediction:
     idle_ms: float  # the same handoff on an idle link and decode device (the paper's model)
     link_wait_ms: float  # what is left of the link's queue when its interval starts
     decode_wait_ms: float  # ... and of the decode device's
-    stretch: float  # k: its decode-side compute beside the running decodes
-    prefill_busy_ms: float  # the prefill device time it takes
+    stretch: float  # k: its decode-side compute beside the running decodes (and as lately timed)
+    prefill_busy_ms: float  # the prefill device time it takes (stretched)
     decode_busy_ms: float  # the decode device compute it adds, unstretched
     after: Queues  # the queues a request arriving at the same moment would find after it
     imposed_ms: float  # I: the delay it is expected to impose on the requests after it
     decode_delay_ms: float = 0.0  # J: the delay it imposes on the running decodes, summed
+    prefill_stretch: float = 1.0  # its prefill device time per ms of the profile's price
+    decode_stretch: float = 1.0  # of `stretch`, the decode device's lately measured share
 
     @property
     def cost_ms(self) -> float:
@@ -134,22 +143,23 @@ def served(profile: Profile, mode: Mode, queues: Queues, decode: DecodeCosts
     if not mode.from_prompt:
         raise ValueError(f"a served request is timed from its prompt's arrival; {mode} is timed "
                          "from the ready prefill state")
-    k = decode.stretch(queues.running)
+    k = decode.stretch(queues.running) * queues.decode_stretch
     wait = queues.prefill_free_ms
-    seen = Contention(max(0, queues.link_free_ms - wait), max(0, queues.decode_free_ms - wait), k)
+    seen = Contention(max(0, queues.link_free_ms - wait), max(0, queues.decode_free_ms - wait), k,
+                      queues.prefill_stretch)
     ends = handoff_ends(profile, mode, seen)
-    busy = prefill_busy_ms(profile, mode)
+    busy = prefill_busy_ms(profile, mode) * queues.prefill_stretch
     decode_busy = decode_busy_ms(profile, mode)
-    after = Queues(prefill_free_ms=wait + busy,
-                   link_free_ms=max(queues.link_free_ms, wait + ends.link_ms),
-                   decode_free_ms=queues.decode_free_ms + decode_busy * k,
-                   running=queues.running, arrival_rate=queues.arrival_rate)
+    after = dataclasses.replace(queues, prefill_free_ms=wait + busy,
+                                link_free_ms=max(queues.link_free_ms, wait + ends.link_ms),
+                                decode_free_ms=queues.decode_free_ms + decode_busy * k)
     return ServedPrediction(
         ttft_ms=wait + ends.end_ms, prefill_wait_ms=wait, handoff_ms=ends.end_ms,
         idle_ms=predicted_ms(profile, mode), link_wait_ms=seen.link_free_ms,
         decode_wait_ms=seen.decode_free_ms, stretch=k, prefill_busy_ms=busy,
-        decode_busy_ms=decode_busy, after=after,
-        imposed_ms=imposed_ms(queues, after), decode_delay_ms=queues.running * decode_busy)
+        decode_busy_ms=decode_busy, after=after, imposed_ms=imposed_ms(queues, after),
+        decode_delay_ms=queues.running * decode_busy, prefill_stretch=queues.prefill_stretch,
+        decode_stretch=queues.decode_stretch)
 
 
 def imposed_ms(before: Queues, after: Queues) -> float:

@@ -5,9 +5,10 @@ update returns a new ledger.
 Times are seconds of the router's clock (from the run's start). Each resource's "free at" is
 predicted when a request is assigned (`queueing.ServedPrediction.after`) and corrected by what
 the workers report: a prefill worker's queue restarts from each `Prefilled` (the next prompt
-starts then), a decode worker's from each `Load`, and each link's bandwidth is re-estimated from
-the transfers just timed (`LinkEstimate`). The router notes each arrival (`arrived`) before
-its policy chooses, so the ledger knows the recent arrival rate.
+starts then, and the compute it reports re-estimates the device's speed against the profile,
+`ComputeEstimate`), a decode worker's from each `Load`, and each link's bandwidth is
+re-estimated from the transfers just timed (`LinkEstimate`). The router notes each arrival
+(`arrived`) before its policy chooses, so the ledger knows the recent arrival rate.
 """
 
 from __future__ import annotations
@@ -49,12 +50,45 @@ class LinkEstimate:
 
 
 @dataclasses.dataclass(frozen=True)
+class ComputeEstimate:
+    """How long a device takes per ms of the cost model's price for its compute (a prefill
+    device's prompts; a decode device's suffixes, priced with their stretch beside the running
+    decodes): the measured time of its latest `window` over their price, kept apart for compute
+    beside a busy device of the other side (`beside`) and alone (devices that share a host's
+    memory and power compute slower side by side; where they do not, the two agree). 1 until
+    compute of the kind is timed."""
+
+    alone: tuple[tuple[float, float], ...] = ()  # (priced ms, measured ms), oldest first
+    beside: tuple[tuple[float, float], ...] = ()
+    window: int = WINDOW
+
+    def stretch(self, beside: bool) -> float:
+        samples = self.beside if beside else self.alone
+        priced = sum(p for p, _ in samples)
+        return sum(m for _, m in samples) / priced if priced > 0 else 1.0
+
+    def observed(self, priced_ms: float, measured_ms: float, beside: bool) -> ComputeEstimate:
+        """The estimate after a prompt priced at `priced_ms` computed in `measured_ms` (one not
+        computed, or priced at nothing, tells nothing)."""
+        if not (priced_ms > 0 and measured_ms > 0):
+            return self
+        kind = "beside" if beside else "alone"
+        samples = (*getattr(self, kind), (priced_ms, measured_ms))[-self.window:]
+        return dataclasses.replace(self, **{kind: samples})
+
+
+@dataclasses.dataclass(frozen=True)
 class PrefillQueue:
     """One prefill worker: the predicted device time of each request assigned and not done, in
-    the order it serves them, and when the first of them started."""
+    the order it serves them, their price at the profile's costs, when the first of them
+    started and whether a decode worker was busy then, and how the device's compute has lately
+    compared with its price."""
 
     busy_ms: tuple[float, ...] = ()
     started_s: float = 0.0
+    priced_ms: tuple[float, ...] = ()
+    beside: bool = False
+    estimate: ComputeEstimate = ComputeEstimate()
 
     def free_at(self) -> float:
         return self.started_s + sum(self.busy_ms) / 1e3
@@ -62,10 +96,12 @@ class PrefillQueue:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeQueue:
-    """One decode worker: when its admitted suffix work ends, and its running requests."""
+    """One decode worker: when its admitted suffix work ends, its running requests, and how its
+    suffixes have lately compared with their price."""
 
     free_at_s: float = 0.0
     running: int = 0
+    estimate: ComputeEstimate = ComputeEstimate()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,8 +145,20 @@ class Ledger:
         their link (ms from now)."""
         def wait(at_s: float) -> float:
             return max(0.0, (at_s - now_s) * 1e3)
-        return Queues(wait(self.prefill[p].free_at()), wait(self.link(p, d).free_at_s),
-                      wait(self.decode[d].free_at_s), self.decode[d].running, self.arrival_rate)
+        queue = self.prefill[p]  # a prompt behind others starts beside their handoffs
+        stretch = queue.estimate.stretch(self.decoding(now_s) or bool(queue.busy_ms))
+        decode = self.decode[d]
+        return Queues(wait(queue.free_at()), wait(self.link(p, d).free_at_s),
+                      wait(decode.free_at_s), decode.running, self.arrival_rate, stretch,
+                      decode.estimate.stretch(self.prefilling()))
+
+    def decoding(self, now_s: float) -> bool:
+        """Whether some decode worker is busy at `now_s`: running requests or suffix work."""
+        return any(q.running or q.free_at_s > now_s for q in self.decode)
+
+    def prefilling(self) -> bool:
+        """Whether some prefill worker's device is computing a prompt."""
+        return any(q.busy_ms for q in self.prefill)
 
     def arrived(self, now_s: float) -> Ledger:
         """The ledger once a request has arrived at `now_s`."""
@@ -118,28 +166,43 @@ class Ledger:
 
     def assigned(self, a: Assignment, now_s: float) -> Ledger:
         """The ledger once `a`, chosen at `now_s`, holds its resources as predicted."""
-        p, d, after = a.prefill_worker, a.decode_worker, a.why.predicted.after
-        queue = self.prefill[p]
+        p, d, predicted = a.prefill_worker, a.decode_worker, a.why.predicted
+        after, queue = predicted.after, self.prefill[p]
         if not queue.busy_ms:  # an idle worker starts the prompt now
-            queue = PrefillQueue(started_s=now_s)
-        queue = dataclasses.replace(queue, busy_ms=(*queue.busy_ms,
-                                                    a.why.predicted.prefill_busy_ms))
+            queue = dataclasses.replace(queue, started_s=now_s, beside=self.decoding(now_s))
+        queue = dataclasses.replace(
+            queue, busy_ms=(*queue.busy_ms, predicted.prefill_busy_ms),
+            priced_ms=(*queue.priced_ms, predicted.prefill_busy_ms / predicted.prefill_stretch))
         link = dataclasses.replace(self.link(p, d), free_at_s=now_s + after.link_free_ms / 1e3)
         decode = dataclasses.replace(self.decode[d], free_at_s=now_s + after.decode_free_ms / 1e3)
         return self._with(p, d, queue, link, decode)
 
-    def prefilled(self, worker: int, now_s: float) -> Ledger:
-        """Prefill worker `worker`'s device finished its oldest prompt at `now_s` (`Prefilled`:
-        its handoff may still be on the link): the next one starts now."""
+    def prefilled(self, worker: int, now_s: float, compute_ms: float = 0.0) -> Ledger:
+        """Prefill worker `worker`'s device finished its oldest prompt at `now_s` after
+        `compute_ms` of compute (`Prefilled`: its handoff may still be on the link): the next
+        one starts now."""
         queue = self.prefill[worker]
+        if not queue.busy_ms:
+            return self
+        estimate = queue.estimate.observed(queue.priced_ms[0], compute_ms, queue.beside)
         return self._with(prefill_worker=worker, prefill=PrefillQueue(
-            queue.busy_ms[1:], now_s) if queue.busy_ms else queue)
+            queue.busy_ms[1:], now_s, queue.priced_ms[1:], self.decoding(now_s), estimate))
 
     def loaded(self, load: Load, now_s: float, costs: DecodeCosts) -> Ledger:
-        """A decode worker's report at `now_s`: its suffix work left, stretched by its batch."""
-        free = now_s + load.queued_suffix_ms * costs.stretch(load.running) / 1e3
-        return self._with(decode_worker=load.worker,
-                          decode=DecodeQueue(free, load.running))
+        """A decode worker's report at `now_s`: its suffix work left, stretched by its batch and
+        by how its suffixes have lately compared with their price."""
+        queue = self.decode[load.worker]
+        stretch = costs.stretch(load.running) * queue.estimate.stretch(self.prefilling())
+        return self._with(decode_worker=load.worker, decode=DecodeQueue(
+            now_s + load.queued_suffix_ms * stretch / 1e3, load.running, queue.estimate))
+
+    def suffix_timed(self, worker: int, priced_ms: float, measured_ms: float, beside: bool
+                     ) -> Ledger:
+        """Decode worker `worker` ran a suffix priced at `priced_ms` (its compute stretched by the
+        decodes it ran beside) in `measured_ms`, `beside` a prompt's compute or alone."""
+        queue = self.decode[worker]
+        return self._with(decode_worker=worker, decode=dataclasses.replace(
+            queue, estimate=queue.estimate.observed(priced_ms, measured_ms, beside)))
 
     def link_timed(self, p: int, d: int, nbytes: int, ms: float) -> Ledger:
         """A transfer of `nbytes` from prefill worker p to decode worker d took `ms`."""

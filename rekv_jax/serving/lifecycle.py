@@ -94,6 +94,7 @@ class OpenRequest:
     # its decode worker's failure before its handoff completed, held until its prefill worker
     # reports (it failed) or ends (it goes again)
     finished: Finished | None = None
+    suffix_beside: bool = False  # a prompt was computing when its own was done (its suffix beside)
 
     @property
     def status(self) -> Status:

@@ -223,6 +223,12 @@ class Router:
         report or end."""
         held = self._open[item.request_id]
         held.admitted, held.finished = False, item
+        timed = item.phases is not None and item.phases.suffix > 0 and not item.fell_back
+        if timed and item.error is None and held.assignment is not None:
+            p = held.assignment.why.predicted  # the suffix's price: its stretched compute
+            self._ledger = self._ledger.suffix_timed(
+                decode, p.decode_busy_ms * p.stretch / p.decode_stretch, item.phases.suffix,
+                held.suffix_beside)
         if held.status == Status.REQUEUING:
             self._requeue(held, now_s)
         elif not (item.error and held.status in HANDING_OFF and not held.prefill_done):
@@ -231,10 +237,11 @@ class Router:
 
     def _prefilled(self, item: Prefilled, now_s: float) -> None:
         """Its prefill worker's device is done with its prompt: the next one starts there."""
-        self._ledger = self._ledger.prefilled(item.worker, now_s)
+        self._ledger = self._ledger.prefilled(item.worker, now_s, item.compute_ms)
         held = self._open.get(item.request_id)
         if held is not None and held.status == Status.PREFILLING:
             held.move(Status.PREFILLED, now_s)
+            held.suffix_beside = self._ledger.prefilling()
 
     def _prefill_done(self, item: PrefillDone, now_s: float) -> None:
         """Its prefill worker's report: its handoff was sent (`sent`), or it failed there."""
