@@ -1,7 +1,7 @@
 """Where a `rekv serve --json` run's cost model errs: per policy and prompt length, the median
 signed error of each predicted stage ((predicted - measured) / measured: prefill, link,
 first token) and the median prompt compute, predicted and measured, apart for the requests
-that met an idle system (no predicted wait, no stretch) and those that queued (JSON, one
+that met an idle system (no predicted wait, no running decodes) and those that queued (JSON, one
 object per group).
 
     python scripts/serve_errors.py results/serve/2026-12-03/tiny-7b-1p1d.jsonl
@@ -22,10 +22,10 @@ def _median(values: list[float]) -> float | None:
 
 
 def _met(record: dict) -> str:
-    """'idle' when the cost model saw no queue and no decode stretch ahead of the request."""
+    """'idle' when the cost model saw no queue and no running decodes ahead of the request."""
     p = record["assignment"]["why"]["predicted"]
     waits = p["prefill_wait_ms"] or p["link_wait_ms"] or p["decode_wait_ms"]
-    return "queued" if waits or p["stretch"] > 1 else "idle"
+    return "queued" if waits or p["after"]["running"] else "idle"
 
 
 def group(records: list[dict]) -> dict:

@@ -223,17 +223,24 @@ class Router:
         report or end."""
         held = self._open[item.request_id]
         held.admitted, held.finished = False, item
-        timed = item.phases is not None and item.phases.suffix > 0 and not item.fell_back
-        if timed and item.error is None and held.assignment is not None:
-            p = held.assignment.why.predicted  # the suffix's price: its stretched compute
-            self._ledger = self._ledger.suffix_timed(
-                decode, p.decode_busy_ms * p.stretch / p.decode_stretch, item.phases.suffix,
-                held.suffix_beside)
+        self._time_suffix(decode, held, item)
         if held.status == Status.REQUEUING:
             self._requeue(held, now_s)
         elif not (item.error and held.status in HANDING_OFF and not held.prefill_done):
             self._end(held, ending(None if item.error else item.finish_reason), now_s)
         self._pages_back(decode, held.pages, now_s)
+
+    def _time_suffix(self, decode: int, held: OpenRequest, item: Finished) -> None:
+        """Time the decode device by the suffix of a handoff after a full prefill, in one piece
+        (its suffix phase is its compute, stretched; a streamed one's waits for the prompt)."""
+        a = held.assignment
+        if (a is None or a.mode.streams or a.mode.chunks > 1 or item.error or item.fell_back
+                or item.phases is None or not item.phases.suffix > 0):
+            return
+        p = a.why.predicted  # the suffix's price: its compute, stretched by the running decodes
+        self._ledger = self._ledger.suffix_timed(
+            decode, p.decode_busy_ms * p.stretch / p.decode_stretch, item.phases.suffix,
+            held.suffix_beside)
 
     def _prefilled(self, item: Prefilled, now_s: float) -> None:
         """Its prefill worker's device is done with its prompt: the next one starts there."""
