@@ -217,7 +217,9 @@ def test_reports_move_the_ledger():
     done, (priced,) = r.ledger.prefill[0], before.prefill[0].priced_ms
     assert (done.busy_ms, done.started_s) == ((), 0.1) and before.prefill[0].busy_ms
     assert done.estimate.alone == ((priced, 20.0),)  # its compute against its price, timed
-    assert r.ledger.queues(0, 0, 0.1).prefill_stretch == pytest.approx(20.0 / priced)
+    assert done.estimate.stretch(beside=False) == pytest.approx(20.0 / priced)
+    assert r.ledger.decode[0].held_pages == POOL.pages_for(256 + 32)  # it decodes there soon:
+    assert r.ledger.queues(0, 0, 0.1).prefill_stretch == 1  # a prompt now computes beside it
     assert r.ledger.link(0, 0) == before.link(0, 0)
     r.on_item("prefill-0", PrefillDone(0, 0, 20.0, 100.0, 1_000_000), 0.2)
     assert r.ledger.link(0, 0).estimate.gbps == pytest.approx(0.01)  # the link is timed

@@ -189,6 +189,7 @@ class World:
         for d, dec in enumerate(self.decodes):
             if f"decode-{d}" not in self.dead:  # pages conserved: counted free + held = all
                 assert self.router.free_pages[d] + dec.used() == POOL.usable_pages
+                assert self.router.ledger.decode[d].held_pages == dec.used()  # as the ledger sees
 
     def drain(self) -> None:
         """Every live worker does all it was told, until the router is done."""

@@ -102,6 +102,7 @@ class DecodeQueue:
     free_at_s: float = 0.0
     running: int = 0
     estimate: ComputeEstimate = ComputeEstimate()
+    held_pages: int = 0  # what its admitted requests hold: they decode there now or soon
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,8 +154,9 @@ class Ledger:
                       decode.estimate.stretch(self.prefilling()))
 
     def decoding(self, now_s: float) -> bool:
-        """Whether some decode worker is busy at `now_s`: running requests or suffix work."""
-        return any(q.running or q.free_at_s > now_s for q in self.decode)
+        """Whether some decode worker is busy at `now_s` or about to be: requests running or
+        admitted (their handoffs on the way), or suffix work."""
+        return any(q.running or q.held_pages or q.free_at_s > now_s for q in self.decode)
 
     def prefilling(self) -> bool:
         """Whether some prefill worker's device is computing a prompt."""
@@ -193,16 +195,26 @@ class Ledger:
         by how its suffixes have lately compared with their price."""
         queue = self.decode[load.worker]
         stretch = costs.stretch(load.running) * queue.estimate.stretch(self.prefilling())
-        return self._with(decode_worker=load.worker, decode=DecodeQueue(
-            now_s + load.queued_suffix_ms * stretch / 1e3, load.running, queue.estimate))
+        return self._with(decode_worker=load.worker, decode=dataclasses.replace(
+            queue, free_at_s=now_s + load.queued_suffix_ms * stretch / 1e3,
+            running=load.running))
 
-    def suffix_timed(self, worker: int, priced_ms: float, measured_ms: float, beside: bool
-                     ) -> Ledger:
-        """Decode worker `worker` ran a suffix priced at `priced_ms` (its compute stretched by the
-        decodes it ran beside) in `measured_ms`, `beside` a prompt's compute or alone."""
-        queue = self.decode[worker]
+    def holding(self, worker: int, pages: int) -> Ledger:
+        """Decode worker `worker`'s admitted requests now hold `pages` of its pool."""
         return self._with(decode_worker=worker, decode=dataclasses.replace(
-            queue, estimate=queue.estimate.observed(priced_ms, measured_ms, beside)))
+            self.decode[worker], held_pages=pages))
+
+    def suffix_done(self, worker: int, a: Assignment, suffix_ms: float, beside: bool) -> Ledger:
+        """Decode worker `worker` ran the suffix of `a`'s handoff in `suffix_ms`, `beside` a
+        prompt's compute or alone. Only a suffix after a full prefill, in one piece, times the
+        device: its phase is its compute, stretched by the decodes beside it (a streamed
+        prefill's suffix waits for the prompt's pieces)."""
+        if a.mode.streams or a.mode.chunks > 1 or not suffix_ms > 0:
+            return self
+        p, queue = a.why.predicted, self.decode[worker]
+        price = p.decode_busy_ms * p.stretch / p.decode_stretch
+        return self._with(decode_worker=worker, decode=dataclasses.replace(
+            queue, estimate=queue.estimate.observed(price, suffix_ms, beside)))
 
     def link_timed(self, p: int, d: int, nbytes: int, ms: float) -> Ledger:
         """A transfer of `nbytes` from prefill worker p to decode worker d took `ms`."""

@@ -160,7 +160,7 @@ class Router:
         router counts the pages); a decode worker that has ended fails it."""
         r, a = held.request, held.assignment
         d = a.decode_worker
-        self._free[d] -= held.pages
+        self._take_pages(d, held.pages)
         held.admitted = True
         if not self._send(member_name(DECODE, d), Admit(r.id, r.prompt_len, r.max_new_tokens,
                                                        a.mode, a.prefill_worker,
@@ -173,11 +173,16 @@ class Router:
     def _pages_back(self, decode: int, pages: int, now_s: float) -> None:
         """Pages of a decode worker came back: admit its requests prefilled ahead of them, first
         come first served, then assign queued ones."""
-        self._free[decode] += pages
+        self._take_pages(decode, -pages)
         ahead = self._ahead[decode]
         while ahead and self._free[decode] >= ahead[0].pages:
             self._admit(ahead.popleft(), now_s)
         self._assign(now_s)
+
+    def _take_pages(self, decode: int, pages: int) -> None:
+        """Its requests take `pages` more of a decode worker's pool (fewer: they give back)."""
+        self._free[decode] -= pages
+        self._ledger = self._ledger.holding(decode, self._pool.usable_pages - self._free[decode])
 
     def on_item(self, name: str, item: object, now_s: float) -> None:
         """What worker `name` emitted, as it reached the router at `now_s`."""
@@ -223,24 +228,14 @@ class Router:
         report or end."""
         held = self._open[item.request_id]
         held.admitted, held.finished = False, item
-        self._time_suffix(decode, held, item)
+        if held.assignment and item.phases and not (item.error or item.fell_back):
+            self._ledger = self._ledger.suffix_done(decode, held.assignment, item.phases.suffix,
+                                                    held.suffix_beside)
         if held.status == Status.REQUEUING:
             self._requeue(held, now_s)
         elif not (item.error and held.status in HANDING_OFF and not held.prefill_done):
             self._end(held, ending(None if item.error else item.finish_reason), now_s)
         self._pages_back(decode, held.pages, now_s)
-
-    def _time_suffix(self, decode: int, held: OpenRequest, item: Finished) -> None:
-        """Time the decode device by the suffix of a handoff after a full prefill, in one piece
-        (its suffix phase is its compute, stretched; a streamed one's waits for the prompt)."""
-        a = held.assignment
-        if (a is None or a.mode.streams or a.mode.chunks > 1 or item.error or item.fell_back
-                or item.phases is None or not item.phases.suffix > 0):
-            return
-        p = a.why.predicted  # the suffix's price: its compute, stretched by the running decodes
-        self._ledger = self._ledger.suffix_timed(
-            decode, p.decode_busy_ms * p.stretch / p.decode_stretch, item.phases.suffix,
-            held.suffix_beside)
 
     def _prefilled(self, item: Prefilled, now_s: float) -> None:
         """Its prefill worker's device is done with its prompt: the next one starts there."""
