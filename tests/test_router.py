@@ -10,7 +10,7 @@ from test_serving_policy import COSTS
 
 from rekv_jax.launch.child import member_name, parse_member
 from rekv_jax.phases import Phases
-from rekv_jax.serving.ledger import Ledger
+from rekv_jax.serving.ledger import Ledger, Setting
 from rekv_jax.serving.lifecycle import Status
 from rekv_jax.serving.pages import PoolConfig
 from rekv_jax.serving.policy import Context, make_policies
@@ -216,8 +216,8 @@ def test_reports_move_the_ledger():
     r.on_item("prefill-0", Prefilled(0, 0, 20.0), 0.1)  # the prefill device is free again
     done, (priced,) = r.ledger.prefill[0], before.prefill[0].priced_ms
     assert (done.busy_ms, done.started_s) == ((), 0.1) and before.prefill[0].busy_ms
-    assert done.estimate.alone == ((priced, 20.0),)  # its compute against its price, timed
-    assert done.estimate.stretch(beside=False) == pytest.approx(20.0 / priced)
+    assert done.estimate.samples == ((Setting.ALONE, priced, 20.0),)  # against its price
+    assert done.estimate.stretch(Setting.ALONE) == pytest.approx(20.0 / priced)
     assert r.ledger.decode[0].held_pages == POOL.pages_for(256 + 32)  # it decodes there soon:
     assert r.ledger.queues(0, 0, 0.1).prefill_stretch == 1  # a prompt now computes beside it
     assert r.ledger.link(0, 0) == before.link(0, 0)
@@ -251,8 +251,8 @@ def test_a_finished_suffix_times_its_decode_worker_beside_or_alone():
         r.on_item("decode-0", Finished(i, (7,), 0.1, 0.01, 50.0, Phases(
             0.0, 1.0, 1.0, factor * price, 0.0, 20.0), "", False), 0.5)
     estimate = r.ledger.decode[0].estimate
-    assert estimate.stretch(beside=True) == pytest.approx(2.0)
-    assert estimate.stretch(beside=False) == pytest.approx(0.5)
+    assert estimate.stretch(Setting.BESIDE) == pytest.approx(2.0)
+    assert estimate.stretch(Setting.ALONE) == pytest.approx(0.5)
     assert r.ledger.queues(0, 0, 0.5).decode_stretch == pytest.approx(0.5)  # no prompt now
     r.arrive(request(2), 0.6)  # its prompt computes now: the next suffix runs beside it
     assert r.ledger.queues(0, 0, 0.6).decode_stretch == pytest.approx(2.0)

@@ -16,6 +16,7 @@ from rekv_jax.serving.ledger import (
     LinkEstimate,
     LinkQueue,
     PrefillQueue,
+    Setting,
 )
 from rekv_jax.serving.policy import Asked, Context, check_policy_names, make_policies, served_mode
 from rekv_jax.serving.requests import Load, ServeRequest
@@ -88,17 +89,18 @@ def test_the_prefill_device_is_timed_apart_alone_and_beside_decodes():
     assert beside.why.predicted.prefill_busy_ms == pytest.approx(priced)
     timed = busy.assigned(beside, 1.0).prefilled(0, 3.0, 1.5 * priced)
     assert timed.queues(0, 0, 3.0).prefill_stretch == pytest.approx(1.5)
-    assert timed.prefill[0].estimate.stretch(beside=False) == 0.5
+    assert timed.prefill[0].estimate.stretch(Setting.ALONE) == 0.5
     assert (policy.choose(REQUEST, timed, 3.0).why.predicted.ttft_ms
             > policy.choose(REQUEST, ledger, 1.0).why.predicted.ttft_ms)
 
 
 def test_a_compute_estimate_keeps_its_window_and_ignores_untimed_prompts():
-    e = ComputeEstimate(window=2)
+    e, beside = ComputeEstimate(window=2).observed(4.0, 2.0, Setting.ALONE), Setting.BESIDE
     for priced, measured in ((10.0, 30.0), (10.0, 10.0), (30.0, 15.0), (10.0, 0.0), (0.0, 5.0)):
-        e = e.observed(priced, measured, beside=True)
-    assert e.beside == ((10.0, 10.0), (30.0, 15.0)) and e.stretch(True) == 25 / 40
-    assert e.alone == () and e.stretch(False) == 1.0
+        e = e.observed(priced, measured, beside)
+    assert e.samples == ((Setting.ALONE, 4.0, 2.0), (beside, 10.0, 10.0), (beside, 30.0, 15.0))
+    assert e.stretch(beside) == 25 / 40 and e.stretch(Setting.ALONE) == 0.5
+    assert e.stretch(Setting.STREAMED) == 1.0  # untimed
 
 
 def test_fixed_and_balanced_policies_run_one_action_after_a_full_prefill():

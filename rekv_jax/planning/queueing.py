@@ -18,10 +18,11 @@ so a suffix of R ms alone takes `k R` with the stretch
 
     k = 1 + d(B) / u   (B >= 1; k = 1 on an idle worker).
 
-The prefill device's steps run `Queues.prefill_stretch` times the profile's cost, and the
-decode device's `Queues.decode_stretch` times `k R`: what each device has lately taken against
-its price (`serving.ledger.ComputeEstimate`; on a host whose devices share memory and power,
-each computes slower while the other side computes too).
+The prefill device's steps run `Queues.prefill_stretch` times the profile's cost
+(`streamed_stretch` for a split or pipelined prefill, whose handoff crosses as it computes),
+and the decode device's `Queues.decode_stretch` times `k R`: what each device has lately
+taken against its price (`serving.ledger.ComputeEstimate`; on a host whose devices share
+memory and power, each computes slower while the other side computes too).
 
 What a choice costs the requests after it is in `ServedPrediction.after`: the prefill device is
 busy for the mode's prompt compute and quantize calls (`costmodel.prefill_busy_ms`, stretched: a
@@ -98,10 +99,12 @@ class Queues:
     arrival_rate: float = 0  # λ: requests per second arriving lately (0: unknown)
     prefill_stretch: float = 1  # the prefill device's compute per ms of the profile's, lately
     decode_stretch: float = 1  # the decode device's suffix time per ms of its price, lately
+    streamed_stretch: float = 1  # prefill_stretch of a streamed prompt (split or pipelined)
 
     def __post_init__(self) -> None:
         if min(self.prefill_free_ms, self.link_free_ms, self.decode_free_ms, self.running,
-               self.arrival_rate) < 0 or not (self.prefill_stretch > 0 and self.decode_stretch > 0):
+               self.arrival_rate) < 0 or min(self.prefill_stretch, self.decode_stretch,
+                                             self.streamed_stretch) <= 0:
             raise ValueError(f"queues cannot be negative, got {self}")
 
 
@@ -144,11 +147,12 @@ def served(profile: Profile, mode: Mode, queues: Queues, decode: DecodeCosts
         raise ValueError(f"a served request is timed from its prompt's arrival; {mode} is timed "
                          "from the ready prefill state")
     k = decode.stretch(queues.running) * queues.decode_stretch
+    f = queues.streamed_stretch if mode.streams else queues.prefill_stretch
     wait = queues.prefill_free_ms
     seen = Contention(max(0, queues.link_free_ms - wait), max(0, queues.decode_free_ms - wait), k,
-                      queues.prefill_stretch)
+                      f)
     ends = handoff_ends(profile, mode, seen)
-    busy = prefill_busy_ms(profile, mode) * queues.prefill_stretch
+    busy = prefill_busy_ms(profile, mode) * f
     decode_busy = decode_busy_ms(profile, mode)
     after = dataclasses.replace(queues, prefill_free_ms=wait + busy,
                                 link_free_ms=max(queues.link_free_ms, wait + ends.link_ms),
@@ -158,7 +162,7 @@ def served(profile: Profile, mode: Mode, queues: Queues, decode: DecodeCosts
         idle_ms=predicted_ms(profile, mode), link_wait_ms=seen.link_free_ms,
         decode_wait_ms=seen.decode_free_ms, stretch=k, prefill_busy_ms=busy,
         decode_busy_ms=decode_busy, after=after, imposed_ms=imposed_ms(queues, after),
-        decode_delay_ms=queues.running * decode_busy, prefill_stretch=queues.prefill_stretch,
+        decode_delay_ms=queues.running * decode_busy, prefill_stretch=f,
         decode_stretch=queues.decode_stretch)
 
 

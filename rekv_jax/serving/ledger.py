@@ -14,6 +14,7 @@ re-estimated from the transfers just timed (`LinkEstimate`). The router notes ea
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Sequence
 
 from rekv_jax.planning.queueing import DecodeCosts, Queues
@@ -49,45 +50,58 @@ class LinkEstimate:
         return dataclasses.replace(self, samples=(*self.samples, (nbytes, ms))[-self.window:])
 
 
+class Setting(enum.StrEnum):
+    """What a device's compute ran beside, which its speed depends on where the two sides share
+    a host's memory and power (where they do not, every setting agrees)."""
+
+    ALONE = "alone"  # no device of the other side busy
+    BESIDE = "beside"  # a busy device of the other side
+    STREAMED = "streamed"  # a streamed prompt: its own handoff crosses as it computes
+
+
 @dataclasses.dataclass(frozen=True)
 class ComputeEstimate:
     """How long a device takes per ms of the cost model's price for its compute (a prefill
     device's prompts; a decode device's suffixes, priced with their stretch beside the running
-    decodes): the measured time of its latest `window` over their price, kept apart for compute
-    beside a busy device of the other side (`beside`) and alone (devices that share a host's
-    memory and power compute slower side by side; where they do not, the two agree). 1 until
-    compute of the kind is timed."""
+    decodes): the measured time of its latest `window` in a setting over their price, 1 until
+    compute in that setting is timed."""
 
-    alone: tuple[tuple[float, float], ...] = ()  # (priced ms, measured ms), oldest first
-    beside: tuple[tuple[float, float], ...] = ()
+    samples: tuple[tuple[Setting, float, float], ...] = ()  # (setting, priced, measured ms)
     window: int = WINDOW
 
-    def stretch(self, beside: bool) -> float:
-        samples = self.beside if beside else self.alone
-        priced = sum(p for p, _ in samples)
-        return sum(m for _, m in samples) / priced if priced > 0 else 1.0
+    def stretch(self, setting: Setting) -> float:
+        priced = measured = 0.0
+        for s, p, m in self.samples:
+            if s == setting:
+                priced, measured = priced + p, measured + m
+        return measured / priced if priced > 0 else 1.0
 
-    def observed(self, priced_ms: float, measured_ms: float, beside: bool) -> ComputeEstimate:
-        """The estimate after a prompt priced at `priced_ms` computed in `measured_ms` (one not
-        computed, or priced at nothing, tells nothing)."""
+    def observed(self, priced_ms: float, measured_ms: float, setting: Setting
+                 ) -> ComputeEstimate:
+        """The estimate after compute priced at `priced_ms` took `measured_ms` in `setting`
+        (compute not done, or priced at nothing, tells nothing); the setting keeps its latest
+        `window`."""
         if not (priced_ms > 0 and measured_ms > 0):
             return self
-        kind = "beside" if beside else "alone"
-        samples = (*getattr(self, kind), (priced_ms, measured_ms))[-self.window:]
-        return dataclasses.replace(self, **{kind: samples})
+        samples = (*self.samples, (setting, priced_ms, measured_ms))
+        if sum(s == setting for s, _, _ in samples) > self.window:  # drop its oldest
+            oldest = next(i for i, (s, _, _) in enumerate(samples) if s == setting)
+            samples = samples[:oldest] + samples[oldest + 1:]
+        return dataclasses.replace(self, samples=samples)
 
 
 @dataclasses.dataclass(frozen=True)
 class PrefillQueue:
     """One prefill worker: the predicted device time of each request assigned and not done, in
-    the order it serves them, their price at the profile's costs, when the first of them
-    started and whether a decode worker was busy then, and how the device's compute has lately
+    the order it serves them, their price at the profile's costs and whether each streams, when
+    the first of them started and in which setting, and how the device's compute has lately
     compared with its price."""
 
     busy_ms: tuple[float, ...] = ()
     started_s: float = 0.0
     priced_ms: tuple[float, ...] = ()
-    beside: bool = False
+    streams: tuple[bool, ...] = ()
+    setting: Setting = Setting.ALONE
     estimate: ComputeEstimate = ComputeEstimate()
 
     def free_at(self) -> float:
@@ -146,12 +160,13 @@ class Ledger:
         their link (ms from now)."""
         def wait(at_s: float) -> float:
             return max(0.0, (at_s - now_s) * 1e3)
-        queue = self.prefill[p]  # a prompt behind others starts beside their handoffs
-        stretch = queue.estimate.stretch(self.decoding(now_s) or bool(queue.busy_ms))
-        decode = self.decode[d]
+        queue, decode = self.prefill[p], self.decode[d]
+        beside = self.decoding(now_s) or bool(queue.busy_ms)  # or beside the handoffs before it
         return Queues(wait(queue.free_at()), wait(self.link(p, d).free_at_s),
-                      wait(decode.free_at_s), decode.running, self.arrival_rate, stretch,
-                      decode.estimate.stretch(self.prefilling()))
+                      wait(decode.free_at_s), decode.running, self.arrival_rate,
+                      queue.estimate.stretch(Setting.BESIDE if beside else Setting.ALONE),
+                      decode.estimate.stretch(self._decode_setting()),
+                      queue.estimate.stretch(Setting.STREAMED))
 
     def decoding(self, now_s: float) -> bool:
         """Whether some decode worker is busy at `now_s` or about to be: requests running or
@@ -162,6 +177,15 @@ class Ledger:
         """Whether some prefill worker's device is computing a prompt."""
         return any(q.busy_ms for q in self.prefill)
 
+    def _prompt_setting(self, streams: bool, now_s: float) -> Setting:
+        """Where a prompt starting at `now_s` computes."""
+        if streams:
+            return Setting.STREAMED
+        return Setting.BESIDE if self.decoding(now_s) else Setting.ALONE
+
+    def _decode_setting(self) -> Setting:
+        return Setting.BESIDE if self.prefilling() else Setting.ALONE
+
     def arrived(self, now_s: float) -> Ledger:
         """The ledger once a request has arrived at `now_s`."""
         return dataclasses.replace(self, arrivals_s=(*self.arrivals_s, now_s)[-ARRIVALS:])
@@ -171,10 +195,12 @@ class Ledger:
         p, d, predicted = a.prefill_worker, a.decode_worker, a.why.predicted
         after, queue = predicted.after, self.prefill[p]
         if not queue.busy_ms:  # an idle worker starts the prompt now
-            queue = dataclasses.replace(queue, started_s=now_s, beside=self.decoding(now_s))
+            queue = dataclasses.replace(queue, started_s=now_s,
+                                        setting=self._prompt_setting(a.mode.streams, now_s))
         queue = dataclasses.replace(
             queue, busy_ms=(*queue.busy_ms, predicted.prefill_busy_ms),
-            priced_ms=(*queue.priced_ms, predicted.prefill_busy_ms / predicted.prefill_stretch))
+            priced_ms=(*queue.priced_ms, predicted.prefill_busy_ms / predicted.prefill_stretch),
+            streams=(*queue.streams, a.mode.streams))
         link = dataclasses.replace(self.link(p, d), free_at_s=now_s + after.link_free_ms / 1e3)
         decode = dataclasses.replace(self.decode[d], free_at_s=now_s + after.decode_free_ms / 1e3)
         return self._with(p, d, queue, link, decode)
@@ -186,15 +212,17 @@ class Ledger:
         queue = self.prefill[worker]
         if not queue.busy_ms:
             return self
-        estimate = queue.estimate.observed(queue.priced_ms[0], compute_ms, queue.beside)
+        estimate = queue.estimate.observed(queue.priced_ms[0], compute_ms, queue.setting)
+        streams = queue.streams[1:]
         return self._with(prefill_worker=worker, prefill=PrefillQueue(
-            queue.busy_ms[1:], now_s, queue.priced_ms[1:], self.decoding(now_s), estimate))
+            queue.busy_ms[1:], now_s, queue.priced_ms[1:], streams,
+            self._prompt_setting(streams[:1] == (True,), now_s), estimate))
 
     def loaded(self, load: Load, now_s: float, costs: DecodeCosts) -> Ledger:
         """A decode worker's report at `now_s`: its suffix work left, stretched by its batch and
         by how its suffixes have lately compared with their price."""
         queue = self.decode[load.worker]
-        stretch = costs.stretch(load.running) * queue.estimate.stretch(self.prefilling())
+        stretch = costs.stretch(load.running) * queue.estimate.stretch(self._decode_setting())
         return self._with(decode_worker=load.worker, decode=dataclasses.replace(
             queue, free_at_s=now_s + load.queued_suffix_ms * stretch / 1e3,
             running=load.running))
@@ -214,7 +242,8 @@ class Ledger:
         p, queue = a.why.predicted, self.decode[worker]
         price = p.decode_busy_ms * p.stretch / p.decode_stretch
         return self._with(decode_worker=worker, decode=dataclasses.replace(
-            queue, estimate=queue.estimate.observed(price, suffix_ms, beside)))
+            queue, estimate=queue.estimate.observed(
+                price, suffix_ms, Setting.BESIDE if beside else Setting.ALONE)))
 
     def link_timed(self, p: int, d: int, nbytes: int, ms: float) -> Ledger:
         """A transfer of `nbytes` from prefill worker p to decode worker d took `ms`."""
