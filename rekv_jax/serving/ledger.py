@@ -161,10 +161,11 @@ class Ledger:
         def wait(at_s: float) -> float:
             return max(0.0, (at_s - now_s) * 1e3)
         queue, decode = self.prefill[p], self.decode[d]
-        beside = self.decoding(now_s) or bool(queue.busy_ms)  # or beside the handoffs before it
+        setting = (Setting.BESIDE if queue.busy_ms  # beside the handoffs before it
+                   else self._prompt_setting(False, now_s))
         return Queues(wait(queue.free_at()), wait(self.link(p, d).free_at_s),
                       wait(decode.free_at_s), decode.running, self.arrival_rate,
-                      queue.estimate.stretch(Setting.BESIDE if beside else Setting.ALONE),
+                      queue.estimate.stretch(setting),
                       decode.estimate.stretch(self._decode_setting()),
                       queue.estimate.stretch(Setting.STREAMED))
 
