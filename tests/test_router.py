@@ -10,7 +10,7 @@ from test_serving_policy import COSTS
 
 from rekv_jax.launch.child import member_name, parse_member
 from rekv_jax.phases import Phases
-from rekv_jax.serving.ledger import Ledger, Setting
+from rekv_jax.serving.ledger import Ledger, Setting, Timed
 from rekv_jax.serving.lifecycle import Status
 from rekv_jax.serving.pages import PoolConfig
 from rekv_jax.serving.policy import Context, make_policies
@@ -214,18 +214,19 @@ def test_reports_move_the_ledger():
     r.arrive(request(0), 0.0)
     before = r.ledger
     r.on_item("prefill-0", Prefilled(0, 0, 20.0), 0.1)  # the prefill device is free again
-    done, (priced,) = r.ledger.prefill[0], before.prefill[0].priced_ms
-    assert (done.busy_ms, done.started_s) == ((), 0.1) and before.prefill[0].busy_ms
-    assert done.estimate.samples == ((Setting.ALONE, priced, 20.0),)  # against its price
+    done, (queued,) = r.ledger.prefill[0], before.prefill[0].queued
+    assert (done.queued, done.started_s) == ((), 0.1) and queued.tokens == 256
+    priced = queued.priced_ms  # against its price, in its setting and octave:
+    assert done.estimate.samples == (Timed(Setting.ALONE, 8, priced, 20.0),)
     assert done.estimate.stretch(Setting.ALONE) == pytest.approx(20.0 / priced)
     assert r.ledger.decode[0].held_pages == POOL.pages_for(256 + 32)  # it decodes there soon:
-    assert r.ledger.queues(0, 0, 0.1).prefill_stretch == 1  # a prompt now computes beside it
+    assert r.ledger.queues(0, 0, 0.1, 256).prefill_stretch == 1  # a prompt now computes beside it
     assert r.ledger.link(0, 0) == before.link(0, 0)
     r.on_item("prefill-0", PrefillDone(0, 0, 20.0, 100.0, 1_000_000), 0.2)
     assert r.ledger.link(0, 0).estimate.gbps == pytest.approx(0.01)  # the link is timed
     assert r.ledger.prefill[0] == done
     r.on_item("decode-0", Load(0, 1, 40.0, 5), 0.3)
-    assert r.ledger.queues(0, 0, 0.3).running == 1
+    assert r.ledger.queues(0, 0, 0.3, 256).running == 1
     with pytest.raises(ValueError, match="not a worker"):
         r.on_item("router", Load(0, 1, 40.0, 5), 0.3)
     with pytest.raises(ValueError, match="does not take"):
@@ -253,9 +254,9 @@ def test_a_finished_suffix_times_its_decode_worker_beside_or_alone():
     estimate = r.ledger.decode[0].estimate
     assert estimate.stretch(Setting.BESIDE) == pytest.approx(2.0)
     assert estimate.stretch(Setting.ALONE) == pytest.approx(0.5)
-    assert r.ledger.queues(0, 0, 0.5).decode_stretch == pytest.approx(0.5)  # no prompt now
+    assert r.ledger.queues(0, 0, 0.5, 256).decode_stretch == pytest.approx(0.5)  # no prompt now
     r.arrive(request(2), 0.6)  # its prompt computes now: the next suffix runs beside it
-    assert r.ledger.queues(0, 0, 0.6).decode_stretch == pytest.approx(2.0)
+    assert r.ledger.queues(0, 0, 0.6, 256).decode_stretch == pytest.approx(2.0)
 
 
 def test_member_names_round_trip():

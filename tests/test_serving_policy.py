@@ -16,7 +16,10 @@ from rekv_jax.serving.ledger import (
     LinkEstimate,
     LinkQueue,
     PrefillQueue,
+    Queued,
     Setting,
+    Timed,
+    octave,
 )
 from rekv_jax.serving.policy import Asked, Context, check_policy_names, make_policies, served_mode
 from rekv_jax.serving.requests import Load, ServeRequest
@@ -31,6 +34,11 @@ def _context(profile: Profile, **kw) -> Context:
 
 
 IDLE_DECODE, IDLE_PREFILL = DecodeQueue(), PrefillQueue()
+
+
+def _busy(ms: float) -> PrefillQueue:
+    """A prefill worker with `ms` of one full prefill's compute queued from time 0."""
+    return PrefillQueue((Queued(ms, ms, False, 256),), 0.0)
 
 
 def _ledger(gbps: float, link_s: float = 0.0, decode: DecodeQueue = IDLE_DECODE,
@@ -55,21 +63,21 @@ def test_the_link_estimate_is_the_latest_transfers_bytes_over_their_time():
 def test_the_ledger_books_and_corrects_each_resource():
     profile, ledger = _tiny7b_profile(), Ledger.idle(1, 1, 0.01).arrived(0.0)
     policy, = make_policies(["q8:full"], _context(profile))
-    assert ledger.queues(0, 0, 0.0).prefill_free_ms == 0
+    assert ledger.queues(0, 0, 0.0, 256).prefill_free_ms == 0
     first = policy.choose(REQUEST, ledger, 0.0)
-    ledger = ledger.assigned(first, 0.0).arrived(0.1)
-    q = ledger.queues(0, 0, 0.1)
+    ledger = ledger.assigned(first, 0.0, 256).arrived(0.1)
+    q = ledger.queues(0, 0, 0.1, 256)
     assert q.prefill_free_ms == pytest.approx(first.why.predicted.prefill_busy_ms - 100)
     assert q.link_free_ms == pytest.approx(first.why.predicted.after.link_free_ms - 100)
     second = policy.choose(REQUEST, ledger, 0.1)
     assert second.why.predicted.prefill_wait_ms == pytest.approx(q.prefill_free_ms)
-    ledger = ledger.assigned(second, 0.1)
+    ledger = ledger.assigned(second, 0.1, 256)
     done = ledger.prefilled(0, 0.2)  # the first ends early
-    assert done.queues(0, 0, 0.2).prefill_free_ms == pytest.approx(
+    assert done.queues(0, 0, 0.2, 256).prefill_free_ms == pytest.approx(
         second.why.predicted.prefill_busy_ms)
     loaded = done.loaded(Load(0, running=3, queued_suffix_ms=50.0, free_pages=9), 0.2, COSTS)
-    assert loaded.queues(0, 0, 0.2).decode_free_ms == pytest.approx(50 * COSTS.stretch(3))
-    assert loaded.queues(0, 0, 0.2).running == 3
+    assert loaded.queues(0, 0, 0.2, 256).decode_free_ms == pytest.approx(50 * COSTS.stretch(3))
+    assert loaded.queues(0, 0, 0.2, 256).running == 3
     timed = loaded.link_timed(0, 0, 1_000_000, 100.0)
     assert timed.link(0, 0).estimate.gbps == pytest.approx(0.01)
     assert timed.arrival_rate == pytest.approx(10.0)  # arrivals at 0 and 0.1 s
@@ -81,26 +89,43 @@ def test_the_prefill_device_is_timed_apart_alone_and_beside_decodes():
     first = policy.choose(REQUEST, ledger, 0.0)
     priced = first.why.predicted.prefill_busy_ms
     assert first.why.predicted.prefill_stretch == 1 and priced > 0  # untimed: the profile's price
-    ledger = ledger.assigned(first, 0.0).prefilled(0, 1.0, 0.5 * priced)  # alone, in half of it
+    ledger = ledger.assigned(first, 0.0, 256).prefilled(0, 1.0, 0.5 * priced)  # alone: in half
     alone = policy.choose(REQUEST, ledger, 1.0).why.predicted
     assert alone.prefill_stretch == 0.5 and alone.prefill_busy_ms == pytest.approx(priced / 2)
     busy = ledger.loaded(Load(0, running=2, queued_suffix_ms=0.0, free_pages=9), 1.0, COSTS)
     beside = policy.choose(REQUEST, busy, 1.0)  # beside running decodes: not timed yet
     assert beside.why.predicted.prefill_busy_ms == pytest.approx(priced)
-    timed = busy.assigned(beside, 1.0).prefilled(0, 3.0, 1.5 * priced)
-    assert timed.queues(0, 0, 3.0).prefill_stretch == pytest.approx(1.5)
+    timed = busy.assigned(beside, 1.0, 256).prefilled(0, 3.0, 1.5 * priced)
+    assert timed.queues(0, 0, 3.0, 256).prefill_stretch == pytest.approx(1.5)
     assert timed.prefill[0].estimate.stretch(Setting.ALONE) == 0.5
     assert (policy.choose(REQUEST, timed, 3.0).why.predicted.ttft_ms
             > policy.choose(REQUEST, ledger, 1.0).why.predicted.ttft_ms)
 
 
 def test_a_compute_estimate_keeps_its_window_and_ignores_untimed_prompts():
-    e, beside = ComputeEstimate(window=2).observed(4.0, 2.0, Setting.ALONE), Setting.BESIDE
+    e, beside = ComputeEstimate(window=2).observed(4.0, 2.0, Setting.ALONE, 256), Setting.BESIDE
     for priced, measured in ((10.0, 30.0), (10.0, 10.0), (30.0, 15.0), (10.0, 0.0), (0.0, 5.0)):
-        e = e.observed(priced, measured, beside)
-    assert e.samples == ((Setting.ALONE, 4.0, 2.0), (beside, 10.0, 10.0), (beside, 30.0, 15.0))
+        e = e.observed(priced, measured, beside, 300)  # 300 tokens: 256's octave
+    assert e.samples == (Timed(Setting.ALONE, 8, 4.0, 2.0), Timed(beside, 8, 10.0, 10.0),
+                         Timed(beside, 8, 30.0, 15.0))
     assert e.stretch(beside) == 25 / 40 and e.stretch(Setting.ALONE) == 0.5
     assert e.stretch(Setting.STREAMED) == 1.0  # untimed
+
+
+def test_a_compute_estimate_times_each_octave_of_prompt_length_apart():
+    """A prompt's stretch comes from prompts of its octave once one is timed, from its
+    setting's other octaves until then; each octave keeps its own window."""
+    e = ComputeEstimate(window=2)
+    for tokens, priced, measured in ((256, 10.0, 12.0), (512, 10.0, 8.0), (256, 10.0, 14.0),
+                                     (256, 10.0, 10.0)):
+        e = e.observed(priced, measured, Setting.ALONE, tokens)
+    assert [octave(n) for n in (181, 182, 362, 363, 512)] == [7, 8, 8, 9, 9]
+    assert e.stretch(Setting.ALONE, 256) == pytest.approx(24 / 20)  # its latest two
+    assert e.stretch(Setting.ALONE, 500) == pytest.approx(0.8)  # 512's alone
+    assert e.stretch(Setting.ALONE, 2048) == pytest.approx(32 / 30)  # untimed: all the setting's
+    assert e.stretch(Setting.ALONE) == pytest.approx(32 / 30)
+    with pytest.raises(ValueError, match="at least one token"):
+        octave(0)
 
 
 def test_fixed_and_balanced_policies_run_one_action_after_a_full_prefill():
@@ -153,7 +178,7 @@ def test_running_decodes_alone_move_adaptive_toward_less_recomputation():
 def test_a_prefill_queue_moves_prompt_compute_to_the_decode_worker():
     profile = _tiny7b_profile()
     policy, = make_policies(["adaptive"], _context(profile))
-    busy = [policy.choose(REQUEST, _ledger(profile.link_gbps, prefill=PrefillQueue((w,), 0.0)),
+    busy = [policy.choose(REQUEST, _ledger(profile.link_gbps, prefill=_busy(w)),
                           0.0).why.predicted.prefill_busy_ms for w in (0, 1000, 3000)]
     assert busy == sorted(busy, reverse=True) and busy[-1] < busy[0]
 
@@ -162,7 +187,7 @@ def test_adaptive_picks_the_cheapest_pair_of_workers():
     profile = _tiny7b_profile()
     policy, = make_policies(["bf16:full"], _context(profile))
     est = LinkEstimate(profile.link_gbps)
-    ledger = Ledger((PrefillQueue((5000.0,), 0.0), PrefillQueue()), (DecodeQueue(),),
+    ledger = Ledger((_busy(5000.0), PrefillQueue()), (DecodeQueue(),),
                     (LinkQueue(est), LinkQueue(est)))
     assert policy.choose(REQUEST, ledger, 0.0).prefill_worker == 1
 
@@ -208,7 +233,7 @@ def test_asked_runs_each_request_as_asked_on_the_cheaper_pair():
     profile = _tiny7b_profile()
     slow, fast = served_mode(Action.parse("bf16:full", 28)), served_mode(Action.parse("q8:r=4", 28))
     policy = Asked(_context(profile), {0: slow, 1: fast})
-    busy = PrefillQueue((5000.0,), 0.0)  # prefill worker 0 has 5 s of prompts queued
+    busy = _busy(5000.0)  # prefill worker 0 has 5 s of prompts queued
     ledger = Ledger((busy, IDLE_PREFILL), (IDLE_DECODE,),
                     (LinkQueue(LinkEstimate(0.01)),) * 2, ARRIVALS)
     for request, mode in ((REQUEST, slow), (dataclasses.replace(REQUEST, id=1), fast)):

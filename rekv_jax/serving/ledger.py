@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Sequence
 
 from rekv_jax.planning.queueing import DecodeCosts, Queues
@@ -59,53 +60,82 @@ class Setting(enum.StrEnum):
     STREAMED = "streamed"  # a streamed prompt: its own handoff crosses as it computes
 
 
+def octave(tokens: int) -> int:
+    """A prompt length's octave (182..362 tokens: 8). A price errs by its length as well as by
+    its device's speed: the profile's terms are fitted at a few lengths, each at its own time,
+    so a device is timed apart per octave."""
+    if tokens < 1:
+        raise ValueError(f"a prompt has at least one token, got {tokens}")
+    return round(math.log2(tokens))
+
+
+@dataclasses.dataclass(frozen=True)
+class Timed:
+    """One timed computation of a device: where it ran, its prompt's octave, its price and
+    its measured time (ms)."""
+
+    setting: Setting
+    octave: int
+    priced_ms: float
+    measured_ms: float
+
+
 @dataclasses.dataclass(frozen=True)
 class ComputeEstimate:
     """How long a device takes per ms of the cost model's price for its compute (a prefill
     device's prompts; a decode device's suffixes, priced with their stretch beside the running
-    decodes): the measured time of its latest `window` in a setting over their price, 1 until
-    compute in that setting is timed."""
+    decodes): the measured time of its latest `window` in a setting and octave over their
+    price; the setting's other octaves until its octave is timed; 1 until the setting is."""
 
-    samples: tuple[tuple[Setting, float, float], ...] = ()  # (setting, priced, measured ms)
+    samples: tuple[Timed, ...] = ()  # oldest first
     window: int = WINDOW
 
-    def stretch(self, setting: Setting) -> float:
-        priced = measured = 0.0
-        for s, p, m in self.samples:
-            if s == setting:
-                priced, measured = priced + p, measured + m
-        return measured / priced if priced > 0 else 1.0
+    def stretch(self, setting: Setting, tokens: int | None = None) -> float:
+        """The stretch of a prompt of `tokens` (None: of any length) computing in `setting`."""
+        timed = [t for t in self.samples if t.setting == setting]
+        if tokens is not None:
+            timed = [t for t in timed if t.octave == octave(tokens)] or timed
+        priced = sum(t.priced_ms for t in timed)
+        return sum(t.measured_ms for t in timed) / priced if priced > 0 else 1.0
 
-    def observed(self, priced_ms: float, measured_ms: float, setting: Setting
+    def observed(self, priced_ms: float, measured_ms: float, setting: Setting, tokens: int
                  ) -> ComputeEstimate:
-        """The estimate after compute priced at `priced_ms` took `measured_ms` in `setting`
-        (compute not done, or priced at nothing, tells nothing); the setting keeps its latest
-        `window`."""
+        """The estimate after compute of a `tokens`-token prompt priced at `priced_ms` took
+        `measured_ms` in `setting` (compute not done, or priced at nothing, tells nothing); a
+        setting keeps its latest `window` per octave."""
         if not (priced_ms > 0 and measured_ms > 0):
             return self
-        samples = (*self.samples, (setting, priced_ms, measured_ms))
-        if sum(s == setting for s, _, _ in samples) > self.window:  # drop its oldest
-            oldest = next(i for i, (s, _, _) in enumerate(samples) if s == setting)
-            samples = samples[:oldest] + samples[oldest + 1:]
-        return dataclasses.replace(self, samples=samples)
+        new = Timed(setting, octave(tokens), priced_ms, measured_ms)
+        kin = [i for i, t in enumerate(self.samples)
+               if (t.setting, t.octave) == (new.setting, new.octave)]
+        kept = self.samples if len(kin) < self.window else (
+            self.samples[:kin[0]] + self.samples[kin[0] + 1:])  # drop its oldest
+        return dataclasses.replace(self, samples=(*kept, new))
+
+
+@dataclasses.dataclass(frozen=True)
+class Queued:
+    """A prompt assigned to a prefill worker and not yet computed."""
+
+    busy_ms: float  # its predicted device time
+    priced_ms: float  # its price at the profile's costs
+    streams: bool  # a streamed prefill
+    tokens: int  # its length
 
 
 @dataclasses.dataclass(frozen=True)
 class PrefillQueue:
-    """One prefill worker: the predicted device time of each request assigned and not done, in
-    the order it serves them, their price at the profile's costs and whether each streams, when
-    the first of them started and in which setting, and how the device's compute has lately
-    compared with its price."""
+    """One prefill worker: the prompts assigned and not done, in the order it serves them,
+    when the first of them started and in which setting, and how the device's compute has
+    lately compared with its price."""
 
-    busy_ms: tuple[float, ...] = ()
+    queued: tuple[Queued, ...] = ()
     started_s: float = 0.0
-    priced_ms: tuple[float, ...] = ()
-    streams: tuple[bool, ...] = ()
     setting: Setting = Setting.ALONE
     estimate: ComputeEstimate = ComputeEstimate()
 
     def free_at(self) -> float:
-        return self.started_s + sum(self.busy_ms) / 1e3
+        return self.started_s + sum(q.busy_ms for q in self.queued) / 1e3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,19 +185,19 @@ class Ledger:
         t = self.arrivals_s
         return (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 and t[-1] > t[0] else 0.0
 
-    def queues(self, p: int, d: int, now_s: float) -> Queues:
-        """What a request arriving at `now_s` finds on prefill worker p, decode worker d and
-        their link (ms from now)."""
+    def queues(self, p: int, d: int, now_s: float, tokens: int) -> Queues:
+        """What a request of `tokens` prompt tokens arriving at `now_s` finds on prefill worker
+        p, decode worker d and their link (ms from now)."""
         def wait(at_s: float) -> float:
             return max(0.0, (at_s - now_s) * 1e3)
         queue, decode = self.prefill[p], self.decode[d]
-        setting = (Setting.BESIDE if queue.busy_ms  # beside the handoffs before it
+        setting = (Setting.BESIDE if queue.queued  # beside the handoffs before it
                    else self._prompt_setting(False, now_s))
         return Queues(wait(queue.free_at()), wait(self.link(p, d).free_at_s),
                       wait(decode.free_at_s), decode.running, self.arrival_rate,
-                      queue.estimate.stretch(setting),
-                      decode.estimate.stretch(self._decode_setting()),
-                      queue.estimate.stretch(Setting.STREAMED))
+                      queue.estimate.stretch(setting, tokens),
+                      decode.estimate.stretch(self._decode_setting(), tokens),
+                      queue.estimate.stretch(Setting.STREAMED, tokens))
 
     def decoding(self, now_s: float) -> bool:
         """Whether some decode worker is busy at `now_s` or about to be: requests running or
@@ -176,7 +206,7 @@ class Ledger:
 
     def prefilling(self) -> bool:
         """Whether some prefill worker's device is computing a prompt."""
-        return any(q.busy_ms for q in self.prefill)
+        return any(q.queued for q in self.prefill)
 
     def _prompt_setting(self, streams: bool, now_s: float) -> Setting:
         """Where a prompt starting at `now_s` computes."""
@@ -191,17 +221,17 @@ class Ledger:
         """The ledger once a request has arrived at `now_s`."""
         return dataclasses.replace(self, arrivals_s=(*self.arrivals_s, now_s)[-ARRIVALS:])
 
-    def assigned(self, a: Assignment, now_s: float) -> Ledger:
-        """The ledger once `a`, chosen at `now_s`, holds its resources as predicted."""
+    def assigned(self, a: Assignment, now_s: float, tokens: int) -> Ledger:
+        """The ledger once `a`, for a prompt of `tokens` tokens chosen at `now_s`, holds its
+        resources as predicted."""
         p, d, predicted = a.prefill_worker, a.decode_worker, a.why.predicted
         after, queue = predicted.after, self.prefill[p]
-        if not queue.busy_ms:  # an idle worker starts the prompt now
+        if not queue.queued:  # an idle worker starts the prompt now
             queue = dataclasses.replace(queue, started_s=now_s,
                                         setting=self._prompt_setting(a.mode.streams, now_s))
-        queue = dataclasses.replace(
-            queue, busy_ms=(*queue.busy_ms, predicted.prefill_busy_ms),
-            priced_ms=(*queue.priced_ms, predicted.prefill_busy_ms / predicted.prefill_stretch),
-            streams=(*queue.streams, a.mode.streams))
+        queue = dataclasses.replace(queue, queued=(*queue.queued, Queued(
+            predicted.prefill_busy_ms, predicted.prefill_busy_ms / predicted.prefill_stretch,
+            a.mode.streams, tokens)))
         link = dataclasses.replace(self.link(p, d), free_at_s=now_s + after.link_free_ms / 1e3)
         decode = dataclasses.replace(self.decode[d], free_at_s=now_s + after.decode_free_ms / 1e3)
         return self._with(p, d, queue, link, decode)
@@ -211,13 +241,13 @@ class Ledger:
         `compute_ms` of compute (`Prefilled`: its handoff may still be on the link): the next
         one starts now."""
         queue = self.prefill[worker]
-        if not queue.busy_ms:
+        if not queue.queued:
             return self
-        estimate = queue.estimate.observed(queue.priced_ms[0], compute_ms, queue.setting)
-        streams = queue.streams[1:]
+        done, rest = queue.queued[0], queue.queued[1:]
+        estimate = queue.estimate.observed(done.priced_ms, compute_ms, queue.setting,
+                                           done.tokens)
         return self._with(prefill_worker=worker, prefill=PrefillQueue(
-            queue.busy_ms[1:], now_s, queue.priced_ms[1:], streams,
-            self._prompt_setting(streams[:1] == (True,), now_s), estimate))
+            rest, now_s, self._prompt_setting(bool(rest) and rest[0].streams, now_s), estimate))
 
     def loaded(self, load: Load, now_s: float, costs: DecodeCosts) -> Ledger:
         """A decode worker's report at `now_s`: its suffix work left, stretched by its batch and
@@ -233,18 +263,19 @@ class Ledger:
         return self._with(decode_worker=worker, decode=dataclasses.replace(
             self.decode[worker], held_pages=pages))
 
-    def suffix_done(self, worker: int, a: Assignment, suffix_ms: float, beside: bool) -> Ledger:
-        """Decode worker `worker` ran the suffix of `a`'s handoff in `suffix_ms`, `beside` a
-        prompt's compute or alone. Only a suffix after a full prefill, in one piece, times the
-        device: its phase is its compute, stretched by the decodes beside it (a streamed
-        prefill's suffix waits for the prompt's pieces)."""
+    def suffix_done(self, worker: int, a: Assignment, tokens: int, suffix_ms: float,
+                    beside: bool) -> Ledger:
+        """Decode worker `worker` ran the suffix of `a`'s handoff of `tokens` prompt tokens in
+        `suffix_ms`, `beside` a prompt's compute or alone. Only a suffix after a full prefill,
+        in one piece, times the device: its phase is its compute, stretched by the decodes
+        beside it (a streamed prefill's suffix waits for the prompt's pieces)."""
         if a.mode.streams or a.mode.chunks > 1 or not suffix_ms > 0:
             return self
         p, queue = a.why.predicted, self.decode[worker]
         price = p.decode_busy_ms * p.stretch / p.decode_stretch
         return self._with(decode_worker=worker, decode=dataclasses.replace(
             queue, estimate=queue.estimate.observed(
-                price, suffix_ms, Setting.BESIDE if beside else Setting.ALONE)))
+                price, suffix_ms, Setting.BESIDE if beside else Setting.ALONE, tokens)))
 
     def link_timed(self, p: int, d: int, nbytes: int, ms: float) -> Ledger:
         """A transfer of `nbytes` from prefill worker p to decode worker d took `ms`."""

@@ -135,7 +135,7 @@ class Policy(abc.ABC):
         weighed = []
         for p, d in ledger.pairs() if pairs is None else pairs:
             gbps = ledger.link(p, d).estimate.gbps
-            profile, queues = self.profile(n).at_link(gbps), ledger.queues(p, d, now_s)
+            profile, queues = self.profile(n).at_link(gbps), ledger.queues(p, d, now_s, n)
             weighed += [(served(profile, mode, queues, ctx.decode), i, mode, p, d, gbps)
                         for i, mode in enumerate(self._modes_for(request))]
         weighed.sort(key=lambda w: (w[0].cost_ms, w[1]))  # ties: the earlier mode

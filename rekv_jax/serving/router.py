@@ -149,7 +149,7 @@ class Router:
         held.move(Status.PREFILLING, now_s)
         if self._on_assigned is not None:
             self._on_assigned(a)
-        self._ledger = self._ledger.assigned(a, now_s)
+        self._ledger = self._ledger.assigned(a, now_s, r.prompt_len)
         if self._ahead[d] or self._free[d] < held.pages:
             self._ahead[d].append(held)
         else:
@@ -229,7 +229,8 @@ class Router:
         held = self._open[item.request_id]
         held.admitted, held.finished = False, item
         if held.assignment and item.phases and not (item.error or item.fell_back):
-            self._ledger = self._ledger.suffix_done(decode, held.assignment, item.phases.suffix,
+            self._ledger = self._ledger.suffix_done(decode, held.assignment,
+                                                    held.request.prompt_len, item.phases.suffix,
                                                     held.suffix_beside)
         if held.status == Status.REQUEUING:
             self._requeue(held, now_s)
