@@ -8,10 +8,10 @@ A generated load: `serve` starts the group (`Workers.start`: a `launch.group.Gro
 or a `launch.nodes.NodeGroup` joined from the workers' own nodes; decode members first, each
 running `member.serving_member`) and waits until every member is `Ready`; the decode members'
 timed steps give the router its `DecodeCosts` (`server.ready`). Before each policy serves its
-first stream, a warm-up burst (`WARMUP` requests at once of each prompt length, not recorded)
-compiles its programs and the batched steps it will run; then the router (`router.Router`, one
-per stream and policy, over a fresh ledger) drives the stream. The group is closed whatever
-happens, and a decode member that ends holding pages fails the run.
+first stream, a warm-up burst (`WARMUP` requests at once of each prompt length, then one of each
+alone; not recorded) compiles its programs and the batched steps it will run; then the router
+(`router.Router`, one per stream and policy, over a fresh ledger) drives the stream. The group
+is closed whatever happens, and a decode member that ends holding pages fails the run.
 
 HTTP: a `server.Server` with the OpenAI API in front of its clients, serving until SIGINT,
 SIGTERM or its caller's `stop`, then ending as `shutdown` says.
@@ -112,14 +112,19 @@ def _serve_streams(group: Members, config: ServeConfig, setup: MemberSetup,
 
 def _warm(group: Members, config: ServeConfig, setup: MemberSetup, policy: Policy,
           costs: DecodeCosts, stream: Stream, ids: Iterator[int]) -> None:
-    """`WARMUP` requests of each prompt length of `stream` at once, under `policy`, unrecorded;
-    a warm-up that fails fails the run (a worker that cannot serve would fail every request)."""
+    """`WARMUP` requests of each prompt length of `stream` at once, under `policy`, then one of
+    each alone (an idle system's choice, a streamed prefill's programs, may differ from a
+    loaded one's), unrecorded; a warm-up that fails fails the run (a worker that cannot serve
+    would fail every request)."""
     lengths = sorted({len(r.tokens) for r in stream.requests})
     first = {n: next(r for r in stream.requests if len(r.tokens) == n) for n in lengths}
-    burst = [ServeRequest(next(ids), first[n].tokens, first[n].max_new_tokens)
-             for n in lengths for _ in range(WARMUP)]
-    router = _router(group, config, setup, policy, costs, 0.0)
-    failed = [s for s in drive(group, router, Scheduled(burst)) if not s.completed]
+    bursts = [[ServeRequest(next(ids), first[n].tokens, first[n].max_new_tokens)
+               for n in lengths for _ in range(WARMUP)]]
+    bursts += [[ServeRequest(next(ids), first[n].tokens, first[n].max_new_tokens)]
+               for n in lengths]
+    failed = [s for burst in bursts for s in drive(
+        group, _router(group, config, setup, policy, costs, 0.0), Scheduled(burst))
+        if not s.completed]
     if failed:
         s = failed[0]
         raise RuntimeError(f"{policy.name}'s warm-up failed: "
