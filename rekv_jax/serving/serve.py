@@ -118,10 +118,10 @@ def _warm(group: Members, config: ServeConfig, setup: MemberSetup, policy: Polic
     would fail every request)."""
     lengths = sorted({len(r.tokens) for r in stream.requests})
     first = {n: next(r for r in stream.requests if len(r.tokens) == n) for n in lengths}
-    bursts = [[ServeRequest(next(ids), first[n].tokens, first[n].max_new_tokens)
-               for n in lengths for _ in range(WARMUP)]]
-    bursts += [[ServeRequest(next(ids), first[n].tokens, first[n].max_new_tokens)]
-               for n in lengths]
+
+    def ask(n: int) -> ServeRequest:
+        return ServeRequest(next(ids), first[n].tokens, first[n].max_new_tokens)
+    bursts = [[ask(n) for n in lengths for _ in range(WARMUP)], *([ask(n)] for n in lengths)]
     failed = [s for burst in bursts for s in drive(
         group, _router(group, config, setup, policy, costs, 0.0), Scheduled(burst))
         if not s.completed]
