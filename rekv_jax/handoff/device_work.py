@@ -13,6 +13,8 @@ import jax
 
 from rekv_jax.transport.workers import Worker
 
+JOIN_S = 1.0  # bounds the join of a finished reception's idle threads, which end at once
+
 
 class Lane(enum.StrEnum):
     """A kind of device work: its completions come in dispatch order, so one thread watches it."""
@@ -44,9 +46,12 @@ class Watcher:
             return out
         return self._lanes[lane].submit(_completed, arrays)
 
-    def close(self) -> None:
+    def close(self, finished: bool = False) -> None:
+        """End the threads. `finished`: everything watched has completed, so they end at once and
+        are joined (a finished reception leaves no thread behind); else each ends after what it
+        watches."""
         for worker in self._lanes.values():
-            worker.close()
+            worker.close(wait_s=JOIN_S if finished else 0.0)
 
 
 def _completed(arrays: object) -> float:

@@ -240,7 +240,7 @@ class Reception:
         self._note_watched()
         if self.state == State.JOINING and self._watches["end"][0].done():
             self._move(State.DONE)
-            self._watcher.close()
+            self._watcher.close(finished=True)
         return self.state == State.DONE
 
     def _joinable(self) -> bool:

@@ -44,12 +44,8 @@ class Worker:
     @staticmethod
     def _serve(jobs: queue.SimpleQueue) -> None:
         while (job := jobs.get()) is not None:
-            future, fn, args = job
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args))
-                except BaseException as e:  # handed to whoever waits on the future
-                    future.set_exception(e)
+            _run(*job)
+            del job  # an idle thread holds nothing of its last job (its buffers, its arrays)
 
     def on_thread(self) -> bool:
         """Whether the calling thread is this worker's."""
@@ -67,11 +63,21 @@ class Worker:
         self.close()
         self._start()
 
-    def close(self) -> None:
-        """The thread ends once its queued jobs are done (it is not waited for)."""
+    def close(self, wait_s: float = 0.0) -> None:
+        """The thread ends once its queued jobs are done; it is waited for up to `wait_s`."""
         if self._jobs is not None:
             self._jobs.put(None)
             self._jobs = None
+            if wait_s > 0 and not self.on_thread():
+                self._thread.join(wait_s)
+
+
+def _run(future: concurrent.futures.Future, fn: Callable[..., Any], args: tuple) -> None:
+    if future.set_running_or_notify_cancel():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # handed to whoever waits on the future
+            future.set_exception(e)
 
 
 class Watchdog:
