@@ -84,11 +84,18 @@ def plan(n: int, fault_rate: float, seed: int) -> list[Step]:
     return steps
 
 
-def vitals() -> dict[str, int]:
-    """Resident memory (KiB) and live threads (Python's and the OS's) of this process."""
-    lines = Path("/proc/self/status").read_text().splitlines()
-    status = dict(line.split(":", 1) for line in lines)
-    return {"rss_kib": int(status["VmRSS"].split()[0]), "os_threads": int(status["Threads"]),
+def vitals(reads: int = 10, every_s: float = 0.05) -> dict[str, int]:
+    """Resident memory (KiB) and live threads (Python's and the OS's) of this process. The OS's
+    count is the least of `reads` reads `every_s` apart: a thread that just ended in Python
+    lives on in the OS for a moment, and runtime pools start and retire threads of their own,
+    so one read may count one that is leaving."""
+    os_threads = []
+    for _ in range(reads):
+        lines = Path("/proc/self/status").read_text().splitlines()
+        status = dict(line.split(":", 1) for line in lines)
+        os_threads.append(int(status["Threads"]))
+        time.sleep(every_s)
+    return {"rss_kib": int(status["VmRSS"].split()[0]), "os_threads": min(os_threads),
             "py_threads": threading.active_count()}
 
 
