@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import socket
 import threading
 import time
@@ -138,7 +139,7 @@ def dies_before_control(side) -> tuple[str, float] | None:
     """The prefill side joins the coordinator and dies before it opens the control connection;
     the decode side, listening for it, says when it found out, and how."""
     if side.role == "prefill":  # joined, its backend started (the decode side's waits for it)
-        distributed.initialize(side.coordinator, 1, init_timeout_s=int(WAIT_S), heartbeat_s=2)
+        distributed.initialize(side.coordinator, 1, init_timeout_s=int(WAIT_S))
         import jax
 
         jax.devices()
@@ -157,3 +158,43 @@ def test_a_peer_that_dies_before_the_control_connection_is_seen_within_a_heartbe
     said, seconds = ended["decode-0"].value
     assert "gone (before it opened the control connection)" in said, said
     assert seconds < 2 + 10 < WAIT_S  # its heartbeat's staleness (2 s) plus start-up, not 120 s
+
+
+STALL_S = 12.0  # past the beat's staleness and past what JAX's service once allowed (10 s)
+
+
+def stalled_side(side, folder: str) -> bool | None:
+    """Both sides link, then wait on nothing of the other's while the test stops the decode side
+    (process 0, which hosts the coordination service) for `STALL_S`; then one buffer crosses,
+    and the decode side says whether it arrived intact."""
+    import jax
+
+    link = side.link("transfer-server", timeout=WAIT_S, heartbeat_s=2)
+    Path(folder, f"{side.role}.pid").write_text(str(os.getpid()))
+    _wait_for(Path(folder, "resumed"))
+    if side.role == "prefill":
+        link.send(TAG, [jax.device_put(PAYLOAD)], timeout=WAIT_S)
+        link.wait_ack(TAG, timeout=WAIT_S)
+        link.close(WAIT_S)
+        return None
+    (got,) = link.recv(TAG, [jax.ShapeDtypeStruct(PAYLOAD.shape, PAYLOAD.dtype)],
+                       timeout=WAIT_S).result(WAIT_S)
+    link.close(WAIT_S)
+    return bool(np.array_equal(np.asarray(got), PAYLOAD))
+
+
+def test_a_side_stalled_past_a_heartbeat_is_not_taken_for_dead(tmp_path):
+    """A paused VM or a starved core stalls a live process: once it resumes, neither side takes
+    the other for dead, no JAX client aborts its process, and the run completes intact."""
+    with Job.pair(stalled_side, (str(tmp_path),), {r: dict(os.environ) for r in ROLES},
+                  key=JobKey.new(), coordinator=loopback(), grace=WAIT_S) as pair:
+        for role in ROLES:
+            _wait_for(tmp_path / f"{role}.pid")
+        decode = int((tmp_path / "decode.pid").read_text())
+        os.kill(decode, signal.SIGSTOP)
+        try:
+            time.sleep(STALL_S)
+        finally:
+            os.kill(decode, signal.SIGCONT)
+        (tmp_path / "resumed").touch()
+        assert pair.close(timeout=2 * WAIT_S) is True

@@ -70,8 +70,7 @@ def connect(kind: str, role: Role, coordinator: str | None = None,
     if not jax.distributed.is_initialized():
         if coordinator is not None and process_id is None:
             process_id = distributed.DEFAULT_PROCESS_ID[role]
-        distributed.initialize(coordinator, process_id, init_timeout_s=int(timeout),
-                               heartbeat_s=heartbeat_s)
+        distributed.initialize(coordinator, process_id, init_timeout_s=int(timeout))
     cores.start_device(os.environ)  # on a pinned CPU side, its host threads leave its cores
     distributed.check_processes(2)
     channel = distributed.PeerChannel(key, heartbeat_s, timeout)
@@ -110,7 +109,7 @@ def connect_peers(kind: str, role: Role, coordinator: str | None, process_id: in
                          f"({why}); use --transport {TransferServerTransport.kind}")
     if not jax.distributed.is_initialized():
         distributed.initialize(coordinator, process_id, init_timeout_s=int(timeout),
-                               heartbeat_s=heartbeat_s, num_processes=num_processes)
+                               num_processes=num_processes)
     cores.start_device(os.environ)
     distributed.check_processes(num_processes)
     links: dict[str, Transport] = {}

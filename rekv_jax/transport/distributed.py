@@ -19,12 +19,13 @@ after waiting (bounded) until every other one disconnected.
 
 JAX's client aborts its process (a C++ fatal error and stack) on any error it detects: a
 coordinator that never answers, or one that went away. `initialize` hands the client an error
-callback instead (`jax_private.client_errors_recorded`), which records the error: connecting then
-fails with a TransportError, and a peer lost later is reported by `PeerChannel` like any other
-dead peer. A prefill side first waits (bounded) for the coordinator's port to open, so an
-unreachable coordinator is a one-line error. What the coordinator's store holds is public: each
-control connection's address and each process's heartbeat; the job's key never enters it
-(`control`).
+callback instead (`jax_private.client_errors_recorded`), which records the error, so that
+connecting fails with a TransportError. Once connected, an error still aborts (see
+`SERVICE_HEARTBEAT_S`), so the service is never asked to judge liveness: a peer lost later is
+reported by `PeerChannel` like any other dead peer. A prefill side first waits (bounded) for
+the coordinator's port to open, so an unreachable coordinator is a one-line error. What the
+coordinator's store holds is public: each control connection's address and each process's
+heartbeat; the job's key never enters it (`control`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,16 @@ from rekv_jax.transport.workers import LIVENESS_S
 DEFAULT_PROCESS_ID: dict[Role, int] = {"decode": 0, "prefill": 1}
 _PREFIX = "rekv/"
 
+
+# How long JAX's coordination service waits for a process's heartbeat before it declares the
+# process dead, and the time a leaving client waits for the service. Once connected, a JAX client
+# aborts its process on any error the service reports (jaxlib 0.10 cannot hand the error to the
+# Python callback: the call throws std::bad_cast), and a process the service declared dead gets
+# one: a live process stalled that long (a paused VM, a starved core) would be killed, and with
+# process 0 both would. So the service's timeout is JAX's own default, far above any stall;
+# whether a peer is alive is this module's to judge (`PeerChannel`: its beat, its connection).
+SERVICE_HEARTBEAT_S = 100
+SERVICE_SHUTDOWN_S = 10
 
 _client_error: list[str] = []  # what JAX's client reported (set from its own threads)
 
@@ -73,11 +84,11 @@ def wait_for_port(address: str, timeout: float) -> None:
 
 
 def initialize(coordinator: str | None, process_id: int | None, *, init_timeout_s: int = 60,
-               heartbeat_s: int = 10, num_processes: int = 2) -> None:
+               num_processes: int = 2) -> None:
     """`jax.distributed.initialize` for `num_processes` processes (a pair: two), with gloo CPU
     collectives and recoverability on. `coordinator=None` lets JAX detect the cluster (SLURM,
     Open MPI, ...). TransportError (not an abort) if a peer or the coordinator is not there in
-    time."""
+    time. The service's heartbeat timeout is `SERVICE_HEARTBEAT_S`."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_enable_recoverability", True)
     start = time.monotonic()
@@ -92,8 +103,9 @@ def initialize(coordinator: str | None, process_id: int | None, *, init_timeout_
         with jax_private.client_errors_recorded(_record_client_error):
             jax.distributed.initialize(
                 coordinator, num_processes if coordinator else None, process_id,
-                initialization_timeout=init_timeout_s, heartbeat_timeout_seconds=heartbeat_s,
-                shutdown_timeout_seconds=heartbeat_s, coordinator_bind_address=bind,
+                initialization_timeout=init_timeout_s,
+                heartbeat_timeout_seconds=SERVICE_HEARTBEAT_S,
+                shutdown_timeout_seconds=SERVICE_SHUTDOWN_S, coordinator_bind_address=bind,
             )
     except RuntimeError as e:  # JaxRuntimeError, or the callback's own error while connecting
         if not isinstance(e, jax.errors.JaxRuntimeError) and "bad_cast" not in str(e):
@@ -169,6 +181,7 @@ def _beat(client: object, process_id: int, interval: float, stop: threading.Even
 
 
 _beat_of_process = _Beat()
+_gone: set[int] = set()  # the processes a channel of this process found gone
 
 
 class PeerChannel:
@@ -202,7 +215,7 @@ class PeerChannel:
         self._purpose = control.PURPOSE + (pair and f" {pair}")
         self._stale_s = stale_s
         self._peer_beat: str | None = None
-        self._peer_beat_at = time.monotonic()
+        self._peer_beat_at = self._looked_at = time.monotonic()
         _beat_of_process.join(self._client, self.process_id, stale_s / 5)
         self._board = control.Board()
         try:
@@ -265,6 +278,13 @@ class PeerChannel:
                 raise TransportTimeout(f"nothing under {key!r} within {timeout:g}s")
 
     def peer_alive(self) -> bool:
+        """Whether the peer lives (once gone, it is gone for good: `wait_others_left`)."""
+        alive = self._peer_alive()
+        if not alive:
+            _gone.add(self.peer_id)
+        return alive
+
+    def _peer_alive(self) -> bool:
         if _client_error or not self._board.peer_alive():  # the service or the connection
             return False  # told us the peer is gone
         try:
@@ -272,8 +292,12 @@ class PeerChannel:
         except jax.errors.JaxRuntimeError:  # not beating yet, or the service is gone
             beat = None
         now = time.monotonic()
-        if beat != self._peer_beat:
+        # a beat unchanged since this process last looked `stale_s` or more ago says nothing of
+        # the peer: this process was not looking (idle, or itself stalled: a paused VM pauses
+        # both); the peer's silence is timed from this look
+        if beat != self._peer_beat or now - self._looked_at >= self._stale_s:
             self._peer_beat, self._peer_beat_at = beat, now
+        self._looked_at = now
         return now - self._peer_beat_at < self._stale_s
 
     def stop(self) -> bool:
@@ -284,11 +308,12 @@ class PeerChannel:
 
 
 def wait_others_left(timeout: float) -> None:
-    """Process 0: return once every other process has shut its JAX client down (or died), or
-    after `timeout`. `get_live_nodes` blocks until then; a daemon thread keeps the wait
-    bounded."""
+    """Process 0: return once every other process not known to be gone has shut its JAX client
+    down, or after `timeout`. `get_live_nodes` blocks until then; a daemon thread keeps the wait
+    bounded. A process found gone (`PeerChannel.peer_alive`) is not waited for: the service
+    would count it live until its heartbeat timeout (`SERVICE_HEARTBEAT_S`)."""
     client = jax_private.distributed_state().client
-    everyone = list(range(jax.process_count()))
+    everyone = [p for p in range(jax.process_count()) if p not in _gone]
 
     def wait() -> None:
         with contextlib.suppress(jax.errors.JaxRuntimeError):
@@ -308,8 +333,8 @@ def shutdown(channel: PeerChannel, timeout: float) -> None:
     try:
         channel.put(f"close/{channel.process_id}", "1")
         channel.get(f"close/{channel.peer_id}", max(0.0, deadline - time.monotonic()))
-    except TransportError:
-        pass  # the peer is gone or stuck: leave anyway
+    except TransportError:  # the peer is gone or stuck: leave anyway
+        channel.peer_alive()  # (a gone one is not waited for: `wait_others_left`)
     if not channel.stop():
         return
     if channel.process_id == 0:
