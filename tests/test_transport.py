@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +28,11 @@ from rekv_jax.transport import (
     TransportTimeout,
     checksums,
     connect,
+    distributed,
 )
 from rekv_jax.transport.checksums import _checksums_and_word, _host_checksums
+from rekv_jax.transport.control import Board
+from rekv_jax.transport.workers import LIVENESS_S
 
 REAL_KINDS = ["transfer-server", "collective"]
 
@@ -297,3 +301,43 @@ def test_launched_processes_are_killed_past_their_timeout():
     with pytest.raises(TimeoutError, match=r"^napping: still running after 3 s \(killed\)$"):
         run_child(time.sleep, 600, env=os.environ, what="napping", timeout=3)
     assert _children() <= before  # nothing stays behind
+
+
+class _Beats:
+    """A store whose only key is the peer's beat, as the test sets it."""
+
+    def __init__(self) -> None:
+        self.beat = "1"
+
+    def key_value_try_get(self, key: str) -> str:
+        return self.beat
+
+
+def test_a_peer_is_gone_only_after_a_silence_this_process_watched(monkeypatch):
+    """A beat unchanged for `stale_s` while this process looks (every `LIVENESS_S`, as its waits
+    do) is a gone peer, and recorded; a beat unchanged across a stretch in which this process
+    did not look (it was idle, or itself stalled) is timed from the next look."""
+    clock = [0.0]
+    monkeypatch.setattr(distributed, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(distributed, "_gone", set())
+    channel = object.__new__(distributed.PeerChannel)
+    channel._board, channel._client, channel._stale_s, channel.peer_id = Board(), _Beats(), 2.0, 7
+    channel._peer_beat, channel._peer_beat_at = "1", 0.0  # seen at 0 s, unchanged since
+    channel._looked_at = 0.0
+
+    clock[0] = 30.0  # this process did not look for 30 s: the silence is timed from now
+    assert channel.peer_alive()
+    looks = []
+    while channel.peer_alive():
+        clock[0] += LIVENESS_S
+        looks.append(clock[0])
+    assert looks[-1] - 30.0 == pytest.approx(2.0)  # gone after `stale_s` of watched silence
+    assert distributed._gone == {7}
+
+    distributed._gone.clear()
+    channel._board, channel._client.beat = Board(), "2"
+    for _ in range(20):  # a beat that changes between looks: alive however long
+        clock[0] += LIVENESS_S
+        channel._client.beat = str(int(channel._client.beat) + 1)
+        assert channel.peer_alive()
+    assert not distributed._gone

@@ -278,7 +278,8 @@ class PeerChannel:
                 raise TransportTimeout(f"nothing under {key!r} within {timeout:g}s")
 
     def peer_alive(self) -> bool:
-        """Whether the peer lives (once gone, it is gone for good: `wait_others_left`)."""
+        """Whether the peer lives; one found gone is recorded (`wait_others_left` does not wait
+        for it)."""
         alive = self._peer_alive()
         if not alive:
             _gone.add(self.peer_id)
