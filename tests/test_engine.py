@@ -318,7 +318,8 @@ def test_the_engine_refuses_what_could_never_fit_and_stops_on_what_does_not_fit_
     inbox.put(big_admit)
     inbox.close()
     engine.serve(inbox, out.append)
-    (f,) = out
+    (f,) = [item for item in out if isinstance(item, Finished)]
+    assert [item.free_pages for item in out if isinstance(item, Load)] == [11]  # nothing taken
     assert f.error == ("ValueError: a request of 496 positions needs 31 pages; the pool holds "
                        "11 of 16")
     done = PrefillWorker(cfg, params, [prefill_end], timeout=60).prefill(big_prefill)

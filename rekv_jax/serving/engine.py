@@ -211,10 +211,14 @@ class DecodeEngine:
         items += self._retire()
         if not self.busy and self._handoffs:
             self._wait()
-        if self._changed:
-            items.append(self.load())
-            self._changed = False
-        return items
+        return items + self._changes()
+
+    def _changes(self) -> list[Load]:
+        """A `Load`, if anything changed since the last one."""
+        if not self._changed:
+            return []
+        self._changed = False
+        return [self.load()]
 
     def _wait(self) -> None:
         """Sleep until a reception can move, at most `idle_wait_s`."""
@@ -278,9 +282,9 @@ class DecodeEngine:
             for request in requests.take(None if self.idle else 0.0):
                 for item in self._take(request):
                     emit(item)
-            if not self.idle:
-                for item in self.step():
-                    emit(item)
+            # an abort that left it idle changed its load too: told before it blocks on `take`
+            for item in self.step() if not self.idle else self._changes():
+                emit(item)
 
     def run(self, member: Member) -> None:
         """Serve the `Admit`s the router hands this group member."""
