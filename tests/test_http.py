@@ -13,10 +13,9 @@ import openai
 import pytest
 
 from rekv_jax.model.loader import SHIPPED_MODEL, chat_template_of, load_tokenizer
-from rekv_jax.serving import http
-from rekv_jax.serving.openai_answer import Ended
+from rekv_jax.serving import http, serve_config
 from rekv_jax.serving.openai_request import ModelInfo
-from rekv_jax.serving.requests import Token
+from rekv_jax.serving.requests import Ended, Token
 from rekv_jax.serving.sampling import Sampling, Stops
 
 TOKENIZER = load_tokenizer(SHIPPED_MODEL)
@@ -504,7 +503,7 @@ def test_a_model_without_a_tokenizer_takes_ids_and_answers_ids():
     ("0.0.0.0", "k", True)])
 def test_binding_beyond_loopback_needs_a_key(host, key, ok):
     if ok:
-        http.check_bind(host, key)
+        serve_config.check_bind(host, key)
     else:
         with pytest.raises(ValueError, match="needs --api-key"):
-            http.check_bind(host, key)
+            serve_config.check_bind(host, key)

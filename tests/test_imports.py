@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOP = ""  # rekv_jax/*.py: the shared vocabulary
@@ -241,3 +243,24 @@ def test_the_checks_find_planted_command_lines_and_private_imports(tmp_path):
         (tmp_path / name).write_text(text)
     assert cli_command_lines(tmp_path) == ["rekv_jax.study.sweep:1", "rekv_jax.transport.job:3"]
     assert private_jax_users(tmp_path) == [PRIVATE_DOOR, "tests/test_x.py"]
+
+
+HTTP_STACK = ("fastapi", "pydantic", "starlette", "uvicorn")
+HTTP_FRONT_END = {"rekv_jax.serving.http", "rekv_jax.serving.openai_request",
+                  "rekv_jax.serving.openai_answer"}
+
+
+def test_only_the_http_front_end_needs_the_http_stack():
+    """A GPU image may hold JAX and not FastAPI: every module but the OpenAI front end (the
+    doctor, a generated load and the Python API included) imports with the HTTP stack absent,
+    and the front end, importing it, fails there (so the block is real)."""
+    names = sorted(n for n in set(modules(ROOT)) - HTTP_FRONT_END if not n.endswith("__main__"))
+    code = ("import importlib, sys\n"
+            f"for m in {HTTP_STACK!r}:\n    sys.modules[m] = None\n"
+            f"for n in {names!r}:\n    importlib.import_module(n)\n"
+            "try:\n    importlib.import_module('rekv_jax.serving.http')\n"
+            "except ImportError:\n    print('front end refused')\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == "front end refused"

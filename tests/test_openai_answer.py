@@ -6,9 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rekv_jax.model.loader import SHIPPED_MODEL, load_tokenizer
-from rekv_jax.serving.openai_answer import Detokenizer, Ended, Reply
+from rekv_jax.serving.openai_answer import Detokenizer, Reply
 from rekv_jax.serving.openai_request import ModelInfo
-from rekv_jax.serving.requests import ServeRequest, Token
+from rekv_jax.serving.requests import Ended, ServeRequest, Token
 from rekv_jax.serving.sampling import Stops
 
 TOKENIZER = load_tokenizer(SHIPPED_MODEL)

@@ -18,10 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from rekv_jax.launch.group import Emitted
 from rekv_jax.model.loader import SHIPPED_MODEL, load_model
 from rekv_jax.model.transformer import greedy_decode, prefill
-from rekv_jax.serving.http import build_app, running
+from rekv_jax.serving.http import build_app, http_model, running
 from rekv_jax.serving.requests import Finished, Load, PrefillDone, Token
 from rekv_jax.serving.router import PREFILL_AHEAD
-from rekv_jax.serving.serve_config import ServeConfig, Workers, http_model, member_setup
+from rekv_jax.serving.serve_config import ServeConfig, Workers, member_setup
 from rekv_jax.serving.server import Server
 
 SPEC = str(SHIPPED_MODEL)

@@ -11,8 +11,7 @@ import pytest
 
 from rekv_jax.launch.group import Emitted
 from rekv_jax.serving.metrics import Served
-from rekv_jax.serving.openai_answer import Ended
-from rekv_jax.serving.requests import Finished, ServeRequest, Token
+from rekv_jax.serving.requests import Ended, Finished, ServeRequest, Token
 from rekv_jax.serving.serve_config import ServeConfig, Stream, Workers
 from rekv_jax.serving.server import Clients, Server
 

@@ -7,7 +7,7 @@ streamed as server-sent events (`openai_request` says which fields each honours,
 refuses; `openai_answer` how each is answered), `GET /v1/models`, `GET /metrics` (Prometheus
 text, `prometheus.ServingMetrics`) and `GET /health` (no key needed: a liveness probe). With an
 API key every `/v1` route and `/metrics` want `Authorization: Bearer KEY` (401 otherwise); a
-bind beyond loopback needs one (`check_bind`).
+bind beyond loopback needs one (`serve_config.check_bind`).
 
 Every bad request gets a 4xx with an OpenAI-style error body and the server keeps serving: a body
 that is not JSON or not a request of its route (400), a parameter this server cannot honour
@@ -23,7 +23,6 @@ The backend is anything with `submit(ServeRequest)` yielding the request's `Toke
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import itertools
 import secrets
 import threading
@@ -35,7 +34,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 
-from rekv_jax.serving.openai_answer import Answer, Ended, Reply, pieces
+from rekv_jax.model.loader import chat_template_of, tokenizer_of
+from rekv_jax.serving.openai_answer import Answer, Reply, pieces
 from rekv_jax.serving.openai_request import (
     ApiError,
     Body,
@@ -47,7 +47,8 @@ from rekv_jax.serving.openai_request import (
     request_of,
 )
 from rekv_jax.serving.prometheus import ServingMetrics
-from rekv_jax.serving.requests import ServeRequest, Token
+from rekv_jax.serving.requests import Ended, ServeRequest, Token
+from rekv_jax.serving.serve_config import http_context
 
 LOOPBACK = "127.0.0.1"
 GUARDED = ("/v1", "/metrics")  # the paths an API key guards
@@ -62,16 +63,22 @@ class Backend(Protocol):
         ...
 
 
-def check_bind(host: str, api_key: str | None) -> None:
-    """ValueError unless `host` is loopback or an API key guards the server."""
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name other than localhost
-        loopback = False
-    if not loopback and not api_key:
-        raise ValueError(f"--http {host}: serving beyond loopback needs --api-key-file PATH "
-                         "(or $REKV_API_KEY, or --api-key; clients then send Authorization: "
-                         "Bearer KEY)")
+def http_model(spec: str) -> ModelInfo:
+    """What the OpenAI API serves of model `spec`: its context, tokenizer and chat template."""
+    return ModelInfo(spec, http_context(spec), tokenizer_of(spec), chat_template_of(spec))
+
+
+class Closing:
+    """The front end's backend: `backend`, refusing every request once `stop` is set, so none
+    is taken after the router's loop has ended."""
+
+    def __init__(self, backend: Backend, stop: threading.Event) -> None:
+        self._backend, self._stop = backend, stop
+
+    def submit(self, request: ServeRequest) -> AsyncGenerator[Token | Ended, None]:
+        if self._stop.is_set():
+            raise ApiError(503, "the server is stopping", kind="server_error")
+        return self._backend.submit(request)
 
 
 def build_app(backend: Backend, model: ModelInfo, api_key: str | None = None,

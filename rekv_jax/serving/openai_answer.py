@@ -25,22 +25,9 @@ from tokenizers import Tokenizer
 
 from rekv_jax.serving.ends import first_stop
 from rekv_jax.serving.openai_request import ApiError, Body, ChatBody, ModelInfo, StreamOptions
-from rekv_jax.serving.requests import FINISH_REASONS, ServeRequest, Token
+from rekv_jax.serving.requests import Ended, ServeRequest, Token
 
 LOGPROB_FLOOR = -9999.0  # a log probability of -inf is written as this (JSON has no infinity)
-
-
-@dataclasses.dataclass(frozen=True)
-class Ended:
-    """How a backend's request ended, after its last `Token`."""
-
-    finish_reason: str  # `FINISH_REASONS`
-    stop: str | int | None = None  # the stop string or token id that ended it ("stop")
-
-    def __post_init__(self) -> None:
-        if self.finish_reason not in FINISH_REASONS:
-            raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got "
-                             f"{self.finish_reason!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,8 @@ Router -> prefill worker: `Prefill`. Router -> decode worker: `Admit`. Router ->
 `PrefillDone` (its handoff's verdicts came). Decode worker -> router: `Token` (each generated
 token as it is known), `Finished` (once per request) and `Load` (its state, after an iteration
 that changed it). Every worker -> router, once, when it can serve: `Ready`. The router's own:
-`ServeRequest` (what arrives), `Assignment` (what its policy chose, and `Why`).
+`ServeRequest` (what arrives), `Assignment` (what its policy chose, and `Why`). What a
+front end hears of a request: its `Token`s, then `Ended`.
 
 Ids are the router's, unique in a run; a handoff's transport tags carry the id (`tag`). Times a
 worker stamps are `time.monotonic()` seconds of its own clock (the router measures latency on
@@ -191,6 +192,19 @@ class Token:
     t_s: float  # time.monotonic() on the decode worker
     logprob: float | None = None  # its log probability under the model (`Sampling.logprobs`)
     top_logprobs: tuple[tuple[int, float], ...] = ()  # the likeliest (id, log probability)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ended:
+    """How a backend's request ended, after its last `Token`."""
+
+    finish_reason: str  # `FINISH_REASONS`
+    stop: str | int | None = None  # the stop string or token id that ended it ("stop")
+
+    def __post_init__(self) -> None:
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got "
+                             f"{self.finish_reason!r}")
 
 
 @dataclasses.dataclass(frozen=True)

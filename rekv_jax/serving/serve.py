@@ -27,13 +27,12 @@ from collections.abc import Callable, Iterator, Sequence
 
 from rekv_jax.launch.group import Event
 from rekv_jax.planning.queueing import DecodeCosts
-from rekv_jax.serving.http import build_app, running
 from rekv_jax.serving.member import MemberSetup, serving_member
 from rekv_jax.serving.metrics import Capacity, Served, ServeSummary, capacities, summarize
 from rekv_jax.serving.policy import Policy
 from rekv_jax.serving.requests import ServeRequest
 from rekv_jax.serving.router import Router, Scheduled, drive
-from rekv_jax.serving.serve_config import Members, ServeConfig, Stream, http_model, member_setup
+from rekv_jax.serving.serve_config import Members, ServeConfig, Stream, member_setup
 from rekv_jax.serving.server import (
     Server,
     close_group,
@@ -41,7 +40,7 @@ from rekv_jax.serving.server import (
     make_router,
     ready,
 )
-from rekv_jax.serving.shutdown import GRACE_S, Closing, Grace, stopped_by_signals
+from rekv_jax.serving.shutdown import GRACE_S, Grace, stopped_by_signals
 
 WARMUP = 8  # requests of each prompt length in a policy's warm-up burst
 
@@ -140,6 +139,10 @@ def _serve_http(config: ServeConfig, stop: threading.Event) -> None:
     the group closed within `CLOSE_S` (killed after an abort: its decode members would run the
     aborted requests to their ends). With `config.json`, stdout holds a record of the server,
     then each request's record as it ends (before its client hears of the end)."""
+    # the HTTP layer (FastAPI, pydantic, uvicorn) loads only here: a generated load, the Python
+    # API and the doctor run on a machine that holds the compute stack alone
+    from rekv_jax.serving.http import Closing, build_app, http_model, running
+
     def served(s: Served) -> None:
         if config.json:
             _emit(s.to_json(config.slo))

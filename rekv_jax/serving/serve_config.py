@@ -7,6 +7,7 @@ generated load (`Stream`s), the OpenAI API (`HttpBind`), or, with neither, the P
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 from collections.abc import Callable
 
@@ -17,10 +18,8 @@ from rekv_jax.launch.group import Group
 from rekv_jax.launch.nodes import NodeGroup, Rendezvous
 from rekv_jax.model.loader import load_config
 from rekv_jax.planning.costmodel import Profile
-from rekv_jax.serving.http import check_bind
 from rekv_jax.serving.member import TIMEOUT_S, MemberSetup
 from rekv_jax.serving.metrics import Slo
-from rekv_jax.serving.openai_request import ModelInfo
 from rekv_jax.serving.pages import PoolConfig
 from rekv_jax.serving.requests import ServeRequest
 from rekv_jax.transport import JobKey
@@ -30,24 +29,29 @@ POOL_REQUESTS = 16  # a decode worker's pool holds this many of the run's longes
 HTTP_CONTEXT = 2048  # the most positions (prompt and tokens) a client's request may take
 
 
-def http_context(model: str) -> int:
-    """The positions a client's request may take: the model's, at most `HTTP_CONTEXT`."""
-    return min(load_config(model).max_position_embeddings, HTTP_CONTEXT)
-
-
-def http_model(spec: str) -> ModelInfo:
-    """What the OpenAI API serves of model `spec`: its context, tokenizer and chat template."""
-    from rekv_jax.model.loader import chat_template_of, tokenizer_of
-
-    return ModelInfo(spec, http_context(spec), tokenizer_of(spec), chat_template_of(spec))
-
-
 @dataclasses.dataclass(frozen=True)
 class Stream:
     """The requests of one arrival rate (`load_gen.generate`)."""
 
     rate: float  # requests per second
     requests: tuple[ServeRequest, ...]
+
+
+def http_context(model: str) -> int:
+    """The positions a client's request may take: the model's, at most `HTTP_CONTEXT`."""
+    return min(load_config(model).max_position_embeddings, HTTP_CONTEXT)
+
+
+def check_bind(host: str, api_key: str | None) -> None:
+    """ValueError unless `host` is loopback or an API key guards the server."""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost
+        loopback = False
+    if not loopback and not api_key:
+        raise ValueError(f"--http {host}: serving beyond loopback needs --api-key-file PATH "
+                         "(or $REKV_API_KEY, or --api-key; clients then send Authorization: "
+                         "Bearer KEY)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,10 +40,9 @@ from rekv_jax.planning.queueing import DecodeCosts
 from rekv_jax.serving.ledger import Ledger
 from rekv_jax.serving.member import MemberSetup, serving_member
 from rekv_jax.serving.metrics import Served
-from rekv_jax.serving.openai_answer import Ended
 from rekv_jax.serving.policy import Context, Policy, make_policies
 from rekv_jax.serving.prometheus import ServingMetrics
-from rekv_jax.serving.requests import Assignment, Ready, ServeRequest, Token
+from rekv_jax.serving.requests import Assignment, Ended, Ready, ServeRequest, Token
 from rekv_jax.serving.router import Router, drive
 from rekv_jax.serving.sampling import Sampling, Stops
 from rekv_jax.serving.serve_config import Members, ServeConfig, member_setup

@@ -1,5 +1,5 @@
 """How `rekv serve --http` stops: SIGINT or SIGTERM (`stopped_by_signals`), or its caller's
-`stop` event, sets `stop`; from then on the front end refuses every request (`Closing`, a 503),
+`stop` event, sets `stop`; from then on the front end refuses every request (`http.Closing`, a 503),
 the requests in flight have `GRACE_S` to end before the router's loop fails them as `ABORTED`
 (`Grace`), and the workers have `CLOSE_S` to close before they are killed. A stop thus ends the
 server within `GRACE_S + CLOSE_S` and a few seconds more for the HTTP server and the process.
@@ -12,28 +12,11 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import AsyncGenerator, Iterator
-
-from rekv_jax.serving.http import ApiError, Backend
-from rekv_jax.serving.openai_answer import Ended
-from rekv_jax.serving.requests import ServeRequest, Token
+from collections.abc import Iterator
 
 ABORTED = "aborted by shutdown"  # the error of a request the stop ended
 GRACE_S = 3.0  # after a stop, the requests in flight have this long to end
 CLOSE_S = 5.0  # then the workers have this long to close
-
-
-class Closing:
-    """The front end's backend: `backend`, refusing every request once `stop` is set, so none
-    is taken after the router's loop has ended."""
-
-    def __init__(self, backend: Backend, stop: threading.Event) -> None:
-        self._backend, self._stop = backend, stop
-
-    def submit(self, request: ServeRequest) -> AsyncGenerator[Token | Ended, None]:
-        if self._stop.is_set():
-            raise ApiError(503, "the server is stopping", kind="server_error")
-        return self._backend.submit(request)
 
 
 class Grace:
