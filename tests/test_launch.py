@@ -433,6 +433,25 @@ def test_a_side_that_died_when_its_coordinator_went_away_says_so():
     assert str(said.failure()) == "link calibration: no such model"
 
 
+def _abort_saying(words: str) -> None:
+    print(words, file=sys.stderr, flush=True)
+    os.abort()
+
+
+def test_a_crashed_process_is_named_with_its_last_words_and_its_output_kept():
+    with pytest.raises(TransportError) as told:
+        run_child(_abort_saying, "F0101 x.cc:1] Check failed: ok", env=os.environ,
+                  what="the crasher", timeout=120)
+    line = str(told.value)
+    assert line.startswith("the crasher was killed by SIGABRT; its last words: F0101 x.cc:1] "
+                           "Check failed: ok / Fatal Python error: Aborted (its output: ")
+    kept = line.rsplit("(its output: ", 1)[1].rstrip(")")
+    assert "Check failed: ok" in open(kept).read()  # the whole output, faulthandler's stack too
+    os.remove(kept)
+    killed = Ended("decode-0", -signal.SIGKILL, log="ran")  # a kill is no crash: nothing kept
+    assert str(killed.failure()) == "decode-0 was killed by SIGKILL; its last words: ran"
+
+
 def test_a_fresh_process_returns_objects_and_its_errors_in_one_line():
     assert run_child(sorted, [3, 1, 2], env=os.environ, what="sorting", timeout=120) == [1, 2, 3]
     with pytest.raises(ValueError, match=r"^sorting: invalid literal"):

@@ -12,6 +12,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
+import faulthandler
 import os
 import pickle
 import sys
@@ -242,6 +243,7 @@ def enter(parent: Connection, log: str, payload: bytes,
     where `handed` is `(make, fields)` (a `Member`), and sends the parent what it
     returned or raised."""
     _output_to(log)
+    faulthandler.enable()  # a fatal signal writes every thread's Python stack into `log`
     die_with_parent()
     try:
         job, args = pickle.loads(payload)

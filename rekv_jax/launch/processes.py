@@ -9,6 +9,8 @@ import dataclasses
 import multiprocessing
 import os
 import pickle
+import signal
+import tempfile
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -35,6 +37,7 @@ class Ended:
     error: BaseException | None = None  # what its job raised
     traceback: str = ""  # of `error`
     log: str = ""  # its output (native libraries' included)
+    kept_log: str = ""  # where a copy of `log` outlives the run (a crash's; "" for none)
     own_words: bool = False  # its errors stand as they are (a job's answering member)
 
     @property
@@ -47,13 +50,40 @@ class Ended:
             if any(sign in self.log for sign in SERVICE_GONE):
                 return TransportError(f"{self.name} stopped: the decode side went away (its "
                                       "coordination service stopped answering)")
-            return TransportError(f"{self.name} {exit_text(self.exitcode)}")
+            last = last_words(self.log)
+            return TransportError(f"{self.name} {exit_text(self.exitcode)}"
+                                  + (f"; its last words: {last}" if last else "")
+                                  + (f" (its output: {self.kept_log})" if self.kept_log else ""))
         told = describe(self.error)
         if told is None:
             return RuntimeError(f"{self.name} failed:\n{self.traceback}")
         if self.own_words:
             return self.error
         return (ValueError if told.status == 2 else TransportError)(f"{self.name}: {told.line}")
+
+
+FAULT_SIGNS = ("fatal", "error", "terminate", "check failed", "what()")
+CRASHES = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL}
+
+
+def last_words(log: str, most: int = 300) -> str:
+    """What a process killed by a signal said last of its fault: its output's last two lines
+    that name one (`FAULT_SIGNS`: a native library's abort message, faulthandler's heading), else
+    its last non-blank line; at most `most` characters."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    faults = [line for line in lines if any(s in line.lower() for s in FAULT_SIGNS)
+              and not line.startswith('File "')]  # a stack's frames name files, not faults
+    return " / ".join(faults[-2:] or lines[-1:])[:most]
+
+
+def keep_crash_log(name: str, exitcode: int | None, log: str) -> str:
+    """The path of a copy of the output of `name` if a crash (`CRASHES`) ended it, else ""."""
+    if exitcode is None or -exitcode not in CRASHES or not log:
+        return ""
+    fd, path = tempfile.mkstemp(prefix=f"rekv-{name.replace(' ', '-')}-", suffix=".log")
+    with os.fdopen(fd, "w") as f:
+        f.write(log)
+    return path
 
 
 class Child:
@@ -106,8 +136,9 @@ class Child:
         kind, said = self._said or (None, None)
         error, text = said if kind == child.RAISED else (None, "")
         log = self._log.read_text(errors="replace") if self._log.exists() else ""
-        self.ended = Ended(self.name, self._process.exitcode, said if kind == child.VALUE
-                           else None, error, text, log)
+        exitcode = self._process.exitcode
+        self.ended = Ended(self.name, exitcode, said if kind == child.VALUE else None, error,
+                           text, log, keep_crash_log(self.name, exitcode, log))
         self.conn.close()
         return self.ended
 
