@@ -177,7 +177,8 @@ def test_requests_admitted_together_share_decode_steps():
     """Four requests admitted at once, their prefill sides done before the engine's first
     iteration (which dispatches all of their suffix work): they join the batch as their
     handoffs complete and then step together, each with its single-process tokens; the pool
-    then holds nothing."""
+    then holds nothing. The first suffix ran first; the later ones queued behind it (their
+    phases hold that wait), and `bf16:full`, with no suffix, queued behind nothing."""
     cfg, params = model().cfg, model().params
     asked = asks((("bf16:r=2", 96), ("bf16:full", 40), ("q8:r=2", 96), ("bf16:recompute", 40)))
     prefill_end, decode_end = LocalTransport.pair()
@@ -198,6 +199,7 @@ def test_requests_admitted_together_share_decode_steps():
     for ask, f in zip(asked, finished, strict=True):
         n = 1 if "q8" in ask.action else NEW  # the reference decodes NEW tokens
         assert len(f.tokens) == LONG and f.tokens[:n] == single_process(ask)[:n]
+    assert [f.suffix_queued for f in finished] == [False, False, True, True]
     assert engine.used_pages == 0
 
 

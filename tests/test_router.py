@@ -257,6 +257,15 @@ def test_a_finished_suffix_times_its_decode_worker_beside_or_alone():
     assert r.ledger.queues(0, 0, 0.5, 256).decode_stretch == pytest.approx(0.5)  # no prompt now
     r.arrive(request(2), 0.6)  # its prompt computes now: the next suffix runs beside it
     assert r.ledger.queues(0, 0, 0.6, 256).decode_stretch == pytest.approx(2.0)
+    # a suffix queued behind another's: its phase holds the wait, which the backlog counts
+    p = r._open[2].assignment.why.predicted
+    r.on_item("prefill-0", Prefilled(2, 0, 20.0), 0.7)
+    r.on_item("prefill-0", PrefillDone(2, 0, 20.0, 100.0, 1_000_000), 0.8)
+    r.on_item("decode-0", Token(2, 0, 7, 0.9), 0.9)
+    r.on_item("decode-0", Finished(2, (7,), 0.1, 0.01, 50.0, Phases(
+        0.0, 1.0, 1.0, 9.0 * p.decode_busy_ms * p.stretch, 0.0, 20.0), "", False,
+        suffix_queued=True), 1.0)
+    assert r.ledger.decode[0].estimate == estimate
 
 
 def test_member_names_round_trip():

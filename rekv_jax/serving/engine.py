@@ -116,6 +116,7 @@ class _Request:
     times_s: list[float] = dataclasses.field(default_factory=list)
     checks: str = ""
     end: End | None = None  # once it ended
+    queued: bool = False  # its suffix work waited behind an earlier reception's in a budget
 
     @property
     def position(self) -> int:
@@ -346,7 +347,10 @@ class DecodeEngine:
         items: list[object] = []
         for r in list(self._handoffs):
             try:
+                before = budget.spent  # what earlier receptions took of this budget
                 done = r.reception.advance(budget)
+                worked = budget.spent > before or r.reception.pending_work > 0
+                r.queued |= before > 0 and worked  # its suffix shared the device's budget
                 for part in r.reception.produced():
                     self._write(r.table, part)
                 if not done:
@@ -412,7 +416,7 @@ class DecodeEngine:
         return Finished(r.admit.request_id, tuple(r.tokens), r.times_s[0] - r.admitted_s,
                         float(gaps.mean()) if gaps.size else 0.0, handoff.total_ms,
                         handoff.phases_ms, r.checks, handoff.fallback, None, r.end.reason,
-                        r.end.stop)
+                        r.end.stop, r.queued)
 
     def _check(self, r: _Request) -> str:
         """What holds of the request's pages against its single-process reference (the plain

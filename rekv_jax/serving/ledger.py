@@ -264,12 +264,15 @@ class Ledger:
             self.decode[worker], held_pages=pages))
 
     def suffix_done(self, worker: int, a: Assignment, tokens: int, suffix_ms: float,
-                    beside: bool) -> Ledger:
+                    beside: bool, queued: bool = False) -> Ledger:
         """Decode worker `worker` ran the suffix of `a`'s handoff of `tokens` prompt tokens in
-        `suffix_ms`, `beside` a prompt's compute or alone. Only a suffix after a full prefill,
-        in one piece, times the device: its phase is its compute, stretched by the decodes
-        beside it (a streamed prefill's suffix waits for the prompt's pieces)."""
-        if a.mode.streams or a.mode.chunks > 1 or not suffix_ms > 0:
+        `suffix_ms`, `beside` a prompt's compute or alone, `queued` behind another suffix's
+        work or not. Only a suffix after a full prefill, in one piece, that no other suffix held
+        up times the device: its phase is its compute, stretched by the decodes beside it. A
+        streamed prefill's suffix waits for the prompt's pieces, and a queued one for the suffix
+        work before it, which the decode device's backlog (`Queues.decode_free_ms`) counts
+        already: timing the device by it would count that wait twice."""
+        if a.mode.streams or a.mode.chunks > 1 or queued or not suffix_ms > 0:
             return self
         p, queue = a.why.predicted, self.decode[worker]
         price = p.decode_busy_ms * p.stretch / p.decode_stretch

@@ -222,6 +222,7 @@ class Finished:
     error: str | None = None  # one line if it failed (others keep decoding)
     finish_reason: str = "length"  # `FINISH_REASONS` (meaningless when `error` is set)
     stop: str | int | None = None  # the stop string or token id that ended it ("stop")
+    suffix_queued: bool = False  # its suffix waited behind another's: its phase holds the wait
 
 
 @dataclasses.dataclass(frozen=True)

@@ -231,7 +231,7 @@ class Router:
         if held.assignment and item.phases and not (item.error or item.fell_back):
             self._ledger = self._ledger.suffix_done(decode, held.assignment,
                                                     held.request.prompt_len, item.phases.suffix,
-                                                    held.suffix_beside)
+                                                    held.suffix_beside, item.suffix_queued)
         if held.status == Status.REQUEUING:
             self._requeue(held, now_s)
         elif not (item.error and held.status in HANDING_OFF and not held.prefill_done):
