@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from rekv_jax.action import Action
 from rekv_jax.launch.environments import group_environments, visible_gpus
-from rekv_jax.launch.group import Emitted, Event, Group
+from rekv_jax.launch.group import Emitted, Event, Group, failure_line
 from rekv_jax.mode import Mode
 from rekv_jax.model.loader import LoadedModel, load_config
 from rekv_jax.planning.planner import analytic_profile
@@ -123,7 +123,7 @@ class Pair:
     def close(self) -> int:
         self._closed = True
         ends = self._workers.close(self.setup.timeout)
-        failed = [f"{name}: {e.error}" for name, e in ends.items() if not e.ok]
+        failed = [failure_line(e) for e in ends.values() if not e.ok]
         if failed:
             raise RuntimeError("; ".join(failed))
         return ends["decode-0"].value
