@@ -50,7 +50,7 @@ class Ended:
             if any(sign in self.log for sign in SERVICE_GONE):
                 return TransportError(f"{self.name} stopped: the decode side went away (its "
                                       "coordination service stopped answering)")
-            last = last_words(self.log)
+            last = last_words(self.log) if -self.exitcode in CRASHES else ""  # not a kill's
             return TransportError(f"{self.name} {exit_text(self.exitcode)}"
                                   + (f"; its last words: {last}" if last else "")
                                   + (f" (its output: {self.kept_log})" if self.kept_log else ""))
@@ -67,7 +67,7 @@ CRASHES = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.
 
 
 def last_words(log: str, most: int = 300) -> str:
-    """What a process killed by a signal said last of its fault: its output's last two lines
+    """What a crashed process (`CRASHES`) said last of its fault: its output's last two lines
     that name one (`FAULT_SIGNS`: a native library's abort message, faulthandler's heading), else
     its last non-blank line; at most `most` characters."""
     lines = [line.strip() for line in log.splitlines() if line.strip()]
