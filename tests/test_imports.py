@@ -253,14 +253,20 @@ HTTP_FRONT_END = {"rekv_jax.serving.http", "rekv_jax.serving.openai_request",
 def test_only_the_http_front_end_needs_the_http_stack():
     """A GPU image may hold JAX and not FastAPI: every module but the OpenAI front end (the
     doctor, a generated load and the Python API included) imports with the HTTP stack absent,
-    and the front end, importing it, fails there (so the block is real)."""
+    and the front end, importing it, fails there (so the block is real); `rekv serve --http`
+    then says so in one line, exit 2."""
     names = sorted(n for n in set(modules(ROOT)) - HTTP_FRONT_END if not n.endswith("__main__"))
     code = ("import importlib, sys\n"
             f"for m in {HTTP_STACK!r}:\n    sys.modules[m] = None\n"
             f"for n in {names!r}:\n    importlib.import_module(n)\n"
             "try:\n    importlib.import_module('rekv_jax.serving.http')\n"
-            "except ImportError:\n    print('front end refused')\n")
+            "except ImportError:\n    print('front end refused')\n"
+            "from rekv_jax.cli.main import main\n"
+            "main(['serve', '--model', 'tiny-7b', '--http', '127.0.0.1:0'])\n")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 2, run.stderr[-3000:]  # `rekv serve --http` refused, one line:
+    assert run.stderr.strip() == ("rekv serve: error: --http needs fastapi, pydantic, uvicorn, "
+                                  "not installed here (they come with rekv-jax's dependencies: "
+                                  "pip install -e .)")
     assert run.stdout.strip() == "front end refused"

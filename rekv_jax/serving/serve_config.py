@@ -7,6 +7,7 @@ generated load (`Stream`s), the OpenAI API (`HttpBind`), or, with neither, the P
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import ipaddress
 import os
 from collections.abc import Callable
@@ -42,6 +43,18 @@ def http_context(model: str) -> int:
     return min(load_config(model).max_position_embeddings, HTTP_CONTEXT)
 
 
+HTTP_STACK = ("fastapi", "pydantic", "uvicorn")  # what the OpenAI front end (`http`) runs on
+
+
+def check_http_stack() -> None:
+    """ValueError naming what the OpenAI front end needs and this Python lacks (a compute image
+    may hold JAX alone), before any worker starts."""
+    missing = [m for m in HTTP_STACK if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"--http needs {', '.join(missing)}, not installed here (they come "
+                         "with rekv-jax's dependencies: pip install -e .)")
+
+
 def check_bind(host: str, api_key: str | None) -> None:
     """ValueError unless `host` is loopback or an API key guards the server."""
     try:
@@ -66,6 +79,7 @@ class HttpBind:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--http {self.host}:{self.port}: a port is 0..65535")
         check_bind(self.host, self.api_key)
+        check_http_stack()
 
 
 @dataclasses.dataclass(frozen=True)
