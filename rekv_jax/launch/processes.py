@@ -50,7 +50,7 @@ class Ended:
             if any(sign in self.log for sign in SERVICE_GONE):
                 return TransportError(f"{self.name} stopped: the decode side went away (its "
                                       "coordination service stopped answering)")
-            last = last_words(self.log) if -self.exitcode in CRASHES else ""  # not a kill's
+            last = last_words(self.log) if crashed(self.exitcode) else ""  # not a kill's
             return TransportError(f"{self.name} {exit_text(self.exitcode)}"
                                   + (f"; its last words: {last}" if last else "")
                                   + (f" (its output: {self.kept_log})" if self.kept_log else ""))
@@ -66,6 +66,12 @@ FAULT_SIGNS = ("fatal", "error", "terminate", "check failed", "what()")
 CRASHES = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL}
 
 
+def crashed(exitcode: int | None) -> bool:
+    """Whether a process that ended with `exitcode` crashed (`CRASHES`), rather than was killed,
+    exited or runs on (None)."""
+    return exitcode is not None and -exitcode in CRASHES
+
+
 def last_words(log: str, most: int = 300) -> str:
     """What a crashed process (`CRASHES`) said last of its fault: its output's last two lines
     that name one (`FAULT_SIGNS`: a native library's abort message, faulthandler's heading), else
@@ -78,7 +84,7 @@ def last_words(log: str, most: int = 300) -> str:
 
 def keep_crash_log(name: str, exitcode: int | None, log: str) -> str:
     """The path of a copy of the output of `name` if a crash (`CRASHES`) ended it, else ""."""
-    if exitcode is None or -exitcode not in CRASHES or not log:
+    if not crashed(exitcode) or not log:
         return ""
     fd, path = tempfile.mkstemp(prefix=f"rekv-{name.replace(' ', '-')}-", suffix=".log")
     with os.fdopen(fd, "w") as f:
