@@ -109,7 +109,8 @@ def test_clients_that_disconnect_abort_their_requests_and_the_others_are_exact()
     prompts = [rng.integers(0, model.cfg.vocab_size, PROMPT).tolist() for _ in range(n)]
     config = ServeConfig(SPEC, ("bf16:full",), workers=Workers(link_gbps=None, timeout=60.0,
                                                               pin=False), pool_requests=1)
-    events, served, release, go = [], {}, threading.Event(), threading.Event()
+    events, served, release = [], {}, threading.Event()
+    go = [threading.Event() for _ in prompts[7:]]  # each queued client's leave
     with Server(config, on_event=events.append,
                 on_served=lambda s: served.update({s.request.tokens: s})) as server:
         app = build_app(server.clients, http_model(SPEC), None, server.clients.metrics)
@@ -121,12 +122,15 @@ def test_clients_that_disconnect_abort_their_requests_and_the_others_are_exact()
             assert all(c.streaming.wait(WAIT_S) for c in stay + leave)
             queued = []
             for k, p in enumerate(prompts[7:]):  # one at a time: arrival order is their order
-                queued.append(Client(url, p, QUEUED, go))
+                queued.append(Client(url, p, QUEUED, go[k]))
                 queued[-1].start()
                 assert _until(lambda k=k: _in_flight(url) == 8 + k, WAIT_S)
             assert _depth(url, "waiting") == 1  # the last waits in the queue, unprefilled
-            go.set()  # their clients leave while they wait for pages
-            _until(lambda: all(tuple(p) in served for p in prompts[7:]), 10.0)
+            # their clients leave while they wait for pages, the waiting one first (a slot
+            # another's leave freed would otherwise be its before its own leave is heard)
+            for k in reversed(range(len(go))):
+                go[k].set()
+                _until(lambda k=k: tuple(prompts[7 + k]) in served, 10.0)
             release.set()  # then the 3 others leave mid-stream
             for client in [*stay, *leave, *queued]:
                 client.join(WAIT_S)
