@@ -5,6 +5,7 @@ launcher tells a side's end, and the job's key."""
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
@@ -450,6 +451,26 @@ def test_a_crashed_process_is_named_with_its_last_words_and_its_output_kept():
     os.remove(kept)
     killed = Ended("decode-0", -signal.SIGKILL, log="ran")  # a kill is no crash: no words
     assert str(killed.failure()) == "decode-0 was killed by SIGKILL"
+
+
+def _done_with_a_teardown_that_aborts(value: int) -> int:
+    atexit.register(os.abort)  # as a native runtime's teardown that aborts at interpreter exit
+    return value
+
+
+def _failed_with_a_teardown_that_aborts(text: str) -> None:
+    atexit.register(os.abort)
+    raise ValueError(text)
+
+
+def test_a_finished_job_is_not_undone_by_its_process_teardown():
+    """A job's outcome is final once sent: the process then ends without the interpreter's
+    finalization, where an abort would have turned it into a crash."""
+    assert run_child(_done_with_a_teardown_that_aborts, 7, env=os.environ, what="the job",
+                     timeout=120) == 7
+    with pytest.raises(ValueError, match=r"^the job: no such thing$"):
+        run_child(_failed_with_a_teardown_that_aborts, "no such thing", env=os.environ,
+                  what="the job", timeout=120)
 
 
 def test_a_fresh_process_returns_objects_and_its_errors_in_one_line():

@@ -254,9 +254,20 @@ def enter(parent: Connection, log: str, payload: bytes,
             value = job(make(*fields, parent), *args)
     except BaseException as e:  # reported to the parent, which decides what its user reads
         _report(parent, e)
-        raise SystemExit(1) from None
+        _leave(1)
     with _sending:
         parent.send((VALUE, value))
+    _leave(0)
+
+
+def _leave(code: int) -> None:
+    """End this process now with `code`, its output flushed, skipping the interpreter's
+    finalization: the job is over and the parent has its outcome, while the native runtimes'
+    teardown (XLA's GPU client and its threads) can abort the process at exit (std::terminate
+    on a thread still joinable), which would turn a finished job into a crash."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _report(parent: Connection, e: BaseException) -> None:
