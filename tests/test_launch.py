@@ -119,7 +119,8 @@ def test_too_few_gpus_are_shared_with_a_memory_share_each(n, devices):
 
 def test_a_users_own_xla_flag_wins():
     flags = with_gpu_flags("--xla_gpu_autotune_level=4")
-    assert flags.split() == ["--xla_gpu_autotune_level=4", "--xla_gpu_shard_autotuning=false"]
+    assert flags.split() == ["--xla_gpu_autotune_level=4", "--xla_gpu_enable_triton_gemm=false",
+                             "--xla_gpu_shard_autotuning=false"]
     assert with_gpu_flags(flags) == flags  # idempotent: each process may add them again
 
 

@@ -24,14 +24,18 @@ HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count="
 # autotuner_pass.cc, openxla/xla) `xla_gpu_autotune_level=0` sets `select_first_config`, turns
 # cuBLAS/cuDNN autotuning off and disables the fusion autotuner: every choice is a fixed rule of
 # (HLO, device, library versions), which the sides agree on (`agree_runtime`), and nothing is
-# timed. `xla_gpu_shard_autotuning=false`: with jax.distributed up, XLA would otherwise split
+# timed. `xla_gpu_enable_triton_gemm=false`: at level 0 the Triton GEMM emitter takes its first
+# tile config untimed, which runs a GEMM about 25x slower than cuBLAS on an H200; with it off,
+# GEMMs go to cuBLAS, whose algorithm at level 0 is its own heuristic's (again a fixed rule).
+# `xla_gpu_shard_autotuning=false`: with jax.distributed up, XLA would otherwise split
 # autotuning across the processes and join the results through the coordinator, which assumes
 # that every process compiles the same module (ours compile different programs). Not chosen:
 # a shared `xla_gpu_per_fusion_autotune_cache_dir` (the two sides compile concurrently, so both
 # may time and write the same entry), `xla_gpu_deterministic_ops` (run-to-run determinism within a
-# process, e.g. no atomics; it also disables the Triton GEMM backend). Both flags exist in the
-# XLA of jaxlib 0.10.2 (their help strings are in libjax_common.so).
-GPU_XLA_FLAGS = ("--xla_gpu_autotune_level=0", "--xla_gpu_shard_autotuning=false")
+# process, e.g. no atomics). All three flags exist in the XLA of jaxlib 0.10.2 (their help
+# strings are in libjax_common.so).
+GPU_XLA_FLAGS = ("--xla_gpu_autotune_level=0", "--xla_gpu_enable_triton_gemm=false",
+                 "--xla_gpu_shard_autotuning=false")
 # Device memory that the processes sharing one GPU take in all, split evenly: each reserves its
 # own share as it starts, so none takes JAX's default 75% before the others start; 10% stays free
 # for their CUDA contexts and cuDNN/cuBLAS workspaces outside JAX's pool.
