@@ -306,6 +306,26 @@ def test_a_request_that_can_never_fit_fails_alone():
     assert out.used_pages == 0
 
 
+def test_a_reception_that_can_move_is_advanced_without_a_sleep(monkeypatch):
+    """A reception whose awaited work completed between its advance and the engine's wait has
+    nothing pending: the engine advances it at once rather than sleeping its idle wait (here
+    60 s, so a sleep would show). Every reception is made to report nothing pending."""
+    cfg, params = model().cfg, model().params
+    (ask,) = asks((("q8:full", 40),))
+    prefill_end, decode_end = LocalTransport.pair()
+    engine = DecodeEngine(cfg, params, [decode_end],
+                          EngineConfig(PoolConfig(40, 16), None, idle_wait_s=60.0))
+    admit, prefill = ask.records(cfg.num_layers)
+    engine.admit(admit)
+    assert PrefillWorker(cfg, params, [prefill_end]).prefill(prefill).error is None
+    monkeypatch.setattr(Reception, "waitables", lambda self: [])
+    start, finished = time.monotonic(), []
+    while not engine.idle and time.monotonic() - start < 30:
+        finished += [i for i in engine.step() if isinstance(i, Finished)]
+    assert time.monotonic() - start < 30
+    assert [f.error for f in finished] == [None] and engine.used_pages == 0
+
+
 def test_the_engine_refuses_what_could_never_fit_and_stops_on_what_does_not_fit_now():
     """An `Admit` no pool could hold fails its request in one line and tells its prefill side
     not to send (it does not wait out its timeout); one that does not fit now is the router's

@@ -222,13 +222,13 @@ class DecodeEngine:
         return [self.load()]
 
     def _wait(self) -> None:
-        """Sleep until a reception can move, at most `idle_wait_s`."""
-        waitables = [f for r in self._handoffs for f in r.reception.waitables()]
-        if waitables:
-            concurrent.futures.wait(waitables, self.config.idle_wait_s,
-                                    concurrent.futures.FIRST_COMPLETED)
-        else:  # nothing to wait on (it moves on its own next advance): no spinning either
-            time.sleep(self.config.idle_wait_s)
+        """Sleep until a reception can move, at most `idle_wait_s`. A reception with nothing
+        pending (its `waitables` empty: what it waited on completed since it last advanced) can
+        move now, so then the engine does not sleep at all."""
+        pending = [r.reception.waitables() for r in self._handoffs]
+        if all(pending):
+            concurrent.futures.wait([f for futures in pending for f in futures],
+                                    self.config.idle_wait_s, concurrent.futures.FIRST_COMPLETED)
 
     def load(self) -> Load:
         """Its state: running requests, admitted suffix compute not yet done, free pages."""
