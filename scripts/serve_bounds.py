@@ -49,8 +49,8 @@ def covered(intervals: list[tuple[float, float]]) -> float:
 
 
 def decode_busy(records: list[dict]) -> float:
-    """The share of the run's span (first prompt computed to last token) in which some request
-    was decoding."""
+    """The share of the run's span (first arrival to last token) in which some request was
+    decoding."""
     decoding, first = [], min(r["arrival_s"] for r in records)
     for r in records:
         at = {x["status"]: x["t_s"] for x in r["lifecycle"]}

@@ -25,8 +25,8 @@ HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count="
 # cuBLAS/cuDNN autotuning off and disables the fusion autotuner: every choice is a fixed rule of
 # (HLO, device, library versions), which the sides agree on (`agree_runtime`), and nothing is
 # timed. `xla_gpu_enable_triton_gemm=false`: at level 0 the Triton GEMM emitter takes its first
-# tile config untimed, which runs a GEMM about 25x slower than cuBLAS on an H200; with it off,
-# GEMMs go to cuBLAS, whose algorithm at level 0 is its own heuristic's (again a fixed rule).
+# tile config untimed, far slower than cuBLAS's choice; with it off, GEMMs go to cuBLAS, whose
+# algorithm at level 0 is its own heuristic's (again a fixed rule).
 # `xla_gpu_shard_autotuning=false`: with jax.distributed up, XLA would otherwise split
 # autotuning across the processes and join the results through the coordinator, which assumes
 # that every process compiles the same module (ours compile different programs). Not chosen:
