@@ -72,6 +72,10 @@ def main() -> None:
             if (r.get("kind") == "served_request" and r["policy"] == args.baseline
                     and r["completed"]):
                 by_rate[r["rate"]].append(r)
+    if not by_rate:
+        p.error(f"{args.records} holds no completed request of {args.baseline!r}")
+    if any(r["assignment"]["prefill_worker"] for rs in by_rate.values() for r in rs):
+        p.error("the bound replays one prefill device: the run had more than one prefill worker")
     for rate, records in sorted(by_rate.items()):
         measured = [r["ttft_ms"] for r in records]
         bound = link_free_ttft_ms(records)
