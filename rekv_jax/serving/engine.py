@@ -53,6 +53,7 @@ from rekv_jax.launch.child import Member
 from rekv_jax.mode import Fallback, Mode, Reference, check_fallback
 from rekv_jax.model import paged
 from rekv_jax.model.transformer import Params
+from rekv_jax.serving.compile_clock import compiled_ms
 from rekv_jax.serving.ends import End, Ending
 from rekv_jax.serving.inbox import MemberInbox, Requests
 from rekv_jax.serving.pages import (
@@ -112,6 +113,7 @@ class _Request:
     reception: Reception
     ending: Ending
     admitted_s: float  # time.monotonic()
+    compiled_at_ms: float  # this process's XLA compile time at its admission (`compile_clock`)
     tokens: list[int] = dataclasses.field(default_factory=list)
     times_s: list[float] = dataclasses.field(default_factory=list)
     checks: str = ""
@@ -177,7 +179,8 @@ class DecodeEngine:
         # the link and the request ends alone
         with contextlib.suppress(TransportError):
             link.send_meta(f"{name}/admitted", {})
-        self._handoffs.append(_Request(request, table, reception, ending, time.monotonic()))
+        self._handoffs.append(_Request(request, table, reception, ending, time.monotonic(),
+                                       compiled_ms()))
         self._changed = True
 
     def _link(self, request: Admit) -> Transport:
@@ -402,21 +405,23 @@ class DecodeEngine:
         reception abandoned, its tokens so far)."""
         self._alloc.retire(r.table)
         self._changed = True
+        compiled = compiled_ms() - r.compiled_at_ms
         if error is not None or aborted:
             r.reception.abandon()
             return Finished(r.admit.request_id, tuple(r.tokens), 0.0, 0.0, 0.0, None, "",
-                            r.reception.fell_back, error, "abort" if aborted else "length")
+                            r.reception.fell_back, error, "abort" if aborted else "length",
+                            compile_ms=compiled)
         gaps = np.diff(r.times_s)
         try:  # the prefill side's times are there unless it failed after its last message
             handoff = r.reception.outcome(OUTCOME_WAIT_S)
         except TransportError as e:
             return Finished(r.admit.request_id, tuple(r.tokens), r.times_s[0] - r.admitted_s,
                             float(gaps.mean()) if gaps.size else 0.0, 0.0, None, r.checks,
-                            r.reception.fell_back, one_line(e))
+                            r.reception.fell_back, one_line(e), compile_ms=compiled)
         return Finished(r.admit.request_id, tuple(r.tokens), r.times_s[0] - r.admitted_s,
                         float(gaps.mean()) if gaps.size else 0.0, handoff.total_ms,
                         handoff.phases_ms, r.checks, handoff.fallback, None, r.end.reason,
-                        r.end.stop, r.queued)
+                        r.end.stop, r.queued, compiled)
 
     def _check(self, r: _Request) -> str:
         """What holds of the request's pages against its single-process reference (the plain

@@ -103,6 +103,12 @@ class Served:
         return self.finished.error
 
     @property
+    def compile_ms(self) -> float:
+        """The XLA compile time its workers reported while they held it: what its measured
+        times hold of the compiler's (0 once they are warm)."""
+        return sum(r.compile_ms for r in (self.prefill_done, self.finished) if r is not None)
+
+    @property
     def ttft_ms(self) -> float | None:
         t = self.token_times_s
         return (t[0] - self.request.arrival_s) * 1e3 if t else None
@@ -143,7 +149,8 @@ class Served:
         f = self.finished
         out = {"kind": "served_request", "policy": self.policy, "rate": self.rate,
                **self.request.to_json(), "ttft_ms": self.ttft_ms, "tpot_ms": self.tpot_ms,
-               "e2e_ms": self.e2e_ms, "completed": self.completed,
+               "e2e_ms": self.e2e_ms, "compile_ms": self.compile_ms,
+               "completed": self.completed,
                "assignment": self.assignment.to_json() if self.assignment else None,
                "token_times_s": list(self.token_times_s), "error": self.error,
                "finish_reason": self.finish_reason, "aborted": self.aborted,
@@ -189,6 +196,7 @@ class ServeSummary:
     ttft_error: float | None  # median |predicted - measured| / measured TTFT
     handoff_error: float | None  # the same of the handoff (the cost model's prediction)
     choices: tuple[tuple[str, int], ...]  # each mode label chosen and how often, commonest first
+    compiled: int = 0  # requests whose measured times hold an XLA compile (`Served.compile_ms`)
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -225,7 +233,8 @@ def summarize(served: Sequence[Served], slo: Slo, seed: int = 0) -> ServeSummary
                        if s.assignment]),
         _median_error([(s.assignment.why.predicted.handoff_ms, s.finished.handoff_ms)
                        for s in done if s.assignment]),
-        tuple(sorted(((m, labels.count(m)) for m in set(labels)), key=lambda c: (-c[1], c[0]))))
+        tuple(sorted(((m, labels.count(m)) for m in set(labels)), key=lambda c: (-c[1], c[0]))),
+        sum(s.compile_ms > 0 for s in served))
 
 
 def _median_error(pairs: Sequence[tuple[float, float]]) -> float | None:

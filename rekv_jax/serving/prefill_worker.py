@@ -36,7 +36,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax.numpy as jnp
 
@@ -45,6 +45,7 @@ from rekv_jax.errors import TransportError, TransportTimeout, first_line, one_li
 from rekv_jax.handoff.sender import Prepared, Sending, SendReport, prepare_prompt, start_prompt
 from rekv_jax.launch.child import Member
 from rekv_jax.model.transformer import Params
+from rekv_jax.serving.compile_clock import compiled_ms
 from rekv_jax.serving.inbox import LocalInbox, MemberInbox, Requests
 from rekv_jax.serving.requests import Abort, Prefill, PrefillDone, Prefilled, tag
 from rekv_jax.serving.sampling import first_draw
@@ -53,6 +54,8 @@ from rekv_jax.transport import Transport
 IN_FLIGHT_BYTES = 1 << 30  # bytes on the links at once before sends wait (plus one handoff)
 HELD = 4  # prompts computed and waiting for their admission at once
 POLL_S = 0.005  # the longest the loop sleeps while only verdicts or admissions are awaited
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -65,10 +68,19 @@ class _Job:
     admitted_at: float | None = None  # time.perf_counter() when its admission was seen
     sending: Sending | None = None  # on the link
     prefilled: bool = False  # its `Prefilled` was emitted
+    compile_ms: float = 0.0  # XLA compiles while this worker computed or sent it
 
     @property
     def name(self) -> str:
         return tag(self.request.request_id)
+
+    def timed(self, call: Callable[[], T]) -> T:
+        """`call()`, the XLA compiles it caused added to the job's."""
+        before = compiled_ms()
+        try:
+            return call()
+        finally:
+            self.compile_ms += compiled_ms() - before
 
 
 class PrefillWorker:
@@ -180,7 +192,8 @@ class PrefillWorker:
         queued_s = max(0.0, self._acked_s[d] - report.sent_s)
         self._acked_s[d] = max(self._acked_s[d], report.acked_s)
         emit(PrefillDone(job.request.request_id, self.worker, t.prefill_ms + t.quantize_ms,
-                         report.link_ms, t.sent_bytes, queued_ms=1e3 * queued_s))
+                         report.link_ms, t.sent_bytes, queued_ms=1e3 * queued_s,
+                         compile_ms=job.compile_ms))
 
     def _send_admitted(self, emit: Callable[[object], None]) -> bool:
         """Hand each held prompt whose decode side admitted it to its link, in order per link,
@@ -216,8 +229,8 @@ class PrefillWorker:
                 return False
             self._queue.pop(0)
             try:
-                job.prepared = prepare_prompt(self._cfg, self._params, tokens, request.mode,
-                                              first=first)
+                job.prepared = job.timed(functools.partial(
+                    prepare_prompt, self._cfg, self._params, tokens, request.mode, first=first))
             except ValueError as e:
                 self._fail(job, one_line(e), emit)
                 return True
@@ -269,7 +282,7 @@ class PrefillWorker:
                send: Callable[[], Sending]) -> None:
         """Put the job's handoff on its link (`send`), or report why it could not be."""
         try:
-            job.sending = send()
+            job.sending = job.timed(send)
         except (TransportError, ValueError) as e:
             return self._fail(job, one_line(e), emit)
         t = job.sending.times
@@ -280,7 +293,7 @@ class PrefillWorker:
         """Tell the router this device is done with the job's prompt (once per job)."""
         if not job.prefilled:
             job.prefilled = True
-            emit(Prefilled(job.request.request_id, self.worker, compute_ms))
+            emit(Prefilled(job.request.request_id, self.worker, compute_ms, job.compile_ms))
 
     def _fail(self, job: _Job, error: str, emit: Callable[[object], None]) -> None:
         """Report the job failed (`Prefilled` first if its prompt was never computed)."""

@@ -164,6 +164,7 @@ class Prefilled:
     request_id: int
     worker: int
     compute_ms: float  # its prompt compute and quantize calls on the prefill device
+    compile_ms: float = 0.0  # of compute_ms, XLA compiles (`compile_clock`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +181,7 @@ class PrefillDone:
     # of link_ms, the time its first message waited for the handoff before it on its link (the
     # link is one FIFO): its bytes crossed in link_ms - queued_ms
     queued_ms: float = 0.0
+    compile_ms: float = 0.0  # XLA compiles while this worker computed or sent it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +225,7 @@ class Finished:
     finish_reason: str = "length"  # `FINISH_REASONS` (meaningless when `error` is set)
     stop: str | int | None = None  # the stop string or token id that ended it ("stop")
     suffix_queued: bool = False  # its suffix waited behind another's: its phase holds the wait
+    compile_ms: float = 0.0  # XLA compiles on this worker while it held the request
 
 
 @dataclasses.dataclass(frozen=True)

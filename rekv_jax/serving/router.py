@@ -228,7 +228,8 @@ class Router:
         report or end."""
         held = self._open[item.request_id]
         held.admitted, held.finished = False, item
-        if held.assignment and item.phases and not (item.error or item.fell_back):
+        if held.assignment and item.phases and not (item.error or item.fell_back
+                                                    or item.compile_ms):
             self._ledger = self._ledger.suffix_done(decode, held.assignment,
                                                     held.request.prompt_len, item.phases.suffix,
                                                     held.suffix_beside, item.suffix_queued)
@@ -240,7 +241,9 @@ class Router:
 
     def _prefilled(self, item: Prefilled, now_s: float) -> None:
         """Its prefill worker's device is done with its prompt: the next one starts there."""
-        self._ledger = self._ledger.prefilled(item.worker, now_s, item.compute_ms)
+        # a compute that compiled times the compiler, not the device: it re-estimates nothing
+        self._ledger = self._ledger.prefilled(item.worker, now_s,
+                                              0.0 if item.compile_ms else item.compute_ms)
         held = self._open.get(item.request_id)
         if held is not None and held.status == Status.PREFILLING:
             held.move(Status.PREFILLED, now_s)
