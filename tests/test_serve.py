@@ -38,8 +38,9 @@ def greedy(model, tokens: tuple[int, ...], new: int) -> list[int]:
 
 def test_two_prefill_workers_and_one_decode_worker_serve_every_request_exactly():
     """A burst of requests under BF16 transfer, then under adaptive: none lost, both prefill
-    workers used, every BF16 request's tokens its single-process greedy decode, and the decode
-    worker's pool empty at the end (the group's close checks it)."""
+    workers used, every BF16 request's tokens its single-process greedy decode, the decode
+    worker's pool empty at the end (the group's close checks it), and no request's times hold
+    a compile: the warm-up ran every program either policy may run, on every worker."""
     model = load_model("tiny", dtype=jnp.bfloat16, orbax=False)
     cfg = model.cfg
     rng = np.random.default_rng(0)
@@ -58,6 +59,8 @@ def test_two_prefill_workers_and_one_decode_worker_serve_every_request_exactly()
             assert list(s.finished.tokens) == greedy(model, s.request.tokens, NEW), s.request.id
     assert [x.policy for x in run.summaries] == ["bf16:full", "adaptive"]
     assert run.costs.step_fixed_ms > 0
+    assert [(s.request.id, s.compile_ms) for s in run.served if s.compile_ms] == []
+    assert [x.compiled for x in run.summaries] == [0, 0]
 
 
 def _free_port() -> int:

@@ -242,3 +242,19 @@ def test_asked_runs_each_request_as_asked_on_the_cheaper_pair():
         assert chosen.why.policy == "asked"
     with pytest.raises(ValueError, match="no mode was asked for request 2"):
         policy.choose(dataclasses.replace(REQUEST, id=2), ledger, 0.0)
+
+
+def test_asked_runs_a_request_on_its_asked_pair_or_refuses_one_that_cannot_take_it():
+    """A request asked onto a pair runs there, even where another pair predicts it sooner; an
+    asked pair not among those that can take it now is a ValueError naming both."""
+    profile = _tiny7b_profile()
+    mode = served_mode(Action.parse("q8:r=4", 28))
+    policy = Asked(_context(profile), {0: mode, 1: mode}, {0: (0, 0)})
+    ledger = Ledger((_busy(5000.0), IDLE_PREFILL), (IDLE_DECODE,),
+                    (LinkQueue(LinkEstimate(0.01)),) * 2, ARRIVALS)
+    chosen = policy.choose(REQUEST, ledger, 0.0)
+    assert (chosen.prefill_worker, chosen.decode_worker, chosen.mode) == (0, 0, mode)
+    unasked = policy.choose(dataclasses.replace(REQUEST, id=1), ledger, 0.0)
+    assert (unasked.prefill_worker, unasked.decode_worker) == (1, 0)
+    with pytest.raises(ValueError, match=r"asked for workers \(0, 0\).*\[\(1, 0\)\]"):
+        policy.choose(REQUEST, ledger, 0.0, [(1, 0)])

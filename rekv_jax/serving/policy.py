@@ -196,11 +196,25 @@ class Adaptive(Policy):
 
 
 class Asked(Policy):
-    """Each request's own mode (`modes[request id]`), on the pair of least predicted cost."""
+    """Each request's own mode (`modes[request id]`), on the pair of least predicted cost, or
+    on the pair `pairs[request id]` where one is asked."""
 
-    def __init__(self, context: Context, modes: Mapping[int, Mode]):
+    def __init__(self, context: Context, modes: Mapping[int, Mode],
+                 pairs: Mapping[int, tuple[int, int]] | None = None):
         super().__init__(ASKED, context)
-        self._asked = dict(modes)
+        self._asked, self._pairs = dict(modes), dict(pairs or {})
+
+    def choose(self, request: ServeRequest, ledger: Ledger, now_s: float,
+               pairs: Sequence[tuple[int, int]] | None = None) -> Assignment:
+        """`Policy.choose` on the request's asked pair, if it has one; a ValueError if that
+        pair is not among `pairs` (it cannot take the request now)."""
+        asked = self._pairs.get(request.id)
+        if asked is not None:
+            if pairs is not None and asked not in pairs:
+                raise ValueError(f"request {request.id} asked for workers {asked}, which "
+                                 f"cannot take it now (those that can: {list(pairs)})")
+            pairs = [asked]
+        return super().choose(request, ledger, now_s, pairs)
 
     def _modes_for(self, request: ServeRequest) -> tuple[Mode, ...]:
         if request.id not in self._asked:

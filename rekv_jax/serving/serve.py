@@ -8,8 +8,10 @@ A generated load: `serve` starts the group (`Workers.start`: a `launch.group.Gro
 or a `launch.nodes.NodeGroup` joined from the workers' own nodes; decode members first, each
 running `member.serving_member`) and waits until every member is `Ready`; the decode members'
 timed steps give the router its `DecodeCosts` (`server.ready`). Before each policy serves its
-first stream, a warm-up burst (`WARMUP` requests at once of each prompt length, then one of each
-alone; not recorded) compiles its programs and the batched steps it will run; then the router
+first stream, a warm-up (`WARMUP` requests at once of each prompt length, then one of each
+alone, then one alone of each mode it may choose that runs programs the others did not, on
+every worker; not recorded) compiles its programs and the batched steps it will run, so the
+timed stream compiles nothing (each record's `compile_ms` says so); then the router
 (`router.Router`, one per stream and policy, over a fresh ledger) drives the stream. The group
 is closed whatever happens, and a decode member that ends holding pages fails the run.
 
@@ -26,10 +28,11 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 
 from rekv_jax.launch.group import Event
+from rekv_jax.mode import Mode
 from rekv_jax.planning.queueing import DecodeCosts
 from rekv_jax.serving.member import MemberSetup, serving_member
 from rekv_jax.serving.metrics import Capacity, Served, ServeSummary, capacities, summarize
-from rekv_jax.serving.policy import Policy
+from rekv_jax.serving.policy import Asked, Policy
 from rekv_jax.serving.requests import ServeRequest
 from rekv_jax.serving.router import Router, Scheduled, drive
 from rekv_jax.serving.serve_config import Members, ServeConfig, Stream, member_setup
@@ -113,21 +116,45 @@ def _warm(group: Members, config: ServeConfig, setup: MemberSetup, policy: Polic
           costs: DecodeCosts, stream: Stream, ids: Iterator[int]) -> None:
     """`WARMUP` requests of each prompt length of `stream` at once, under `policy`, then one of
     each alone (an idle system's choice, a streamed prefill's programs, may differ from a
-    loaded one's), unrecorded; a warm-up that fails fails the run (a worker that cannot serve
-    would fail every request)."""
+    loaded one's), then, alone on each of a set of pairs that holds every worker, one of each
+    mode the policy may choose whose programs (`_programs`) that pair has not run: a program
+    compiled inside the timed stream would add its compile to a request's TTFT and to its
+    device's measured speed. Unrecorded; a warm-up that fails fails the run (a worker that
+    cannot serve would fail every request)."""
     lengths = sorted({len(r.tokens) for r in stream.requests})
     first = {n: next(r for r in stream.requests if len(r.tokens) == n) for n in lengths}
 
     def ask(n: int) -> ServeRequest:
         return ServeRequest(next(ids), first[n].tokens, first[n].max_new_tokens)
     bursts = [[ask(n) for n in lengths for _ in range(WARMUP)], *([ask(n)] for n in lengths)]
-    failed = [s for burst in bursts for s in drive(
-        group, _router(group, config, setup, policy, costs, 0.0), Scheduled(burst))
-        if not s.completed]
+    ran = [s for burst in bursts for s in drive(
+        group, _router(group, config, setup, policy, costs, 0.0), Scheduled(burst))]
+    w = config.workers
+    pairs = [(i % w.prefill, i % w.decode) for i in range(max(w.prefill, w.decode))]
+    warm = {(s.request.prompt_len, _programs(s.assignment.mode), s.assignment.prefill_worker,
+             s.assignment.decode_worker) for s in ran if s.assignment}
+    for n in lengths:
+        for mode in policy.modes(n):
+            for pair in pairs:
+                if (n, _programs(mode), *pair) in warm:
+                    continue
+                warm.add((n, _programs(mode), *pair))
+                request = ask(n)
+                asked = Asked(policy.context, {request.id: mode}, {request.id: pair})
+                ran += drive(group, _router(group, config, setup, asked, costs, 0.0),
+                             Scheduled([request]))
+    failed = [s for s in ran if not s.completed]
     if failed:
         s = failed[0]
         raise RuntimeError(f"{policy.name}'s warm-up failed: "
                            f"{s.error or (s.finished and s.finished.error)}")
+
+
+def _programs(mode: Mode) -> tuple[object, ...]:
+    """What the programs a handoff runs depend on besides its prompt's length: all but a joint
+    action's cut (every program runs one layer, so every joint cut runs the same ones)."""
+    a = mode.action
+    return (a.bits, a.kind, a.format, mode.schedule, mode.prefill, mode.chunks)
 
 
 # -------------------------------------------------------------------------------- --http
