@@ -35,6 +35,7 @@ from rekv_jax.serving.requests import (
     PrefillDone,
     ServeRequest,
     Token,
+    tag,
 )
 from rekv_jax.serving.scripted import Ask, serve_local, serve_pair
 from rekv_jax.transport import LocalTransport
@@ -324,6 +325,40 @@ def test_a_reception_that_can_move_is_advanced_without_a_sleep(monkeypatch):
         finished += [i for i in engine.step() if isinstance(i, Finished)]
     assert time.monotonic() - start < 30
     assert [f.error for f in finished] == [None] and engine.used_pages == 0
+
+
+def test_a_handoff_completed_while_the_step_ran_gives_its_first_token_that_iteration(
+        monkeypatch):
+    """Beside a running request, a handoff whose reception is done by the time the step's tokens
+    are collected emits its first token in that iteration, not the next: the engine advances
+    the receptions again after the collect. Its reception's first advance is made to report
+    not done (as work still in flight would), having waited for everything it dispatched."""
+    cfg, params = model().cfg, model().params
+    running, late = asks((("bf16:full", 40), ("q8:full", 40)), new=20)
+    prefill_end, decode_end = LocalTransport.pair()
+    engine = DecodeEngine(cfg, params, [decode_end], EngineConfig(PoolConfig(40, 16), None))
+    worker = PrefillWorker(cfg, params, [prefill_end])
+    admit, prefill = running.records(cfg.num_layers)
+    engine.admit(admit)
+    assert worker.prefill(prefill).error is None
+    while not any(isinstance(t, Token) and t.index == 1 for t in engine.step()):
+        pass  # until request 0 decodes in the batch
+    advance, calls = Reception.advance, []
+
+    def first_not_done(self, budget=None):
+        done = advance(self, budget)
+        if self.tag == tag(late.request.id) and not calls:
+            calls.append(done)
+            concurrent.futures.wait(self.waitables())
+            return False
+        return done
+    monkeypatch.setattr(Reception, "advance", first_not_done)
+    admit, prefill = late.records(cfg.num_layers)
+    engine.admit(admit)
+    assert worker.prefill(prefill).error is None
+    items = engine.step()
+    assert calls, "the late reception was advanced"
+    assert [(t.request_id, t.index) for t in items if isinstance(t, Token)][-1] == (1, 0)
 
 
 def test_the_engine_refuses_what_could_never_fit_and_stops_on_what_does_not_fit_now():

@@ -10,9 +10,12 @@ Each iteration (`DecodeEngine.step`), with every device call dispatched asynchro
      token chunks, `serving_mode`: Sarathi-style interleaving, so running requests keep
      stepping); a reception's restored and recomputed layers go straight into its pages;
   4. collect: the step's tokens are pulled to the host (the one sync of an iteration: emitting
-     them needs it) and emitted; a request whose handoff completed emits its first token and
-     joins next iteration; a request that ended (`ends.Ending`: its EOS, a stop, its
-     `max_new_tokens`) retires (`Finished`) and its pages go back.
+     them needs it) and emitted; then the receptions advance again, within what is left of the
+     budget: the device work dispatched before the step has completed by now, so a handoff it
+     completed gives its first token in this iteration rather than the next. A request whose
+     handoff completed emits its first token and joins next iteration; a request that ended
+     (`ends.Ending`: its EOS, a stop, its `max_new_tokens`) retires (`Finished`) and its pages
+     go back.
 Every token, the handoff's first included, is drawn by one batched program from its row's logits
 (`sampling.draw`, with the request's `Sampling` and the token's index): a request's tokens
 depend on its prompt, parameters and seed, never on what shares its steps. A transfer-only
@@ -209,9 +212,14 @@ class DecodeEngine:
             self._running += self._joining
             self._joining, self._changed = [], True
         tokens = self._dispatch_step() if self._running else None
-        items = self._advance_handoffs()
+        budget, own = WorkBudget(self.config.suffix_budget), {}
+        items = self._advance_handoffs(budget, own)
         if tokens is not None:
             items += self._collect(tokens)
+            # device work dispatched before the step has completed once its tokens are here: a
+            # handoff it completed gives its first token now, not an iteration later (within
+            # the same budget)
+            items += self._advance_handoffs(budget, own)
         items += self._retire()
         if not self.busy and self._handoffs:
             self._wait()
@@ -343,17 +351,19 @@ class DecodeEngine:
                                                inputs.width, self.config.attention)
         return draw(logits, rows_of([r.next_row for r in self._running] + pad))
 
-    def _advance_handoffs(self) -> list[object]:
-        """Advance every reception within the iteration's suffix budget; a completed one emits
-        its first token and joins next iteration; a failed one fails alone."""
-        budget = WorkBudget(self.config.suffix_budget)
+    def _advance_handoffs(self, budget: WorkBudget, own: dict[int, int]) -> list[object]:
+        """Advance every reception within what is left of the iteration's suffix `budget`
+        (`own`: what each took of it so far, by request id); a completed one emits its first
+        token and joins next iteration; a failed one fails alone."""
         items: list[object] = []
         for r in list(self._handoffs):
             try:
-                before = budget.spent  # what earlier receptions took of this budget
+                start, rid = budget.spent, r.admit.request_id
+                others = start - own.get(rid, 0)  # what other receptions took of this budget
                 done = r.reception.advance(budget)
-                worked = budget.spent > before or r.reception.pending_work > 0
-                r.queued |= before > 0 and worked  # its suffix shared the device's budget
+                own[rid] = own.get(rid, 0) + budget.spent - start
+                worked = budget.spent > start or r.reception.pending_work > 0
+                r.queued |= others > 0 and worked  # its suffix shared the device's budget
                 for part in r.reception.produced():
                     self._write(r.table, part)
                 if not done:
