@@ -94,7 +94,9 @@ class EngineConfig:
     suffix_budget: int | None = SUFFIX_BUDGET  # token-layers per iteration (None: no limit)
     fallback: str = Fallback.ERROR  # what a request whose prefix fails does
     timeout: float = 60.0  # seconds each message of a handoff may take
-    idle_wait_s: float = 0.05  # the longest wait before looking for new requests again
+    # the longest wait before looking for new requests again: a streamed prompt's prefill
+    # device waits for its admission, so this bounds how long it may idle
+    idle_wait_s: float = 0.005
     # check each request's paged cache against its single-process reference (a prefill per
     # request on this worker: for tests)
     check: bool = False
