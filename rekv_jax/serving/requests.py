@@ -164,7 +164,7 @@ class Prefilled:
     request_id: int
     worker: int
     compute_ms: float  # its prompt compute and quantize calls on the prefill device
-    compile_ms: float = 0.0  # of compute_ms, XLA compiles (`compile_clock`)
+    compile_ms: float = 0.0  # XLA compiles while it was computed (streamed: and sent)
 
 
 @dataclasses.dataclass(frozen=True)
