@@ -133,6 +133,10 @@ class Plan:
                 raise ValueError(f"step {i} ({step}) needs a step that does not come before it")
         if not self.steps or not isinstance(self.steps[-1], Join):
             raise ValueError("a plan ends with its join")
+        object.__setattr__(self, "_hash", hash((self.action, self.seq_len, self.steps)))
+
+    def __hash__(self) -> int:  # the cost model's cache key: hashed once, not step by step
+        return self._hash
 
     @property
     def messages(self) -> list[Message]:

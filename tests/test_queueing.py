@@ -123,6 +123,21 @@ def test_eq9_under_contention_closed_form(L, gamma, alpha, gbps, fixed, share, w
         assert ov.link_ms == seq.link_ms == arrive + ph.prefix
 
 
+@SETTINGS
+@given(**PROFILES, wait=small, busy=small, live=st.integers(1, 400))
+def test_a_live_link_estimate_plays_as_the_profile_on_that_link(L, gamma, alpha, gbps, fixed,
+                                                                 share, wait, busy, live):
+    """A contention's live bandwidth prices every message as the profile retargeted to it does,
+    exactly, in the played plan and in the closed forms (`link_gbps`: a policy plays one
+    profile's plans on each link's estimate)."""
+    p = _profile(L, gamma, alpha, gbps, fixed, share)
+    for a in action_space(L, (8, 16)):
+        for mode in (Mode.of(a, "overlapped"), Mode.of(a, "chunked", chunks=2)):
+            seen, held = cm.Contention(wait, busy, link_gbps=live), cm.Contention(wait, busy)
+            for ends in (cm.handoff_ends, cm.closed_form_ends):
+                assert ends(p, mode, seen) == ends(p.at_link(live), mode, held)
+
+
 def _tiny7b_profile(seq_len: int = 256) -> cm.Profile:
     """tiny-7b in the paper's regime: one BF16 KV layer crosses in 1.15x a suffix layer."""
     gamma = 14.0

@@ -214,6 +214,8 @@ def closed_form_ends(profile: Profile, mode: Mode, contention: Contention = IDLE
     if contention.prefill_stretch != 1:
         raise ValueError("the closed forms take the prefill device at the profile's costs; "
                          f"play the plan for a prefill stretch of {contention.prefill_stretch}")
+    if contention.link_gbps is not None:
+        profile = profile.at_link(contention.link_gbps)
     action, formula = mode.action, mode.formula
     if formula == Formula.PIPELINED:
         return _pipelined(profile, action, mode.chunks, contention)

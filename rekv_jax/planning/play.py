@@ -17,8 +17,9 @@ restore with its transfer (`β_b = B_KV,b / W + restore_b`), so a restore holds 
 closed forms have it. Each device runs its steps one at a time in the plan's order: a step starts
 once the steps it needs are done and its device is free, and the predicted total is when the join
 ends (the plan's critical path). Among other requests (`Contention`) the link is free only from
-`link_free_ms`, the decode device from `decode_free_ms`, a suffix runs `stretch` times its own
-cost and a prefill-side step `prefill_stretch` times. With equal chunks (and a prefill stretch
+`link_free_ms` (at `link_gbps`, the link's live estimate, where given), the decode device from
+`decode_free_ms`, a suffix runs `stretch` times its own cost and a prefill-side step
+`prefill_stretch` times. With equal chunks (and a prefill stretch
 of 1) the closed forms of `costmodel` are special cases of this (tested).
 """
 
@@ -62,12 +63,14 @@ class Contention:
     decode_free_ms: float = 0
     stretch: float = 1
     prefill_stretch: float = 1
+    link_gbps: float | None = None  # the link's bandwidth as lately measured; None: the profile's
 
     def __post_init__(self) -> None:
         if not (self.link_free_ms >= 0 and self.decode_free_ms >= 0 and self.stretch > 0
-                and self.prefill_stretch > 0):
-            raise ValueError(f"contention needs free times >= 0 and positive stretches, got "
-                             f"{self}")
+                and self.prefill_stretch > 0
+                and (self.link_gbps is None or self.link_gbps > 0)):
+            raise ValueError(f"contention needs free times >= 0 and positive stretches and "
+                             f"bandwidth, got {self}")
 
     def after(self, ms: float) -> Contention:
         """The same contention seen from `ms` later (what is left of each wait)."""
@@ -109,10 +112,12 @@ def play(plan: Plan, profile: Profile, contention: Contention = IDLE) -> Ends:
             Device.DECODE: contention.decode_free_ms}
     stretch = {Device.PREFILL: contention.prefill_stretch, Device.LINK: 1,
                Device.DECODE: contention.stretch}
+    gbps = profile.link_gbps if contention.link_gbps is None else contention.link_gbps
     ends: list[float] = []
     link = 0
-    for step, (cost, device) in zip(plan.steps, _costs(plan, _Same(profile)), strict=True):
-        begin = max([ends[j] for j in step.after], default=0)
+    for after, own, nbytes, device in _costs(plan, _Same(profile)):
+        cost = own if nbytes is None else own + transfer_ms(nbytes, gbps)
+        begin = max(map(ends.__getitem__, after), default=0)
         if device is None:
             ends.append(begin + cost)
             continue
@@ -126,7 +131,8 @@ def play(plan: Plan, profile: Profile, contention: Contention = IDLE) -> Ends:
 
 def busy_ms(plan: Plan, profile: Profile, device: Device) -> float:
     """How long the handoff of `plan` occupies `device`, alone (its steps' summed costs)."""
-    return sum(cost for cost, on in _costs(plan, _Same(profile)) if on == device)
+    return sum(own if nbytes is None else own + transfer_ms(nbytes, profile.link_gbps)
+               for _, own, nbytes, on in _costs(plan, _Same(profile)) if on == device)
 
 
 class _Same:
@@ -143,33 +149,42 @@ class _Same:
 
 
 @functools.lru_cache(maxsize=4096)  # a policy plays the same plans under one profile per request
-def _costs(plan: Plan, profile: _Same) -> tuple[tuple[float, Device | None], ...]:
-    """Each step's own cost and the device it occupies (None: the join)."""
+def _costs(plan: Plan, profile: _Same
+           ) -> tuple[tuple[tuple[int, ...], float, float | None, Device | None], ...]:
+    """Each step's predecessors, its own cost less its transfer, the bytes it moves over the
+    link (None: a step that moves none), and the device it occupies (None: the join). The
+    link's bandwidth is left to `play`: a policy plays one profile's plans on each link's live
+    estimate."""
     first = next(i for i, s in enumerate(plan.steps) if isinstance(s, Receive))
-    return tuple((step_ms(plan, profile.profile, s, i == first), DEVICES.get(type(s)))
+    return tuple((s.after, *_own_ms(plan, profile.profile, s, i == first), DEVICES.get(type(s)))
                  for i, s in enumerate(plan.steps))
 
 
 def step_ms(plan: Plan, profile: Profile, step: Step, first: bool = False) -> float:
     """One step's own cost under `profile` (the module docstring's table); `first`: the plan's
     first message (its fixed cost is `h0`, which also holds the handoff's start)."""
+    own, nbytes = _own_ms(plan, profile, step, first)
+    return own if nbytes is None else own + transfer_ms(nbytes, profile.link_gbps)
+
+
+def _own_ms(plan: Plan, profile: Profile, step: Step, first: bool) -> tuple[float, float | None]:
+    """`step_ms` less a message's transfer, and the message's bytes (None: not a message)."""
     p, action, S = profile, plan.action, plan.seq_len
     if isinstance(step, Join):
-        return p.join_ms[action.kind]
+        return p.join_ms[action.kind], None
     if isinstance(step, Receive):
-        fixed = p.boundary_fixed_ms if first else p.message_ms
-        return fixed + transfer_ms(_bytes(plan, p, step.message), p.link_gbps)
+        return (p.boundary_fixed_ms if first else p.message_ms), _bytes(plan, p, step.message)
     if isinstance(step, Restore):
         m = step.message
         restore = _span(m.layers) * p.restore_ms[action.bits]
-        return p.restore_fixed_ms[action.bits] + _share(restore, m.tokens, S)
+        return p.restore_fixed_ms[action.bits] + _share(restore, m.tokens, S), None
     layers, tokens = _span(step.layers), step.chunk.tokens
     if isinstance(step, Quantize):
-        return p.quantize_fixed_ms + _share(layers * p.quantize_ms[action.bits], tokens, S)
+        return p.quantize_fixed_ms + _share(layers * p.quantize_ms[action.bits], tokens, S), None
     embed = _share(p.embed_ms, tokens, S) if step.layers[0] == 0 else 0
     if step.chunk.of == 1:
-        return embed + p.suffix_fixed_ms + layers * p.suffix_layer_ms
-    return embed + p.suffix_fixed_ms + layers * p.chunk_layer(step.chunk.index, step.chunk.of)
+        return embed + p.suffix_fixed_ms + layers * p.suffix_layer_ms, None
+    return embed + p.suffix_fixed_ms + layers * p.chunk_layer(step.chunk.index, step.chunk.of), None
 
 
 def _bytes(plan: Plan, p: Profile, m: Message) -> float:

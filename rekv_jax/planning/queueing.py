@@ -58,7 +58,6 @@ from rekv_jax.planning.costmodel import (
     Profile,
     decode_busy_ms,
     handoff_ends,
-    predicted_ms,
     prefill_busy_ms,
 )
 
@@ -90,7 +89,8 @@ class DecodeCosts:
 @dataclasses.dataclass(frozen=True)
 class Queues:
     """When each shared resource has finished the work assigned before a request, ms after its
-    arrival (0: free now), and the requests running on its decode worker."""
+    arrival (0: free now), the requests running on its decode worker, and how fast each
+    resource has lately run."""
 
     prefill_free_ms: float = 0
     link_free_ms: float = 0
@@ -100,11 +100,12 @@ class Queues:
     prefill_stretch: float = 1  # the prefill device's compute per ms of the profile's, lately
     decode_stretch: float = 1  # the decode device's suffix time per ms of its price, lately
     streamed_stretch: float = 1  # prefill_stretch of a streamed prompt (split or pipelined)
+    link_gbps: float | None = None  # the link's bandwidth as lately measured; None: the profile's
 
     def __post_init__(self) -> None:
         if min(self.prefill_free_ms, self.link_free_ms, self.decode_free_ms, self.running,
                self.arrival_rate) < 0 or min(self.prefill_stretch, self.decode_stretch,
-                                             self.streamed_stretch) <= 0:
+                                             self.streamed_stretch, self.link_gbps or 1) <= 0:
             raise ValueError(f"queues cannot be negative, got {self}")
 
 
@@ -116,7 +117,8 @@ class ServedPrediction:
     ttft_ms: float  # arrival to first token: prefill_wait_ms + handoff_ms
     prefill_wait_ms: float  # W_p: the prompt waits for the prefill device
     handoff_ms: float  # the handoff from its prompt's start, under the contention
-    idle_ms: float  # the same handoff on an idle link and decode device (the paper's model)
+    idle_ms: float | None  # the same handoff on an idle link and decode device (the paper's
+    # model; None where it was not asked for)
     link_wait_ms: float  # what is left of the link's queue when its interval starts
     decode_wait_ms: float  # ... and of the decode device's
     stretch: float  # k: its decode-side compute beside the running decodes (and as lately timed)
@@ -139,10 +141,11 @@ class ServedPrediction:
         return d | {"after": dataclasses.asdict(self.after), "cost_ms": self.cost_ms}
 
 
-def served(profile: Profile, mode: Mode, queues: Queues, decode: DecodeCosts
+def served(profile: Profile, mode: Mode, queues: Queues, decode: DecodeCosts, idle: bool = True
            ) -> ServedPrediction:
     """The prediction of the module docstring for a request handed off as `mode` (timed from its
-    prompt) that finds `queues`."""
+    prompt) that finds `queues`; `idle`: with the paper's, on an idle link and decode device (a
+    second play of its plan, which a policy weighing many modes asks for only its choice's)."""
     if not mode.from_prompt:
         raise ValueError(f"a served request is timed from its prompt's arrival; {mode} is timed "
                          "from the ready prefill state")
@@ -150,7 +153,7 @@ def served(profile: Profile, mode: Mode, queues: Queues, decode: DecodeCosts
     f = queues.streamed_stretch if mode.streams else queues.prefill_stretch
     wait = queues.prefill_free_ms
     seen = Contention(max(0, queues.link_free_ms - wait), max(0, queues.decode_free_ms - wait), k,
-                      f)
+                      f, queues.link_gbps)
     ends = handoff_ends(profile, mode, seen)
     busy = prefill_busy_ms(profile, mode) * f
     decode_busy = decode_busy_ms(profile, mode)
@@ -159,7 +162,9 @@ def served(profile: Profile, mode: Mode, queues: Queues, decode: DecodeCosts
                                 decode_free_ms=queues.decode_free_ms + decode_busy * k)
     return ServedPrediction(
         ttft_ms=wait + ends.end_ms, prefill_wait_ms=wait, handoff_ms=ends.end_ms,
-        idle_ms=predicted_ms(profile, mode), link_wait_ms=seen.link_free_ms,
+        idle_ms=handoff_ends(profile, mode, Contention(link_gbps=queues.link_gbps)).end_ms
+        if idle else None,
+        link_wait_ms=seen.link_free_ms,
         decode_wait_ms=seen.decode_free_ms, stretch=k, prefill_busy_ms=busy,
         decode_busy_ms=decode_busy, after=after, imposed_ms=imposed_ms(queues, after),
         decode_delay_ms=queues.running * decode_busy, prefill_stretch=f,

@@ -197,7 +197,8 @@ class Ledger:
                       wait(decode.free_at_s), decode.running, self.arrival_rate,
                       queue.estimate.stretch(setting, tokens),
                       decode.estimate.stretch(self._decode_setting(), tokens),
-                      queue.estimate.stretch(Setting.STREAMED, tokens))
+                      queue.estimate.stretch(Setting.STREAMED, tokens),
+                      self.link(p, d).estimate.gbps)
 
     def decoding(self, now_s: float) -> bool:
         """Whether some decode worker is busy at `now_s` or about to be: requests running or

@@ -133,16 +133,18 @@ class Policy(abc.ABC):
         workers (default: all the ledger's)."""
         ctx, n = self.context, request.prompt_len
         weighed = []
+        profile = self.profile(n)  # played on each link's live estimate (`Queues.link_gbps`)
         for p, d in ledger.pairs() if pairs is None else pairs:
-            gbps = ledger.link(p, d).estimate.gbps
-            profile, queues = self.profile(n).at_link(gbps), ledger.queues(p, d, now_s, n)
-            weighed += [(served(profile, mode, queues, ctx.decode), i, mode, p, d, gbps)
+            queues = ledger.queues(p, d, now_s, n)
+            weighed += [(served(profile, mode, queues, ctx.decode, idle=False), i, mode, p, d)
                         for i, mode in enumerate(self._modes_for(request))]
         weighed.sort(key=lambda w: (w[0].cost_ms, w[1]))  # ties: the earlier mode
-        pred, _, mode, p, d, gbps = weighed[0]
+        _, _, mode, p, d = weighed[0]
+        queues = ledger.queues(p, d, now_s, n)
+        pred = served(profile, mode, queues, ctx.decode)
         others = [Weighed(m.label, w.ttft_ms, w.cost_ms, wp, wd)
-                  for w, _, m, wp, wd, _ in weighed[1:ctx.runners_up + 1]]
-        why = Why(self.name, pred, gbps, ctx.quality(mode.action, mode.chunks, n),
+                  for w, _, m, wp, wd in weighed[1:ctx.runners_up + 1]]
+        why = Why(self.name, pred, queues.link_gbps, ctx.quality(mode.action, mode.chunks, n),
                   tuple(others))
         return Assignment(request.id, mode, p, d, why)
 
