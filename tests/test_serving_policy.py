@@ -80,6 +80,8 @@ def test_the_ledger_books_and_corrects_each_resource():
     assert loaded.queues(0, 0, 0.2, 256).running == 3
     timed = loaded.link_timed(0, 0, 1_000_000, 100.0)
     assert timed.link(0, 0).estimate.gbps == pytest.approx(0.01)
+    # a streamed handoff's time holds its prompt's compute between messages: not the link's
+    assert timed.link_timed(0, 0, 1_000_000, 400.0, streamed=True) == timed
     assert timed.arrival_rate == pytest.approx(10.0)  # arrivals at 0 and 0.1 s
 
 

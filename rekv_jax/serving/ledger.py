@@ -281,8 +281,13 @@ class Ledger:
             queue, estimate=queue.estimate.observed(
                 price, suffix_ms, Setting.BESIDE if beside else Setting.ALONE, tokens)))
 
-    def link_timed(self, p: int, d: int, nbytes: int, ms: float) -> Ledger:
-        """A transfer of `nbytes` from prefill worker p to decode worker d took `ms`."""
+    def link_timed(self, p: int, d: int, nbytes: int, ms: float, streamed: bool = False
+                   ) -> Ledger:
+        """A transfer of `nbytes` from prefill worker p to decode worker d took `ms`. A
+        `streamed` one (a split or pipelined prefill) times nothing: its messages left as its
+        prompt computed, so its time from the first to the last verdict holds that compute."""
+        if streamed:
+            return self
         link = self.link(p, d)
         return self._with(p, d, link=dataclasses.replace(link,
                                                          estimate=link.estimate.observed(nbytes,

@@ -266,7 +266,7 @@ class Router:
         if held.status in HANDING_OFF:
             held.move(Status.SENT, now_s)
         self._ledger = self._ledger.link_timed(item.worker, a.decode_worker, item.sent_bytes,
-                                               item.link_ms - item.queued_ms)
+                                               item.link_ms - item.queued_ms, a.mode.streams)
 
     def on_ended(self, name: str, how: str, now_s: float) -> None:
         """Worker `name` ended (`how`: one line): a decode worker's requests fail; a prefill
