@@ -7,6 +7,7 @@ from test_queueing import TINY7B, _tiny7b_profile
 
 from rekv_jax.action import Action
 from rekv_jax.gate_result import GateResult
+from rekv_jax.mode import Interval, Mode
 from rekv_jax.planning.costmodel import Profile
 from rekv_jax.planning.queueing import DecodeCosts
 from rekv_jax.serving.ledger import (
@@ -15,6 +16,7 @@ from rekv_jax.serving.ledger import (
     Ledger,
     LinkEstimate,
     LinkQueue,
+    Overhead,
     PrefillQueue,
     Queued,
     Setting,
@@ -102,6 +104,41 @@ def test_the_prefill_device_is_timed_apart_alone_and_beside_decodes():
     assert timed.prefill[0].estimate.stretch(Setting.ALONE) == 0.5
     assert (policy.choose(REQUEST, timed, 3.0).why.predicted.ttft_ms
             > policy.choose(REQUEST, ledger, 1.0).why.predicted.ttft_ms)
+
+
+def test_a_streamed_prompt_is_priced_with_what_streamed_prompts_held_their_worker():
+    """A split or pipelined prompt waits at the head of its worker's queue for its admission
+    and sends between its steps: the ledger learns that hold (from the prompt's turn to its
+    `Prefilled`, less its compute) and prices it into a streamed prompt's TTFT and the
+    worker's busy time, not a full prefill's. A compute that tells nothing (None: it compiled
+    or was dropped) and a full prefill teach it nothing."""
+    profile, a = _tiny7b_profile(), Action.parse("q8:r=14", 28)
+    streamed = Mode.of(a, "chunked", "pipelined", 4, Interval.PROMPT)
+    asks = {0: streamed, 1: served_mode(a)}
+    policy = Asked(_context(profile), asks)
+    idle = Ledger.idle(1, 1, 0.01)
+    first = policy.choose(REQUEST, idle, 0.0)
+    assert first.why.predicted.overhead_ms == 0  # none timed yet
+    ledger = idle.assigned(first, 0.0, 256).prefilled(0, 0.5, 380.0)  # 120 ms beyond compute
+    assert ledger.prefill[0].overhead == Overhead((120.0,))
+    for told_nothing in (idle.assigned(first, 0.0, 256).prefilled(0, 0.5, None),
+                         idle.assigned(policy.choose(dataclasses.replace(REQUEST, id=1), idle,
+                                                     0.0), 0.0, 256).prefilled(0, 0.5, 380.0)):
+        assert told_nothing.prefill[0].overhead == Overhead()
+    held = Ledger((dataclasses.replace(IDLE_PREFILL, overhead=Overhead((120.0, 20.0, 90.0))),),
+                  idle.decode, idle.links)
+    for request_id, extra in ((0, 90.0), (1, 0.0)):  # the median hold; none for a full prefill
+        request = dataclasses.replace(REQUEST, id=request_id)
+        before = policy.choose(request, idle, 0.0).why.predicted
+        after = policy.choose(request, held, 0.0).why.predicted
+        assert after.overhead_ms == extra
+        assert after.ttft_ms == pytest.approx(before.ttft_ms + extra)
+        assert after.prefill_busy_ms == pytest.approx(before.prefill_busy_ms + extra)
+        # its compute is timed against its price, not against the hold priced beside it
+        chosen = policy.choose(request, held, 0.0)
+        timed = held.assigned(chosen, 0.0, 256).prefilled(0, 1.0, before.prefill_busy_ms)
+        assert timed.prefill[0].estimate.samples[-1].priced_ms == pytest.approx(
+            before.prefill_busy_ms)
 
 
 def test_a_compute_estimate_keeps_its_window_and_ignores_untimed_prompts():

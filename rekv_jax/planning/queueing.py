@@ -7,8 +7,10 @@ each has finished the work already assigned to it, in ms after the request arriv
 requests the decode worker is running (B). Then, for a handoff run as `mode` (timed from its
 prompt, `costmodel.handoff_ends`):
 
-    W_p = when the prefill device is free: the prompt waits that long, then its interval starts
-    TTFT = W_p + T(mode | link free at max(0, L - W_p), decode device free at max(0, D - W_p), k)
+    W_p = when the prefill device is free: the prompt waits that long
+    O   = what a split or pipelined prompt then holds it before its interval starts (0 else)
+    TTFT = W_p + O + T(mode | link free at max(0, L - W_p - O),
+                              decode device free at max(0, D - W_p - O), k)
 
 where `T` is the mode's formula with its link messages held until the link is free and its
 decode-side compute started no earlier than the device is free (`costmodel.Contention`). The
@@ -18,20 +20,26 @@ so a suffix of R ms alone takes `k R` with the stretch
 
     k = 1 + d(B) / u   (B >= 1; k = 1 on an idle worker).
 
-The prefill device's steps run `Queues.prefill_stretch` times the profile's cost
+A streamed prompt (split or pipelined) waits at the head of its worker's queue until its decode
+side admits it, and its messages leave on the worker's thread between its steps: `O` is what
+such prompts have lately held their worker beyond their compute
+(`Queues.streamed_overhead_ms`). A full prefill computes before its admission, so its own wait
+for pages is the link's and the decode worker's queue. The prefill device's steps run
+`Queues.prefill_stretch` times the profile's cost
 (`streamed_stretch` for a split or pipelined prefill, whose handoff crosses as it computes),
 and the decode device's `Queues.decode_stretch` times `k R`: what each device has lately
 taken against its price (`serving.ledger.ComputeEstimate`; on a host whose devices share
 memory and power, each computes slower while the other side computes too).
 
 What a choice costs the requests after it is in `ServedPrediction.after`: the prefill device is
-busy for the mode's prompt compute and quantize calls (`costmodel.prefill_busy_ms`, stretched: a
-split or pipelined prefill stops at the cut), the link until its last message has crossed (FIFO: the
-next request's messages follow), and the decode device for its suffix's stretched compute (a
-backlog of work, not a reservation: the device runs whatever suffix has arrived, so a suffix
-waiting for its boundary holds nothing up). Each ms a choice adds to a resource's busy time delays
-every request that arrives before that resource drains: at the recent arrival rate λ, about
-`λ F_r` of them, where `F_r` is when it drains after this request. The delay it imposes is
+busy for O and the mode's prompt compute and quantize calls (`costmodel.prefill_busy_ms`,
+stretched: a split or pipelined prefill stops at the cut), the link until its last message has
+crossed (FIFO: the next request's messages follow), and the decode device for its suffix's
+stretched compute (a backlog of work, not a reservation: the device runs whatever suffix has
+arrived, so a suffix waiting for its boundary holds nothing up). Each ms a choice adds to a
+resource's busy time delays every request that arrives before that resource drains: at the
+recent arrival rate λ, about `λ F_r` of them, where `F_r` is when it drains after this
+request. The delay it imposes is
 
     I = Σ_r Δ_r λ F_r        (Δ_r: how much later resource r is free because of it)
 
@@ -101,11 +109,13 @@ class Queues:
     decode_stretch: float = 1  # the decode device's suffix time per ms of its price, lately
     streamed_stretch: float = 1  # prefill_stretch of a streamed prompt (split or pipelined)
     link_gbps: float | None = None  # the link's bandwidth as lately measured; None: the profile's
+    streamed_overhead_ms: float = 0  # O: a streamed prompt's hold on its worker beyond compute
 
     def __post_init__(self) -> None:
         if min(self.prefill_free_ms, self.link_free_ms, self.decode_free_ms, self.running,
-               self.arrival_rate) < 0 or min(self.prefill_stretch, self.decode_stretch,
-                                             self.streamed_stretch, self.link_gbps or 1) <= 0:
+               self.arrival_rate, self.streamed_overhead_ms) < 0 or min(
+                   self.prefill_stretch, self.decode_stretch, self.streamed_stretch,
+                   self.link_gbps or 1) <= 0:
             raise ValueError(f"queues cannot be negative, got {self}")
 
 
@@ -114,7 +124,7 @@ class ServedPrediction:
     """The predicted time to first token of one request handed off as a mode among others, and
     its parts (ms): why a policy chose what it chose."""
 
-    ttft_ms: float  # arrival to first token: prefill_wait_ms + handoff_ms
+    ttft_ms: float  # arrival to first token: prefill_wait_ms + overhead_ms + handoff_ms
     prefill_wait_ms: float  # W_p: the prompt waits for the prefill device
     handoff_ms: float  # the handoff from its prompt's start, under the contention
     idle_ms: float | None  # the same handoff on an idle link and decode device (the paper's
@@ -122,13 +132,20 @@ class ServedPrediction:
     link_wait_ms: float  # what is left of the link's queue when its interval starts
     decode_wait_ms: float  # ... and of the decode device's
     stretch: float  # k: its decode-side compute beside the running decodes (and as lately timed)
-    prefill_busy_ms: float  # the prefill device time it takes (stretched)
+    prefill_busy_ms: float  # the prefill device time it takes (stretched, and O)
     decode_busy_ms: float  # the decode device compute it adds, unstretched
     after: Queues  # the queues a request arriving at the same moment would find after it
     imposed_ms: float  # I: the delay it is expected to impose on the requests after it
     decode_delay_ms: float = 0.0  # J: the delay it imposes on the running decodes, summed
     prefill_stretch: float = 1.0  # its prefill device time per ms of the profile's price
     decode_stretch: float = 1.0  # of `stretch`, the decode device's lately measured share
+    overhead_ms: float = 0.0  # O: a streamed prompt's hold on its worker before its interval
+
+    @property
+    def prefill_priced_ms(self) -> float:
+        """Its prompt compute at the profile's price: its prefill device time less O,
+        unstretched."""
+        return (self.prefill_busy_ms - self.overhead_ms) / self.prefill_stretch
 
     @property
     def cost_ms(self) -> float:
@@ -151,24 +168,25 @@ def served(profile: Profile, mode: Mode, queues: Queues, decode: DecodeCosts, id
                          "from the ready prefill state")
     k = decode.stretch(queues.running) * queues.decode_stretch
     f = queues.streamed_stretch if mode.streams else queues.prefill_stretch
-    wait = queues.prefill_free_ms
-    seen = Contention(max(0, queues.link_free_ms - wait), max(0, queues.decode_free_ms - wait), k,
-                      f, queues.link_gbps)
+    o = queues.streamed_overhead_ms if mode.streams else 0
+    wait, start = queues.prefill_free_ms, queues.prefill_free_ms + o
+    seen = Contention(max(0, queues.link_free_ms - start), max(0, queues.decode_free_ms - start),
+                      k, f, queues.link_gbps)
     ends = handoff_ends(profile, mode, seen)
-    busy = prefill_busy_ms(profile, mode) * f
+    busy = prefill_busy_ms(profile, mode) * f + o
     decode_busy = decode_busy_ms(profile, mode)
     after = dataclasses.replace(queues, prefill_free_ms=wait + busy,
-                                link_free_ms=max(queues.link_free_ms, wait + ends.link_ms),
+                                link_free_ms=max(queues.link_free_ms, start + ends.link_ms),
                                 decode_free_ms=queues.decode_free_ms + decode_busy * k)
     return ServedPrediction(
-        ttft_ms=wait + ends.end_ms, prefill_wait_ms=wait, handoff_ms=ends.end_ms,
+        ttft_ms=start + ends.end_ms, prefill_wait_ms=wait, handoff_ms=ends.end_ms,
         idle_ms=handoff_ends(profile, mode, Contention(link_gbps=queues.link_gbps)).end_ms
         if idle else None,
         link_wait_ms=seen.link_free_ms,
         decode_wait_ms=seen.decode_free_ms, stretch=k, prefill_busy_ms=busy,
         decode_busy_ms=decode_busy, after=after, imposed_ms=imposed_ms(queues, after),
         decode_delay_ms=queues.running * decode_busy, prefill_stretch=f,
-        decode_stretch=queues.decode_stretch)
+        decode_stretch=queues.decode_stretch, overhead_ms=o)
 
 
 def imposed_ms(before: Queues, after: Queues) -> float:

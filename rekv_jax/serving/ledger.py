@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import statistics
 from collections.abc import Sequence
 
 from rekv_jax.planning.queueing import DecodeCosts, Queues
@@ -114,6 +115,25 @@ class ComputeEstimate:
 
 
 @dataclasses.dataclass(frozen=True)
+class Overhead:
+    """How long a prefill worker's streamed prompts have lately held it beyond their compute
+    (ms): from the prompt's turn (its arrival at an idle worker, or the `Prefilled` of the one
+    before it) to its own `Prefilled`, less its compute. It waits at the head of the queue for
+    its decode side's admission, and its messages leave on the worker's thread between its
+    steps. The median of the latest `window`; 0 until one is timed."""
+
+    samples: tuple[float, ...] = ()  # oldest first
+    window: int = WINDOW
+
+    @property
+    def ms(self) -> float:
+        return statistics.median(self.samples) if self.samples else 0.0
+
+    def observed(self, ms: float) -> Overhead:
+        return dataclasses.replace(self, samples=(*self.samples, max(0.0, ms))[-self.window:])
+
+
+@dataclasses.dataclass(frozen=True)
 class Queued:
     """A prompt assigned to a prefill worker and not yet computed."""
 
@@ -126,13 +146,14 @@ class Queued:
 @dataclasses.dataclass(frozen=True)
 class PrefillQueue:
     """One prefill worker: the prompts assigned and not done, in the order it serves them,
-    when the first of them started and in which setting, and how the device's compute has
-    lately compared with its price."""
+    when the first of them started and in which setting, how the device's compute has lately
+    compared with its price, and what its streamed prompts have held it beyond that."""
 
     queued: tuple[Queued, ...] = ()
     started_s: float = 0.0
     setting: Setting = Setting.ALONE
     estimate: ComputeEstimate = ComputeEstimate()
+    overhead: Overhead = Overhead()
 
     def free_at(self) -> float:
         return self.started_s + sum(q.busy_ms for q in self.queued) / 1e3
@@ -198,7 +219,7 @@ class Ledger:
                       queue.estimate.stretch(setting, tokens),
                       decode.estimate.stretch(self._decode_setting(), tokens),
                       queue.estimate.stretch(Setting.STREAMED, tokens),
-                      self.link(p, d).estimate.gbps)
+                      self.link(p, d).estimate.gbps, queue.overhead.ms)
 
     def decoding(self, now_s: float) -> bool:
         """Whether some decode worker is busy at `now_s` or about to be: requests running or
@@ -231,24 +252,28 @@ class Ledger:
             queue = dataclasses.replace(queue, started_s=now_s,
                                         setting=self._prompt_setting(a.mode.streams, now_s))
         queue = dataclasses.replace(queue, queued=(*queue.queued, Queued(
-            predicted.prefill_busy_ms, predicted.prefill_busy_ms / predicted.prefill_stretch,
-            a.mode.streams, tokens)))
+            predicted.prefill_busy_ms, predicted.prefill_priced_ms, a.mode.streams, tokens)))
         link = dataclasses.replace(self.link(p, d), free_at_s=now_s + after.link_free_ms / 1e3)
         decode = dataclasses.replace(self.decode[d], free_at_s=now_s + after.decode_free_ms / 1e3)
         return self._with(p, d, queue, link, decode)
 
-    def prefilled(self, worker: int, now_s: float, compute_ms: float = 0.0) -> Ledger:
+    def prefilled(self, worker: int, now_s: float, compute_ms: float | None = None) -> Ledger:
         """Prefill worker `worker`'s device finished its oldest prompt at `now_s` after
-        `compute_ms` of compute (`Prefilled`: its handoff may still be on the link): the next
-        one starts now."""
+        `compute_ms` of compute (`Prefilled`: its handoff may still be on the link; None: its
+        time tells nothing of the device, it compiled or was dropped): the next one starts
+        now."""
         queue = self.prefill[worker]
         if not queue.queued:
             return self
         done, rest = queue.queued[0], queue.queued[1:]
-        estimate = queue.estimate.observed(done.priced_ms, compute_ms, queue.setting,
-                                           done.tokens)
+        estimate, overhead = queue.estimate, queue.overhead
+        if compute_ms is not None:
+            estimate = estimate.observed(done.priced_ms, compute_ms, queue.setting, done.tokens)
+            if done.streams:
+                overhead = overhead.observed((now_s - queue.started_s) * 1e3 - compute_ms)
         return self._with(prefill_worker=worker, prefill=PrefillQueue(
-            rest, now_s, self._prompt_setting(bool(rest) and rest[0].streams, now_s), estimate))
+            rest, now_s, self._prompt_setting(bool(rest) and rest[0].streams, now_s), estimate,
+            overhead))
 
     def loaded(self, load: Load, now_s: float, costs: DecodeCosts) -> Ledger:
         """A decode worker's report at `now_s`: its suffix work left, stretched by its batch and

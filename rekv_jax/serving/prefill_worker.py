@@ -289,7 +289,8 @@ class PrefillWorker:
         self._prefilled(job, t.prefill_ms + t.quantize_ms, emit)
         self._flying.append(job)
 
-    def _prefilled(self, job: _Job, compute_ms: float, emit: Callable[[object], None]) -> None:
+    def _prefilled(self, job: _Job, compute_ms: float | None, emit: Callable[[object], None]
+                   ) -> None:
         """Tell the router this device is done with the job's prompt (once per job)."""
         if not job.prefilled:
             job.prefilled = True
@@ -297,5 +298,5 @@ class PrefillWorker:
 
     def _fail(self, job: _Job, error: str, emit: Callable[[object], None]) -> None:
         """Report the job failed (`Prefilled` first if its prompt was never computed)."""
-        self._prefilled(job, 0.0, emit)
+        self._prefilled(job, None, emit)
         emit(PrefillDone(job.request.request_id, self.worker, 0.0, 0.0, 0, first_line(error)))

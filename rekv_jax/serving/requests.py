@@ -158,12 +158,12 @@ class Abort:
 class Prefilled:
     """Prefill worker -> router, once per `Prefill` and before its `PrefillDone`: its prefill
     device is done with the request (its prompt computed, or dropped before it was: then
-    `compute_ms` is 0), so its next prompt starts now. Its handoff may still wait for the
+    `compute_ms` is None), so its next prompt starts now. Its handoff may still wait for the
     decode side's pages, and for the link."""
 
     request_id: int
     worker: int
-    compute_ms: float  # its prompt compute and quantize calls on the prefill device
+    compute_ms: float | None  # its prompt compute and quantize calls on the prefill device
     compile_ms: float = 0.0  # XLA compiles while it was computed (streamed: and sent)
 
 

@@ -243,7 +243,7 @@ class Router:
         """Its prefill worker's device is done with its prompt: the next one starts there."""
         # a compute that compiled times the compiler, not the device: it re-estimates nothing
         self._ledger = self._ledger.prefilled(item.worker, now_s,
-                                              0.0 if item.compile_ms else item.compute_ms)
+                                              None if item.compile_ms else item.compute_ms)
         held = self._open.get(item.request_id)
         if held is not None and held.status == Status.PREFILLING:
             held.move(Status.PREFILLED, now_s)
