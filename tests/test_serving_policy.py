@@ -13,10 +13,10 @@ from rekv_jax.planning.queueing import DecodeCosts
 from rekv_jax.serving.ledger import (
     ComputeEstimate,
     DecodeQueue,
+    Extra,
     Ledger,
     LinkEstimate,
     LinkQueue,
-    Overhead,
     PrefillQueue,
     Queued,
     Setting,
@@ -120,12 +120,13 @@ def test_a_streamed_prompt_is_priced_with_what_streamed_prompts_held_their_worke
     first = policy.choose(REQUEST, idle, 0.0)
     assert first.why.predicted.overhead_ms == 0  # none timed yet
     ledger = idle.assigned(first, 0.0, 256).prefilled(0, 0.5, 380.0)  # 120 ms beyond compute
-    assert ledger.prefill[0].overhead == Overhead((120.0,))
+    assert ledger.prefill[0].overhead == Extra(((None, 120.0),))
     for told_nothing in (idle.assigned(first, 0.0, 256).prefilled(0, 0.5, None),
                          idle.assigned(policy.choose(dataclasses.replace(REQUEST, id=1), idle,
                                                      0.0), 0.0, 256).prefilled(0, 0.5, 380.0)):
-        assert told_nothing.prefill[0].overhead == Overhead()
-    held = Ledger((dataclasses.replace(IDLE_PREFILL, overhead=Overhead((120.0, 20.0, 90.0))),),
+        assert told_nothing.prefill[0].overhead == Extra()
+    held = Ledger((dataclasses.replace(IDLE_PREFILL, overhead=Extra(
+        ((None, 120.0), (None, 20.0), (None, 90.0)))),),
                   idle.decode, idle.links)
     for request_id, extra in ((0, 90.0), (1, 0.0)):  # the median hold; none for a full prefill
         request = dataclasses.replace(REQUEST, id=request_id)
@@ -139,6 +140,34 @@ def test_a_streamed_prompt_is_priced_with_what_streamed_prompts_held_their_worke
         timed = held.assigned(chosen, 0.0, 256).prefilled(0, 1.0, before.prefill_busy_ms)
         assert timed.prefill[0].estimate.samples[-1].priced_ms == pytest.approx(
             before.prefill_busy_ms)
+
+
+def test_first_tokens_lag_after_the_link_is_learned_by_kind_and_length():
+    """The decode side's work after a handoff's last message errs from its price by schedule,
+    length and load: the ledger learns by how much each kind (streamed or not, per octave,
+    beside running decodes or not) lately came later than priced and adds it to that kind's
+    TTFT, never before its link's end."""
+    profile, a = _tiny7b_profile(), Action.parse("q8:r=14", 28)
+    streamed = Mode.of(a, "chunked", "pipelined", 4, Interval.PROMPT)
+    policy = Asked(_context(profile), {0: streamed, 1: served_mode(a)})
+    full_request = dataclasses.replace(REQUEST, id=1)
+    idle = Ledger.idle(1, 1, 0.01)
+    choice = policy.choose(REQUEST, idle, 0.0)
+    p = choice.why.predicted
+    priced = p.ttft_ms - p.after.link_free_ms
+    assert p.tail_ms == 0 and priced > 0  # untimed: the plan's own tail
+    learned = idle.first_token(choice, 256, priced + 40.0).first_token(choice, 300, priced - 8.0)
+    assert learned.decode[0].tail == Extra((((True, 8, False), 40.0), ((True, 8, False), -8.0)))
+    again = policy.choose(REQUEST, learned, 0.0).why.predicted
+    assert again.tail_ms == 16.0 and again.ttft_ms == pytest.approx(p.ttft_ms + 16)
+    decoding = learned.loaded(Load(0, running=2, queued_suffix_ms=0.0, free_pages=9), 0.0, COSTS)
+    for other in (policy.choose(full_request, learned, 0.0),  # not streamed
+                  policy.choose(dataclasses.replace(REQUEST, tokens=(1,) * 512), learned, 0.0),
+                  policy.choose(REQUEST, decoding, 0.0)):  # beside running decodes
+        assert other.why.predicted.tail_ms == 0
+    early = idle.first_token(choice, 256, -1e6)  # no first token before the link's end
+    assert policy.choose(REQUEST, early, 0.0).why.predicted.ttft_ms == pytest.approx(
+        p.after.link_free_ms)
 
 
 def test_a_compute_estimate_keeps_its_window_and_ignores_untimed_prompts():

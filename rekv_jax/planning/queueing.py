@@ -10,7 +10,7 @@ prompt, `costmodel.handoff_ends`):
     W_p = when the prefill device is free: the prompt waits that long
     O   = what a split or pipelined prompt then holds it before its interval starts (0 else)
     TTFT = W_p + O + T(mode | link free at max(0, L - W_p - O),
-                              decode device free at max(0, D - W_p - O), k)
+                              decode device free at max(0, D - W_p - O), k) + E
 
 where `T` is the mode's formula with its link messages held until the link is free and its
 decode-side compute started no earlier than the device is free (`costmodel.Contention`). The
@@ -20,7 +20,12 @@ so a suffix of R ms alone takes `k R` with the stretch
 
     k = 1 + d(B) / u   (B >= 1; k = 1 on an idle worker).
 
-A streamed prompt (split or pipelined) waits at the head of its worker's queue until its decode
+`E` is by how much the decode worker's first tokens have lately come after their link's end
+later than `T` priced, for handoffs of the same kind (streamed or not) and prompt octave
+(`Queues.tail_ms`, `streamed_tail_ms`; the first token never before the link's end): the decode
+side's work after the last message runs beside the engine's iteration and the other side's
+compute, which the profile, measured alone, does not price. A streamed prompt (split or
+pipelined) waits at the head of its worker's queue until its decode
 side admits it, and its messages leave on the worker's thread between its steps: `O` is what
 such prompts have lately held their worker beyond their compute
 (`Queues.streamed_overhead_ms`). A full prefill computes before its admission, so its own wait
@@ -110,6 +115,8 @@ class Queues:
     streamed_stretch: float = 1  # prefill_stretch of a streamed prompt (split or pipelined)
     link_gbps: float | None = None  # the link's bandwidth as lately measured; None: the profile's
     streamed_overhead_ms: float = 0  # O: a streamed prompt's hold on its worker beyond compute
+    tail_ms: float = 0  # the first token's lag after the link beyond its price, lately
+    streamed_tail_ms: float = 0  # ... of a streamed prompt's handoff
 
     def __post_init__(self) -> None:
         if min(self.prefill_free_ms, self.link_free_ms, self.decode_free_ms, self.running,
@@ -124,7 +131,7 @@ class ServedPrediction:
     """The predicted time to first token of one request handed off as a mode among others, and
     its parts (ms): why a policy chose what it chose."""
 
-    ttft_ms: float  # arrival to first token: prefill_wait_ms + overhead_ms + handoff_ms
+    ttft_ms: float  # arrival to first token: prefill_wait_ms + overhead_ms + handoff_ms + tail_ms
     prefill_wait_ms: float  # W_p: the prompt waits for the prefill device
     handoff_ms: float  # the handoff from its prompt's start, under the contention
     idle_ms: float | None  # the same handoff on an idle link and decode device (the paper's
@@ -140,6 +147,7 @@ class ServedPrediction:
     prefill_stretch: float = 1.0  # its prefill device time per ms of the profile's price
     decode_stretch: float = 1.0  # of `stretch`, the decode device's lately measured share
     overhead_ms: float = 0.0  # O: a streamed prompt's hold on its worker before its interval
+    tail_ms: float = 0.0  # the lately measured lag added after its handoff's end (>= its link's)
 
     @property
     def prefill_priced_ms(self) -> float:
@@ -173,20 +181,22 @@ def served(profile: Profile, mode: Mode, queues: Queues, decode: DecodeCosts, id
     seen = Contention(max(0, queues.link_free_ms - start), max(0, queues.decode_free_ms - start),
                       k, f, queues.link_gbps)
     ends = handoff_ends(profile, mode, seen)
+    tail = max(queues.streamed_tail_ms if mode.streams else queues.tail_ms,
+               ends.link_ms - ends.end_ms)  # no first token before its cache has crossed
     busy = prefill_busy_ms(profile, mode) * f + o
     decode_busy = decode_busy_ms(profile, mode)
     after = dataclasses.replace(queues, prefill_free_ms=wait + busy,
                                 link_free_ms=max(queues.link_free_ms, start + ends.link_ms),
                                 decode_free_ms=queues.decode_free_ms + decode_busy * k)
     return ServedPrediction(
-        ttft_ms=start + ends.end_ms, prefill_wait_ms=wait, handoff_ms=ends.end_ms,
+        ttft_ms=start + ends.end_ms + tail, prefill_wait_ms=wait, handoff_ms=ends.end_ms,
         idle_ms=handoff_ends(profile, mode, Contention(link_gbps=queues.link_gbps)).end_ms
         if idle else None,
         link_wait_ms=seen.link_free_ms,
         decode_wait_ms=seen.decode_free_ms, stretch=k, prefill_busy_ms=busy,
         decode_busy_ms=decode_busy, after=after, imposed_ms=imposed_ms(queues, after),
         decode_delay_ms=queues.running * decode_busy, prefill_stretch=f,
-        decode_stretch=queues.decode_stretch, overhead_ms=o)
+        decode_stretch=queues.decode_stretch, overhead_ms=o, tail_ms=tail)
 
 
 def imposed_ms(before: Queues, after: Queues) -> float:

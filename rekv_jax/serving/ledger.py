@@ -17,7 +17,7 @@ import dataclasses
 import enum
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 from rekv_jax.planning.queueing import DecodeCosts, Queues
 from rekv_jax.serving.requests import Assignment, Load
@@ -115,22 +115,30 @@ class ComputeEstimate:
 
 
 @dataclasses.dataclass(frozen=True)
-class Overhead:
-    """How long a prefill worker's streamed prompts have lately held it beyond their compute
-    (ms): from the prompt's turn (its arrival at an idle worker, or the `Prefilled` of the one
-    before it) to its own `Prefilled`, less its compute. It waits at the head of the queue for
-    its decode side's admission, and its messages leave on the worker's thread between its
-    steps. The median of the latest `window`; 0 until one is timed."""
+class Extra:
+    """What a stage has lately taken beyond its price (ms), apart by kind (`key`): the median
+    of the key's latest `window`; 0 until the key is timed. A prefill worker's `overhead` is
+    what its streamed prompts held it beyond their compute: from a prompt's turn (its arrival at
+    an idle worker, or the `Prefilled` of the one before it) to its own `Prefilled`, less its
+    compute; such a prompt waits at the head of the queue for its decode side's admission, and
+    its messages leave on the worker's thread between its steps. A decode worker's `tail` is by
+    how much its first tokens have lately come after their link's end later than priced (by
+    `(streams, octave, beside decodes)`: the decode side's work after the last message differs
+    by schedule and length, and by whether it runs inside the iterations of running decodes)."""
 
-    samples: tuple[float, ...] = ()  # oldest first
+    samples: tuple[tuple[Hashable, float], ...] = ()  # (key, ms), oldest first
     window: int = WINDOW
 
-    @property
-    def ms(self) -> float:
-        return statistics.median(self.samples) if self.samples else 0.0
+    def ms(self, key: Hashable = None) -> float:
+        timed = [ms for k, ms in self.samples if k == key]
+        return statistics.median(timed) if timed else 0.0
 
-    def observed(self, ms: float) -> Overhead:
-        return dataclasses.replace(self, samples=(*self.samples, max(0.0, ms))[-self.window:])
+    def observed(self, ms: float, key: Hashable = None) -> Extra:
+        """The estimate once a stage of kind `key` took `ms` beyond its price."""
+        kin = [i for i, (k, _) in enumerate(self.samples) if k == key]
+        kept = self.samples if len(kin) < self.window else (
+            self.samples[:kin[0]] + self.samples[kin[0] + 1:])  # drop its oldest
+        return dataclasses.replace(self, samples=(*kept, (key, ms)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +161,7 @@ class PrefillQueue:
     started_s: float = 0.0
     setting: Setting = Setting.ALONE
     estimate: ComputeEstimate = ComputeEstimate()
-    overhead: Overhead = Overhead()
+    overhead: Extra = Extra()
 
     def free_at(self) -> float:
         return self.started_s + sum(q.busy_ms for q in self.queued) / 1e3
@@ -168,6 +176,7 @@ class DecodeQueue:
     running: int = 0
     estimate: ComputeEstimate = ComputeEstimate()
     held_pages: int = 0  # what its admitted requests hold: they decode there now or soon
+    tail: Extra = Extra()  # its first tokens' lag after their link beyond the price
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +228,9 @@ class Ledger:
                       queue.estimate.stretch(setting, tokens),
                       decode.estimate.stretch(self._decode_setting(), tokens),
                       queue.estimate.stretch(Setting.STREAMED, tokens),
-                      self.link(p, d).estimate.gbps, queue.overhead.ms)
+                      self.link(p, d).estimate.gbps, queue.overhead.ms(),
+                      decode.tail.ms((False, octave(tokens), decode.running > 0)),
+                      decode.tail.ms((True, octave(tokens), decode.running > 0)))
 
     def decoding(self, now_s: float) -> bool:
         """Whether some decode worker is busy at `now_s` or about to be: requests running or
@@ -270,7 +281,8 @@ class Ledger:
         if compute_ms is not None:
             estimate = estimate.observed(done.priced_ms, compute_ms, queue.setting, done.tokens)
             if done.streams:
-                overhead = overhead.observed((now_s - queue.started_s) * 1e3 - compute_ms)
+                overhead = overhead.observed(
+                    max(0.0, (now_s - queue.started_s) * 1e3 - compute_ms))
         return self._with(prefill_worker=worker, prefill=PrefillQueue(
             rest, now_s, self._prompt_setting(bool(rest) and rest[0].streams, now_s), estimate,
             overhead))
@@ -305,6 +317,15 @@ class Ledger:
         return self._with(decode_worker=worker, decode=dataclasses.replace(
             queue, estimate=queue.estimate.observed(
                 price, suffix_ms, Setting.BESIDE if beside else Setting.ALONE, tokens)))
+
+    def first_token(self, a: Assignment, tokens: int, tail_ms: float) -> Ledger:
+        """The first token of `a`'s handoff of `tokens` prompt tokens came `tail_ms` after the
+        router heard its link's end (its `PrefillDone`)."""
+        p, queue = a.why.predicted, self.decode[a.decode_worker]
+        priced = p.ttft_ms - p.tail_ms - p.after.link_free_ms  # the plan's own tail
+        return self._with(decode_worker=a.decode_worker, decode=dataclasses.replace(
+            queue, tail=queue.tail.observed(tail_ms - priced, (a.mode.streams, octave(tokens),
+                                                               p.after.running > 0))))
 
     def link_timed(self, p: int, d: int, nbytes: int, ms: float, streamed: bool = False
                    ) -> Ledger:

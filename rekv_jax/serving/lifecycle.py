@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
 from typing import Any
 
 from rekv_jax.serving.requests import Assignment, Finished, PrefillDone, ServeRequest
@@ -102,6 +103,14 @@ class OpenRequest:
 
     def move(self, to: Status, now_s: float) -> None:
         move(self.lifecycle, to, now_s)
+
+    def entered_s(self, status: Status) -> float | None:
+        return entered_s(self.lifecycle, status)
+
+
+def entered_s(lifecycle: Sequence[Transition], status: Status) -> float | None:
+    """When a request last entered `status` (the router's run clock; None: never)."""
+    return next((t.t_s for t in reversed(lifecycle) if t.status == status), None)
 
 
 def ending(finish_reason: str | None) -> Status:

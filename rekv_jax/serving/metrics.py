@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from rekv_jax import stats
-from rekv_jax.serving.lifecycle import Status, Transition
+from rekv_jax.serving.lifecycle import Status, Transition, entered_s
 from rekv_jax.serving.requests import Assignment, Finished, PrefillDone, ServeRequest
 
 TTFT_QUANTILES = (0.5, 0.9, 0.99)
@@ -124,8 +124,7 @@ class Served:
         return (t[-1] - self.request.arrival_s) * 1e3 if t else None
 
     def entered_s(self, status: Status) -> float | None:
-        """When it last entered `status` (the router's run clock; None: never)."""
-        return next((t.t_s for t in reversed(self.lifecycle) if t.status == status), None)
+        return entered_s(self.lifecycle, status)
 
     def stages(self) -> tuple[Stage, ...]:
         """Each of `STAGES`, predicted and measured from its (last) assignment; () if it was

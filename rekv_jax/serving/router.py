@@ -213,6 +213,9 @@ class Router:
         held.token_times_s.append(now_s)
         if item.index == 0:
             held.move(Status.DECODING, now_s)
+            if (sent_s := held.entered_s(Status.SENT)) is not None and held.assignment:
+                self._ledger = self._ledger.first_token(held.assignment, held.request.prompt_len,
+                                                        (now_s - sent_s) * 1e3)
 
     def _late(self, name: str, item: Token | Finished, now_s: float) -> None:
         """A report of a request the router already ended: a `Finished` gives its pages back;
@@ -376,20 +379,16 @@ class Arrivals(Protocol):
     @property
     def ended(self) -> bool:
         """No request will arrive after those taken."""
-        ...
 
     def take(self, now_s: float, all_now: bool) -> list[ServeRequest]:
         """The requests arrived by `now_s` on the run clock (`all_now`: every one still to
         come, now: no pair is left to serve them)."""
-        ...
 
     def wait_s(self, now_s: float) -> float:
         """How long the loop may wait for workers before the next arrival is due."""
-        ...
 
     def cancelled(self) -> list[int]:
         """The ids of the requests taken whose clients left since the last call."""
-        ...
 
 
 class Scheduled:
