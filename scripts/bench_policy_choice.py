@@ -1,5 +1,5 @@
 """How long each serving policy takes to choose a request's mode and workers: router time that
-every request waits before its `Prefill` is sent (JSON, one object per policy and prompt length).
+every request waits before its `Prefill` is sent (JSON: a row per policy and prompt length).
 
 Each choice is made on a ledger whose link estimate has just changed, as in a served stream
 (a transfer is timed between requests), so no choice reuses the plans played for the one
@@ -51,14 +51,14 @@ def main() -> None:
     cfg = ModelConfig.preset(args.model)
     profiles = tuple(load_profiles(args.profile))
     context = Context(cfg.name, cfg.num_layers, profiles, COSTS)
-    ledger = Ledger.idle(1, 1, profiles[0].link_gbps)
+    ledger, rows = Ledger.idle(1, 1, profiles[0].link_gbps), []
     for policy in make_policies(check_policy_names(args.policy, cfg.num_layers), context):
         for n in (int(x) for x in args.prompt_lens.split(",")):
             ms = sorted(choice_ms(policy, ledger, n, args.reps))
-            print(json.dumps({"policy": policy.name, "prompt_len": n,
-                              "modes": len(policy.modes(n)), "reps": args.reps,
-                              "choice_ms_p50": statistics.median(ms),
-                              "choice_ms_max": ms[-1]}))
+            rows.append({"policy": policy.name, "prompt_len": n, "modes": len(policy.modes(n)),
+                         "choice_ms_p50": statistics.median(ms), "choice_ms_max": ms[-1]})
+    print(json.dumps({"model": cfg.name, "profile": args.profile, "reps": args.reps,
+                      "choices": rows}, indent=1))
 
 
 if __name__ == "__main__":
