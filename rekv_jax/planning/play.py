@@ -19,8 +19,8 @@ once the steps it needs are done and its device is free, and the predicted total
 ends (the plan's critical path). Among other requests (`Contention`) the link is free only from
 `link_free_ms` (at `link_gbps`, the link's live estimate, where given), the decode device from
 `decode_free_ms`, a suffix runs `stretch` times its own cost and a prefill-side step
-`prefill_stretch` times. With equal chunks (and a prefill stretch
-of 1) the closed forms of `costmodel` are special cases of this (tested).
+`prefill_stretch` times. With equal chunks (and a prefill stretch of 1) the closed forms of
+`costmodel` are special cases of this (tested).
 """
 
 from __future__ import annotations

@@ -21,13 +21,13 @@ so a suffix of R ms alone takes `k R` with the stretch
     k = 1 + d(B) / u   (B >= 1; k = 1 on an idle worker).
 
 `E` is by how much the decode worker's first tokens have lately come after their link's end
-later than `T` priced, for handoffs of the same kind (streamed or not) and prompt octave
-(`Queues.tail_ms`, `streamed_tail_ms`; the first token never before the link's end): the decode
-side's work after the last message runs beside the engine's iteration and the other side's
-compute, which the profile, measured alone, does not price. A streamed prompt (split or
-pipelined) waits at the head of its worker's queue until its decode
-side admits it, and its messages leave on the worker's thread between its steps: `O` is what
-such prompts have lately held their worker beyond their compute
+later than `T` priced, for handoffs of the same kind (streamed or not), prompt octave and load
+(decodes running or not; `Queues.tail_ms`, `streamed_tail_ms`; the first token never before
+the link's end): the decode side's work after the last message runs beside the engine's
+iteration and the other side's compute, which the profile, measured alone, does not price.
+A streamed prompt (split or pipelined) waits at the head of its worker's queue until its
+decode side admits it, and its messages leave on the worker's thread between its steps: `O` is
+what such prompts have lately held their worker beyond their compute
 (`Queues.streamed_overhead_ms`). A full prefill computes before its admission, so its own wait
 for pages is the link's and the decode worker's queue. The prefill device's steps run
 `Queues.prefill_stretch` times the profile's cost
