@@ -48,11 +48,15 @@ def main() -> None:
     ap.add_argument("--prompt-lens", default="256,512")
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
-    cfg = ModelConfig.preset(args.model)
-    profiles = tuple(load_profiles(args.profile))
-    context = Context(cfg.name, cfg.num_layers, profiles, COSTS)
+    try:
+        cfg = ModelConfig.preset(args.model)
+        profiles = tuple(load_profiles(args.profile))
+        context = Context(cfg.name, cfg.num_layers, profiles, COSTS)
+        policies = make_policies(check_policy_names(args.policy, cfg.num_layers), context)
+    except (OSError, ValueError) as e:
+        ap.error(str(e))
     ledger, rows = Ledger.idle(1, 1, profiles[0].link_gbps), []
-    for policy in make_policies(check_policy_names(args.policy, cfg.num_layers), context):
+    for policy in policies:
         for n in (int(x) for x in args.prompt_lens.split(",")):
             ms = sorted(choice_ms(policy, ledger, n, args.reps))
             rows.append({"policy": policy.name, "prompt_len": n, "modes": len(policy.modes(n)),

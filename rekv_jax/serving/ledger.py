@@ -17,10 +17,13 @@ import dataclasses
 import enum
 import math
 import statistics
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import TypeVar
 
 from rekv_jax.planning.queueing import DecodeCosts, Queues
 from rekv_jax.serving.requests import Assignment, Load
+
+T = TypeVar("T")
 
 WINDOW = 8  # transfers a link's bandwidth estimate is taken over
 ARRIVALS = 16  # arrivals the arrival rate is estimated over
@@ -107,11 +110,9 @@ class ComputeEstimate:
         if not (priced_ms > 0 and measured_ms > 0):
             return self
         new = Timed(setting, octave(tokens), priced_ms, measured_ms)
-        kin = [i for i, t in enumerate(self.samples)
-               if (t.setting, t.octave) == (new.setting, new.octave)]
-        kept = self.samples if len(kin) < self.window else (
-            self.samples[:kin[0]] + self.samples[kin[0] + 1:])  # drop its oldest
-        return dataclasses.replace(self, samples=(*kept, new))
+        return dataclasses.replace(self, samples=_windowed(
+            self.samples, new, lambda t: (t.setting, t.octave) == (new.setting, new.octave),
+            self.window))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,10 +136,8 @@ class Extra:
 
     def observed(self, ms: float, key: Hashable = None) -> Extra:
         """The estimate once a stage of kind `key` took `ms` beyond its price."""
-        kin = [i for i, (k, _) in enumerate(self.samples) if k == key]
-        kept = self.samples if len(kin) < self.window else (
-            self.samples[:kin[0]] + self.samples[kin[0] + 1:])  # drop its oldest
-        return dataclasses.replace(self, samples=(*kept, (key, ms)))
+        return dataclasses.replace(self, samples=_windowed(
+            self.samples, (key, ms), lambda sample: sample[0] == key, self.window))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,3 +352,12 @@ def _put(items: Sequence, index: int | None, item: object) -> tuple:
     if item is None or index is None:
         return tuple(items)
     return (*items[:index], item, *items[index + 1:])
+
+
+def _windowed(samples: tuple[T, ...], new: T, kin: Callable[[T], bool], window: int
+              ) -> tuple[T, ...]:
+    """`samples` with `new` appended, its kind (`kin`) keeping only its latest `window`."""
+    of_kind = [i for i, sample in enumerate(samples) if kin(sample)]
+    if len(of_kind) >= window:  # drop its oldest
+        samples = samples[:of_kind[0]] + samples[of_kind[0] + 1:]
+    return (*samples, new)
