@@ -186,6 +186,8 @@ class World:
             assert times == sorted(times)
             assert (s.status == Status.ABORTED) == (s.aborted is not None)
             self.ended.add(s.request.id)
+        booked = [x.request_id for q in self.router.ledger.decode for x in q.slack]
+        assert len(booked) == len(set(booked)) and self.ended.isdisjoint(booked)  # TPOT slack
         for d, dec in enumerate(self.decodes):
             if f"decode-{d}" not in self.dead:  # pages conserved: counted free + held = all
                 assert self.router.free_pages[d] + dec.used() == POOL.usable_pages
@@ -217,6 +219,7 @@ def test_random_event_sequences_keep_every_requests_lifecycle(events):
     world.drain()
     assert world.router.done
     assert sorted(s.request.id for s in world.router.served) == list(range(world.arrived))
+    assert not any(q.slack for q in world.router.ledger.decode)  # every slack released
     for d in range(WORKERS):
         if f"decode-{d}" not in world.dead:
             assert world.router.free_pages[d] == POOL.usable_pages

@@ -9,7 +9,7 @@ from rekv_jax.action import Action
 from rekv_jax.gate_result import GateResult
 from rekv_jax.mode import Interval, Mode
 from rekv_jax.planning.costmodel import Profile
-from rekv_jax.planning.queueing import DecodeCosts
+from rekv_jax.planning.queueing import DecodeCosts, tpot_slack_ms
 from rekv_jax.serving.ledger import (
     ComputeEstimate,
     DecodeQueue,
@@ -20,6 +20,7 @@ from rekv_jax.serving.ledger import (
     PrefillQueue,
     Queued,
     Setting,
+    Slack,
     Timed,
     octave,
 )
@@ -241,6 +242,48 @@ def test_running_decodes_alone_move_adaptive_toward_less_recomputation():
     assert busy == sorted(busy, reverse=True) and busy[-1] < busy[0]
     assert [p.decode_delay_ms for p in chosen] == [r * b for r, b in zip((0, 4, 16), busy,
                                                                          strict=True)]
+
+
+def test_a_tpot_slack_bounds_the_suffix_compute_chosen_beside_its_request():
+    """Adaptive moves a queued prompt's compute to the decode worker; a request there whose
+    slack is less than that suffix's compute keeps it off, unless its decode ends before the
+    suffix starts, or no mode fits (a fixed policy's one mode). The chosen suffix spends the
+    slack of each request still decoding then, and the new request books its own until it is
+    released."""
+    profile = _tiny7b_profile()
+    adaptive, = make_policies(["adaptive"], _context(profile))
+    fixed, = make_policies(["q8:balanced"], _context(profile))
+    unbounded, = make_policies(["adaptive"], _context(profile, tpot_stretch=None))
+
+    def chosen(policy, *slack):
+        decode = DecodeQueue(running=1, slack=slack)
+        return policy.choose(REQUEST, _ledger(profile.link_gbps, decode=decode,
+                                              prefill=_busy(3000)), 0.0)
+
+    free = chosen(adaptive, Slack(7, 1e9))
+    r, starts_s = free.why.predicted.decode_busy_ms, free.why.predicted.suffix_from_ms / 1e3
+    assert r > 0 and starts_s >= 3.0 and free.mode == chosen(unbounded).mode
+    assert free.why.predicted.tpot_room_ms == 1e9
+    tight = chosen(adaptive, Slack(7, r / 2))
+    assert 0 <= tight.why.predicted.decode_busy_ms <= r / 2
+    assert chosen(adaptive, Slack(7, 0.0)).why.predicted.decode_busy_ms == 0
+    assert chosen(adaptive, Slack(7, 0.0, ends_s=1.0)).mode == free.mode  # it ended by then
+    assert chosen(adaptive, Slack(7, 0.0, ends_s=1.0)).why.predicted.tpot_room_ms is None
+    assert chosen(fixed, Slack(7, 0.0)).why.predicted.decode_busy_ms > 0  # none fits: its own
+
+    slack = tpot_slack_ms(COSTS, 1, REQUEST.max_new_tokens, 1.25)
+    assert free.why.tpot_slack_ms == slack == 0.25 * 31 * (6.0 + 2 * 4.0)
+    assert chosen(unbounded).why.tpot_slack_ms is None
+    ledger = _ledger(profile.link_gbps, decode=DecodeQueue(running=1, slack=(
+        Slack(7, 1e9), Slack(8, 5.0, ends_s=starts_s - 0.5))))
+    booked = ledger.assigned(free, 0.0, 256)
+    assert booked.decode[0].slack == (Slack(7, 1e9 - r), Slack(8, 5.0, starts_s - 0.5),
+                                      Slack(REQUEST.id, slack))
+    paced = booked.decodes_until(free, (1.0, 1.1, 1.2), 32)  # 31 steps of 0.1 s from 1.0
+    assert paced.decode[0].slack[-1] == Slack(REQUEST.id, slack, pytest.approx(4.1))
+    assert booked.released(free).decode[0].slack == booked.decode[0].slack[:2]
+    with pytest.raises(ValueError, match="at least 1"):
+        _context(profile, tpot_stretch=0.9)
 
 
 def test_a_prefill_queue_moves_prompt_compute_to_the_decode_worker():

@@ -58,6 +58,14 @@ and a policy that weighs both (`ServedPrediction.cost_ms = TTFT + I + J`) moves 
 whichever resource has a queue: as the link's queue grows, toward fewer bytes; as the decode
 worker's grows, or as more requests decode there, toward less recomputation. With no queues, no
 running decodes and a light load, I and J are 0 and the fastest handoff wins.
+
+J weighs those delays against TTFT, summed; it does not bound what one request's TPOT takes. A
+request that decodes for n tokens beside suffix work of S ms in all has its TPOT stretched by
+`S / (n - 1)`, whoever chose that work. A policy with a TPOT stretch f gives each request a slack
+of `(f - 1) (n - 1) d(B + 1)` (`tpot_slack_ms`). Every suffix chosen on its decode worker before
+its decode ends spends R of it, and a mode whose R exceeds the least slack left among the
+requests still decoding when its suffix starts (`ServedPrediction.tpot_room_ms`) is chosen only
+where no mode fits.
 """
 
 from __future__ import annotations
@@ -73,6 +81,8 @@ from rekv_jax.planning.costmodel import (
     handoff_ends,
     prefill_busy_ms,
 )
+
+TPOT_STRETCH = 1.25  # a policy's default f: how far suffix compute may stretch a request's TPOT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +127,10 @@ class Queues:
     streamed_overhead_ms: float = 0  # O: a streamed prompt's hold on its worker beyond compute
     tail_ms: float = 0  # the first token's lag after the link beyond its price, lately
     streamed_tail_ms: float = 0  # ... of a streamed prompt's handoff
+    # (slack ms, ms until its decode ends; inf: not yet known) of each request on the decode
+    # worker: the suffix compute it can still take beside its decode (`tpot_slack_ms`, less what
+    # was chosen beside it since)
+    tpot_slack: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if min(self.prefill_free_ms, self.link_free_ms, self.decode_free_ms, self.running,
@@ -148,6 +162,15 @@ class ServedPrediction:
     decode_stretch: float = 1.0  # of `stretch`, the decode device's lately measured share
     overhead_ms: float = 0.0  # O: a streamed prompt's hold on its worker before its interval
     tail_ms: float = 0.0  # the lately measured lag added after its handoff's end (>= its link's)
+    tpot_room_ms: float | None = None  # the least slack of the requests decoding once its
+    # suffix starts (`Queues.tpot_slack`; None: none bounds it)
+
+    @property
+    def suffix_from_ms(self) -> float:
+        """When its decode-side compute starts at the latest (its stretched compute ends by its
+        handoff's end), no sooner than its prompt's turn."""
+        return max(self.prefill_wait_ms,
+                   self.ttft_ms - self.tail_ms - self.decode_busy_ms * self.stretch)
 
     @property
     def prefill_priced_ms(self) -> float:
@@ -163,7 +186,8 @@ class ServedPrediction:
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        return d | {"after": dataclasses.asdict(self.after), "cost_ms": self.cost_ms}
+        after = {k: v for k, v in dataclasses.asdict(self.after).items() if k != "tpot_slack"}
+        return d | {"after": after, "cost_ms": self.cost_ms}
 
 
 def served(profile: Profile, mode: Mode, queues: Queues, decode: DecodeCosts, idle: bool = True
@@ -188,6 +212,7 @@ def served(profile: Profile, mode: Mode, queues: Queues, decode: DecodeCosts, id
     after = dataclasses.replace(queues, prefill_free_ms=wait + busy,
                                 link_free_ms=max(queues.link_free_ms, start + ends.link_ms),
                                 decode_free_ms=queues.decode_free_ms + decode_busy * k)
+    suffix_from = max(wait, start + ends.end_ms - decode_busy * k)  # `suffix_from_ms`
     return ServedPrediction(
         ttft_ms=start + ends.end_ms + tail, prefill_wait_ms=wait, handoff_ms=ends.end_ms,
         idle_ms=handoff_ends(profile, mode, Contention(link_gbps=queues.link_gbps)).end_ms
@@ -196,7 +221,26 @@ def served(profile: Profile, mode: Mode, queues: Queues, decode: DecodeCosts, id
         decode_wait_ms=seen.decode_free_ms, stretch=k, prefill_busy_ms=busy,
         decode_busy_ms=decode_busy, after=after, imposed_ms=imposed_ms(queues, after),
         decode_delay_ms=queues.running * decode_busy, prefill_stretch=f,
-        decode_stretch=queues.decode_stretch, overhead_ms=o, tail_ms=tail)
+        decode_stretch=queues.decode_stretch, overhead_ms=o, tail_ms=tail,
+        tpot_room_ms=min((ms for ms, ends_ms in queues.tpot_slack if ends_ms > suffix_from),
+                         default=None))
+
+
+def tpot_slack_ms(decode: DecodeCosts, running: int, new_tokens: int, tpot_stretch: float
+                  ) -> float:
+    """What suffix compute (ms, at its price) may run beside the decode of a request of
+    `new_tokens` tokens joining `running` others, if its TPOT is to stay within `tpot_stretch`
+    times its steps' price: every ms of suffix compute on its decode worker while it decodes
+    delays its later tokens by that ms, so over its `new_tokens - 1` steps of `d(B + 1)` the
+    delays may add up to `(tpot_stretch - 1)` of them."""
+    check_tpot_stretch(tpot_stretch)
+    return (tpot_stretch - 1) * max(0, new_tokens - 1) * decode.step_ms(running + 1)
+
+
+def check_tpot_stretch(tpot_stretch: float) -> None:
+    """A ValueError unless `tpot_stretch` is a finite factor of at least 1."""
+    if not 1 <= tpot_stretch < float("inf"):
+        raise ValueError(f"a TPOT stretch is at least 1 and finite, got {tpot_stretch}")
 
 
 def imposed_ms(before: Queues, after: Queues) -> float:

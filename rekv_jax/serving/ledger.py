@@ -167,6 +167,17 @@ class PrefillQueue:
 
 
 @dataclasses.dataclass(frozen=True)
+class Slack:
+    """The suffix compute a request can still take beside its decode (`queueing.tpot_slack_ms`,
+    less each suffix chosen on its decode worker since), and when its decode ends as its tokens
+    have come so far (inf: before its second token)."""
+
+    request_id: int
+    ms: float
+    ends_s: float = math.inf
+
+
+@dataclasses.dataclass(frozen=True)
 class DecodeQueue:
     """One decode worker: when its admitted suffix work ends, its running requests, and how its
     suffixes have lately compared with their price."""
@@ -176,6 +187,7 @@ class DecodeQueue:
     estimate: ComputeEstimate = ComputeEstimate()
     held_pages: int = 0  # what its admitted requests hold: they decode there now or soon
     tail: Extra = Extra()  # its first tokens' lag after their link beyond the price
+    slack: tuple[Slack, ...] = ()  # of each request assigned to it, until the request ends
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +241,8 @@ class Ledger:
                       queue.estimate.stretch(Setting.STREAMED, tokens),
                       self.link(p, d).estimate.gbps, queue.overhead.ms(),
                       decode.tail.ms((False, octave(tokens), decode.running > 0)),
-                      decode.tail.ms((True, octave(tokens), decode.running > 0)))
+                      decode.tail.ms((True, octave(tokens), decode.running > 0)),
+                      tuple((x.ms, wait(x.ends_s)) for x in decode.slack))
 
     def decoding(self, now_s: float) -> bool:
         """Whether some decode worker is busy at `now_s` or about to be: requests running or
@@ -264,8 +277,37 @@ class Ledger:
         queue = dataclasses.replace(queue, queued=(*queue.queued, Queued(
             predicted.prefill_busy_ms, predicted.prefill_priced_ms, a.mode.streams, tokens)))
         link = dataclasses.replace(self.link(p, d), free_at_s=now_s + after.link_free_ms / 1e3)
-        decode = dataclasses.replace(self.decode[d], free_at_s=now_s + after.decode_free_ms / 1e3)
+        decode = self.decode[d]
+        # FIFO prompts: the requests assigned before it decode by the time its suffix starts,
+        # unless their decode has ended by then
+        from_s = now_s + predicted.suffix_from_ms / 1e3
+        slack = tuple(dataclasses.replace(x, ms=x.ms - predicted.decode_busy_ms)
+                      if x.ends_s > from_s else x for x in decode.slack)
+        if a.why.tpot_slack_ms is not None:
+            slack += (Slack(a.request_id, a.why.tpot_slack_ms),)
+        decode = dataclasses.replace(decode, free_at_s=now_s + after.decode_free_ms / 1e3,
+                                     slack=slack)
         return self._with(p, d, queue, link, decode)
+
+    def decodes_until(self, a: Assignment, times_s: Sequence[float], new_tokens: int
+                      ) -> Ledger:
+        """`a`'s request of `new_tokens` tokens got its first ones at `times_s` (two or more):
+        its decode ends when its last comes at their pace."""
+        first, last = times_s[0], times_s[-1]
+        ends_s = first + (last - first) * (new_tokens - 1) / (len(times_s) - 1)
+        queue = self.decode[a.decode_worker]
+        return self._with(decode_worker=a.decode_worker, decode=dataclasses.replace(
+            queue, slack=tuple(dataclasses.replace(x, ends_s=ends_s)
+                               if x.request_id == a.request_id else x for x in queue.slack)))
+
+    def released(self, a: Assignment | None) -> Ledger:
+        """The ledger once `a`'s request ended, or left its workers to be assigned again (None:
+        it had none)."""
+        if a is None:
+            return self
+        queue = self.decode[a.decode_worker]
+        return self._with(decode_worker=a.decode_worker, decode=dataclasses.replace(
+            queue, slack=tuple(x for x in queue.slack if x.request_id != a.request_id)))
 
     def prefilled(self, worker: int, now_s: float, compute_ms: float | None = None) -> Ledger:
         """Prefill worker `worker`'s device finished its oldest prompt at `now_s` after

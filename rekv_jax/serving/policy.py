@@ -38,7 +38,13 @@ from rekv_jax.gate_result import GateResult
 from rekv_jax.mode import DEFAULT_SCHEDULE, OVERLAPPING, PREFILL_MODES, Interval, Mode, PrefillMode
 from rekv_jax.planning.costmodel import Profile, predicted_ms
 from rekv_jax.planning.planner import gate_verdicts, standing
-from rekv_jax.planning.queueing import DecodeCosts, served
+from rekv_jax.planning.queueing import (
+    TPOT_STRETCH,
+    DecodeCosts,
+    check_tpot_stretch,
+    served,
+    tpot_slack_ms,
+)
 from rekv_jax.serving.ledger import Ledger
 from rekv_jax.serving.requests import Assignment, ServeRequest, Weighed, Why
 
@@ -66,8 +72,11 @@ class Context:
     adaptive_bits: tuple[int, ...] = ADAPTIVE_BITS
     adaptive_chunks: tuple[int, ...] = ADAPTIVE_CHUNKS
     runners_up: int = 3  # modes recorded beside each choice
+    tpot_stretch: float | None = TPOT_STRETCH  # None: no bound on a TPOT's stretch
 
     def __post_init__(self) -> None:
+        if self.tpot_stretch is not None:
+            check_tpot_stretch(self.tpot_stretch)
         if not self.profiles:
             raise ValueError("a policy needs at least one profile")
         other = sorted({(p.model, p.num_layers) for p in self.profiles}
@@ -130,22 +139,28 @@ class Policy(abc.ABC):
                pairs: Sequence[tuple[int, int]] | None = None) -> Assignment:
         """The (mode, prefill worker, decode worker) of least predicted cost for `request`,
         arriving at `now_s` (the ledger has noted its arrival), with why; among `pairs` of
-        workers (default: all the ledger's)."""
+        workers (default: all the ledger's). A mode whose suffix compute exceeds what its decode
+        worker's requests can still take (`ServedPrediction.tpot_room_ms`) is chosen only where
+        none fits."""
         ctx, n = self.context, request.prompt_len
         weighed = []
         profile = self.profile(n)  # played on each link's live estimate (`Queues.link_gbps`)
         for p, d in ledger.pairs() if pairs is None else pairs:
             queues = ledger.queues(p, d, now_s, n)
-            weighed += [(served(profile, mode, queues, ctx.decode, idle=False), i, mode, p, d)
-                        for i, mode in enumerate(self._modes_for(request))]
-        weighed.sort(key=lambda w: (w[0].cost_ms, w[1]))  # ties: the earlier mode
-        _, _, mode, p, d = weighed[0]
+            for i, mode in enumerate(self._modes_for(request)):
+                w = served(profile, mode, queues, ctx.decode, idle=False)
+                over = w.tpot_room_ms is not None and w.decode_busy_ms > max(0, w.tpot_room_ms)
+                weighed.append((over, w.cost_ms, i, w, mode, p, d))
+        weighed.sort(key=lambda w: w[:3])  # ties: the earlier mode
+        *_, mode, p, d = weighed[0]
         queues = ledger.queues(p, d, now_s, n)
         pred = served(profile, mode, queues, ctx.decode)
         others = [Weighed(m.label, w.ttft_ms, w.cost_ms, wp, wd)
-                  for w, _, m, wp, wd in weighed[1:ctx.runners_up + 1]]
+                  for *_, w, m, wp, wd in weighed[1:ctx.runners_up + 1]]
+        slack = None if ctx.tpot_stretch is None else tpot_slack_ms(
+            ctx.decode, queues.running, request.max_new_tokens, ctx.tpot_stretch)
         why = Why(self.name, pred, queues.link_gbps, ctx.quality(mode.action, mode.chunks, n),
-                  tuple(others))
+                  tuple(others), slack)
         return Assignment(request.id, mode, p, d, why)
 
     def _modes_for(self, request: ServeRequest) -> tuple[Mode, ...]:

@@ -89,11 +89,14 @@ class Why:
     link_gbps: float  # the link bandwidth the prediction used (the live estimate)
     quality: str  # the action at the gate: lossless (BF16), eligible, ineligible or unchecked
     runners_up: tuple[Weighed, ...] = ()  # the next fastest modes it weighed, fastest first
+    # the suffix compute its decode may take beside it (`queueing.tpot_slack_ms`; None: any)
+    tpot_slack_ms: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"policy": self.policy, "predicted": self.predicted.to_json(),
                 "link_gbps": self.link_gbps, "quality": self.quality,
-                "runners_up": [dataclasses.asdict(w) for w in self.runners_up]}
+                "runners_up": [dataclasses.asdict(w) for w in self.runners_up],
+                "tpot_slack_ms": self.tpot_slack_ms}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,9 +8,8 @@ each worker's free pages (taken when it sends the request's `Admit`, given back 
 reports the request `Finished`, after the worker freed them), so every `Admit` it sends fits.
 The policy chooses the mode and the pair among the live pairs whose decode worker has the pages
 (the router sends the `Prefill`, then the `Admit`); when none has them, among those whose decode
-worker has fewer than `PREFILL_AHEAD` requests prefilled ahead of their pages (the `Prefill`
-only: the prefill worker holds the computed prompt until admitted, and each decode worker's
-`Admit`s follow first come first served as its pages come back).
+worker has fewer than `PREFILL_AHEAD` requests prefilled ahead of their pages (the `Prefill` only:
+the prefill worker holds the prompt until admitted; `Admit`s follow in order as pages return).
 
 `abort` ends one request wherever it is (a queued one is never prefilled) and `abort_all` every
 one: each worker holding it is sent an `Abort`, and its pages come back with its decode worker's
@@ -56,10 +55,9 @@ class Router:
     """One stream of requests under one policy, on the workers `send` reaches (`member_name`s).
 
     The caller feeds it arrivals (`arrive`), what workers emit (`on_item`), workers' ends
-    (`on_ended`) and aborts (`abort`, `abort_all`), each with the run clock's `now_s`, and calls
-    `expire` now and then; `done` once every arrived request ended, each in `served` (in the
-    order they ended) and handed to `on_served` as it ends; each `Assignment` is handed to
-    `on_assigned` once its `Prefill` is sent (again if it is assigned anew)."""
+    (`on_ended`) and aborts (`abort`, `abort_all`), each at its `now_s`, and calls `expire` now and
+    then; `done` once every arrival ended, each in `served` (in order) and handed to `on_served`;
+    each `Assignment` goes to `on_assigned` once its `Prefill` is sent (again if reassigned)."""
 
     def __init__(self, policy: Policy, ledger: Ledger, pool: PoolConfig, costs: DecodeCosts,
                  send: Callable[[str, object], bool], rate: float, timeout: float,
@@ -211,6 +209,9 @@ class Router:
             raise ValueError(f"{name}: token {item.index} of request {item.request_id} "
                              f"came after {len(held.token_times_s)}")
         held.token_times_s.append(now_s)
+        if item.index > 0 and held.assignment:
+            self._ledger = self._ledger.decodes_until(held.assignment, held.token_times_s,
+                                                      held.request.max_new_tokens)
         if item.index == 0:
             held.move(Status.DECODING, now_s)
             if (sent_s := held.entered_s(Status.SENT)) is not None and held.assignment:
@@ -304,6 +305,7 @@ class Router:
 
     def _requeue(self, held: OpenRequest, now_s: float) -> None:
         """Back in the queue in its arrival order, as it arrived (its pages free)."""
+        self._ledger = self._ledger.released(held.assignment)
         held.assignment = held.prefill_done = held.finished = None
         held.move(Status.WAITING, now_s)
         at = next((i for i, h in enumerate(self._waiting) if h.order > held.order),
@@ -356,6 +358,7 @@ class Router:
         """Its record ends in `status` (its decode worker may still report it: `_late`)."""
         held.move(status, now_s)
         del self._open[held.request.id]
+        self._ledger = self._ledger.released(held.assignment)
         if held.admitted:
             self._ended[held.request.id] = (held.assignment.decode_worker, held.pages)
         self.served.append(Served(held.request, self._policy.name, self._rate,
