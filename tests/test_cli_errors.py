@@ -81,6 +81,8 @@ serve --model tiny --rate 1 --policy q8:r=9 | q8:r=9; 0..6
 serve --rate 1 --adaptive-bits 8        | --adaptive-bits; holding 16
 serve --rate 1 --slo-ttft-ms 0          | --slo-ttft-ms; positive
 serve --rate 1 --slo-tpot-ms -5         | --slo-tpot-ms; positive
+serve --rate 1 --tpot-stretch 0.5       | --tpot-stretch; at least 1
+serve --rate 1 --tpot-stretch fast      | --tpot-stretch; or none
 serve --rate 1 --profile /missing.json  | /missing.json; cannot read
 serve --model tiny --rate 1 --quality {tmp}/gate.jsonl | no results for tiny; other
 serve --link-gbps 0 --rate 1            | --link-gbps; positive

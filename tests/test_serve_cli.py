@@ -7,6 +7,7 @@ from rekv_jax.cli.serve import serve_config
 from rekv_jax.config import ModelConfig
 from rekv_jax.model.loader import SHIPPED_MODEL
 from rekv_jax.planning.costmodel import Profile
+from rekv_jax.planning.queueing import TPOT_STRETCH
 from rekv_jax.serving import serve as serving
 from rekv_jax.serving import serve_config as run_config
 
@@ -34,6 +35,9 @@ def test_a_sweep_serves_the_same_streams_under_every_policy():
     assert default.model == str(SHIPPED_MODEL)  # it takes text, as `rekv generate`'s does
     assert len(default.streams[0].requests) == 100
     assert default.policies == ("bf16:full", "q8:full", "q8:balanced", "adaptive")
+    assert default.tpot_stretch == TPOT_STRETCH
+    assert _config(["--rate", "2", "--tpot-stretch", "none"]).tpot_stretch is None
+    assert _config(["--rate", "2", "--tpot-stretch", "1.5"]).tpot_stretch == 1.5
 
 
 def test_wikitext_prompts_with_the_shipped_tokenizer():

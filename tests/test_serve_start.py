@@ -265,7 +265,9 @@ def test_each_model_form_serves_writes_its_records_and_stops(form, tmp_path, req
     """The preset (it has no tokenizer: a text prompt is a 400 saying so, token ids are
     served), the trained-model folder (with the profile `rekv profile` measured on it) and an
     `hf:PATH` checkpoint, each with --json: every request writes its record, holding the tokens
-    its client got; a signal ends the server with the request in flight finished or aborted."""
+    its client got; a signal ends the server with the request in flight finished or aborted.
+    The preset runs with `--tpot-stretch none`: its requests book no TPOT slack; the others
+    book the default bound's."""
     signum, sigint_ignored, in_flight_tokens = FORMS[form]
     if form == "folder":
         spec, profile = FOLDER, request.getfixturevalue("shipped_profile")
@@ -274,8 +276,9 @@ def test_each_model_form_serves_writes_its_records_and_stops(form, tmp_path, req
         profile = _analytic_profile(spec, tmp_path / "profile.json")
     else:
         spec, profile = "tiny", _analytic_profile("tiny", tmp_path / "profile.json")
-    server = Server(["--model", spec, "--profile", str(profile), "--json", *QUICK], tmp_path,
-                    sigint_ignored)
+    stretch = ["--tpot-stretch", "none"] if form == "preset" else []  # else the default bound
+    server = Server(["--model", spec, "--profile", str(profile), "--json", *stretch, *QUICK],
+                    tmp_path, sigint_ignored)
     try:
         assert server.model == spec
         client = server.client()
@@ -295,6 +298,8 @@ def test_each_model_form_serves_writes_its_records_and_stops(form, tmp_path, req
     served = [json.loads(line) for line in lines]
     assert [r["kind"] for r in served] == ["served_request"] * 3  # in the order they ended
     assert served[0]["completed"] and served[1]["completed"]
+    slack = [r["assignment"]["why"]["tpot_slack_ms"] for r in served[:2]]  # of 6 tokens each
+    assert slack == [None, None] if stretch else all(ms > 0 for ms in slack)
     for record, text in zip(served, texts, strict=True):
         if record["completed"]:
             got = (TOKENIZER.decode(record["tokens"]) if form != "preset"

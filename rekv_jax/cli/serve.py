@@ -72,6 +72,21 @@ def _role(text: str) -> str:
     return text
 
 
+def _stretch(text: str) -> float | None:
+    """argparse type of `--tpot-stretch`: a factor of at least 1, or none."""
+    from rekv_jax.planning.queueing import check_tpot_stretch
+
+    if text == "none":
+        return None
+    try:
+        value = float(text)
+        check_tpot_stretch(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a factor like 1.25, or none; got {text!r} "
+                                         f"({e})") from None
+    return value
+
+
 def _positive(kind: type) -> Callable[[str], int | float]:
     """argparse type of a positive `kind`."""
     def parse(text: str) -> int | float:
@@ -88,6 +103,8 @@ def _positive(kind: type) -> Callable[[str], int | float]:
 def add_flags(p: argparse.ArgumentParser) -> None:
     """The flags of `rekv serve` beyond the shared model, link, transport, failure, attention,
     pin and json groups."""
+    from rekv_jax.planning.queueing import TPOT_STRETCH
+
     load = p.add_argument_group("the generated load (or --http)")
     rate = load.add_mutually_exclusive_group()
     rate.add_argument("--rate", type=_positive(float), default=None,
@@ -114,6 +131,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         f"--http: one, default {HTTP_POLICY})")
     p.add_argument("--adaptive-bits", default="16,8",
                    help="the prefix precisions adaptive weighs, e.g. 16,8,4")
+    p.add_argument("--tpot-stretch", type=_stretch, default=TPOT_STRETCH, metavar="F|none",
+                   help="a request's suffix compute may stretch each decoding request's TPOT "
+                        f"by at most this factor (default {TPOT_STRETCH}; none: no bound)")
     p.add_argument("--profile", default=None,
                    help="cost-model profiles (JSON/JSONL, e.g. `rekv profile --json`; one per "
                         "prompt length); default: measured when the workers start")
@@ -317,7 +337,7 @@ def serve_config(args: argparse.Namespace, rendezvous: Rendezvous | None = None)
                       args.fallback, args.timeout, not args.no_pin, rendezvous)
     return ServeConfig(model, policies, Slo(args.slo_ttft_ms, args.slo_tpot_ms), workers,
                        streams, http, _profiles(args.profile, cfg, bits), _gate(args.quality, cfg),
-                       bits, args.json, args.plot)
+                       bits, args.tpot_stretch, args.json, args.plot)
 
 
 def _api_key(args: argparse.Namespace) -> str | None:

@@ -19,6 +19,7 @@ from rekv_jax.launch.group import Group
 from rekv_jax.launch.nodes import NodeGroup, Rendezvous
 from rekv_jax.model.loader import load_config
 from rekv_jax.planning.costmodel import Profile
+from rekv_jax.planning.queueing import TPOT_STRETCH
 from rekv_jax.serving.member import TIMEOUT_S, MemberSetup
 from rekv_jax.serving.metrics import Slo
 from rekv_jax.serving.pages import PoolConfig
@@ -131,6 +132,7 @@ class ServeConfig:
     profiles: tuple[Profile, ...] = ()  # the cost model's (empty: measured or estimated)
     gate: tuple[GateResult, ...] | None = None  # the quality gate's results (None: no gate)
     adaptive_bits: tuple[int, ...] = (16, 8)
+    tpot_stretch: float | None = TPOT_STRETCH  # `policy.Context.tpot_stretch` (None: unbounded)
     json: bool = False  # one JSON record per request and summary on stdout
     plot_dir: str | None = None  # the PNGs' folder
     pool_requests: int = POOL_REQUESTS  # a decode worker's pool holds this many longest requests

@@ -100,7 +100,7 @@ def make_policies_for(config: ServeConfig, profiles: Sequence[Profile],
     """The config's policies over `profiles` and the measured decode costs."""
     cfg = load_config(config.model)
     context = Context(cfg.name, cfg.num_layers, tuple(profiles), costs, config.gate,
-                      config.adaptive_bits)
+                      config.adaptive_bits, tpot_stretch=config.tpot_stretch)
     return make_policies(config.policies, context)
 
 
