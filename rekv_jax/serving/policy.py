@@ -5,8 +5,9 @@ picks the one of least predicted cost under the load the `Ledger` shows: its tim
 token, given the prefill worker's queue, the link's queue at its live bandwidth estimate, and
 the decode worker's admitted suffix work and running batch, plus the delays it imposes on the
 requests arriving after it and on those decoding beside its suffix, whose tokens its suffix
-compute holds back (`planning.queueing.served`, `ServedPrediction.cost_ms`). They differ in the
-modes they weigh:
+compute holds back (`planning.queueing.served`, `ServedPrediction.cost_ms`), among the modes whose
+suffix compute fits what the requests on its decode worker can still take beside their decodes
+(`Context.tpot_stretch`, `queueing.tpot_slack_ms`). They differ in the modes they weigh:
 
 - a fixed action `PREC:CUT` (e.g. `bf16:full`, which is what vLLM and SGLang do; `q8:full`;
   `bf16:recompute`): that action after a full prefill, overlapped (the paper's setting);
