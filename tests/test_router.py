@@ -59,7 +59,11 @@ def request(i, n=256, new=32, at=0.0):
     return ServeRequest(i, (1,) * n, new, at)
 
 
-def finish(r, i, decode=0, n=32, now=1.0):
+def finish(r, i, decode=0, n=32, now=1.0, reported=True, prefill=0):
+    """Request i's prefill worker reports its handoff sent (unless `reported`), then its decode
+    worker its n tokens and its end."""
+    if reported:
+        r.on_item(f"prefill-{prefill}", PrefillDone(i, prefill, 1.0, 1.0, 1000), now)
     for k in range(n):
         r.on_item(member_name("decode", decode), Token(i, k, 7, now), now)
     r.on_item(member_name("decode", decode), Finished(i, (7,) * n, 0.1, 0.01, 50.0, None,
@@ -94,6 +98,25 @@ def test_admits_what_the_pages_hold_and_the_rest_waits_in_order():
     assert r.done and sorted(s.request.id for s in r.served) == [0, 1, 2, 3, 4]
     assert all(s.completed and s.ttft_ms is not None for s in r.served)
     assert [m.request_id for m in w.to("decode-0", Admit)] == [0, 1, 2, 3, 4]
+
+
+def test_a_request_ends_once_both_sides_reported_or_its_prefill_worker_ended():
+    """A decode worker may finish a request before its prefill worker's report reaches the
+    router (that worker is busy computing the next prompt): the request ends at the report, and
+    its record holds the prefill side's times; a prefill worker that ends instead ends it at
+    once, as its decode worker reported it."""
+    r, _ = router()
+    r.arrive(request(0), 0.0)
+    r.arrive(request(1), 0.0)
+    finish(r, 0, reported=False)
+    assert not r.served and r.free_pages == (18,)  # its pages are back; request 1 holds 18
+    r.on_item("prefill-0", PrefillDone(0, 0, 20.0, 100.0, 1_000_000), 1.5)
+    (done,) = r.served
+    assert done.completed and done.prefill_done.link_ms == 100.0
+    assert done.lifecycle[-1].t_s == 1.5
+    finish(r, 1, reported=False)
+    r.on_ended("prefill-0", "killed by SIGKILL", 2.0)
+    assert r.done and r.served[-1].completed and r.served[-1].prefill_done is None
 
 
 def test_a_request_larger_than_a_pool_fails_alone_at_once():
@@ -156,13 +179,13 @@ def test_a_dead_prefill_workers_request_goes_again_on_the_other_once_dropped():
     assert [m.request_id for m in w.to(f"prefill-{1 - p}", Prefill)] == [0]
     assert [m.request_id for m in w.to("decode-0", Admit)] == [0, 0]
     assert [a.prefill_worker for a in assigned] == [p, 1 - p]  # told of each assignment
-    finish(r, 0, now=0.5)
+    finish(r, 0, now=0.5, prefill=1 - p)
     (s,) = r.served
     assert s.completed and s.assignment.prefill_worker == 1 - p
     assert [t.status for t in s.lifecycle] == [
         Status.WAITING, Status.PREFILLING, Status.REQUEUING, Status.WAITING, Status.PREFILLING,
-        Status.DECODING, Status.LENGTH]
-    assert [t.t_s for t in s.lifecycle] == [0.0, 0.0, 0.1, 0.2, 0.2, 0.5, 0.5]
+        Status.SENT, Status.DECODING, Status.LENGTH]
+    assert [t.t_s for t in s.lifecycle] == [0.0, 0.0, 0.1, 0.2, 0.2, 0.5, 0.5, 0.5]
 
 
 def test_a_request_past_its_deadline_fails_and_its_late_finish_frees_its_pages():

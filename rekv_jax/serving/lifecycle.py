@@ -113,7 +113,9 @@ def entered_s(lifecycle: Sequence[Transition], status: Status) -> float | None:
     return next((t.t_s for t in reversed(lifecycle) if t.status == status), None)
 
 
-def ending(finish_reason: str | None) -> Status:
-    """The status a decode worker's `Finished` ends a request in (None: it failed)."""
+def ending(finished: Finished) -> Status:
+    """The status a decode worker's `Finished` ends a request in."""
+    if finished.error:
+        return Status.ERROR
     return {"length": Status.LENGTH, "stop": Status.STOP,
-            "abort": Status.ABORTED}.get(finish_reason, Status.ERROR)
+            "abort": Status.ABORTED}.get(finished.finish_reason, Status.ERROR)

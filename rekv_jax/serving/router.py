@@ -227,9 +227,8 @@ class Router:
             self._pages_back(*self._ended.pop(item.request_id), now_s)
 
     def _finished(self, decode: int, item: Finished, now_s: float) -> None:
-        """Its decode worker ended it and freed its pages: it ends as reported; or goes again
-        (`requeuing`); or, failed before its handoff completed, waits for its prefill worker's
-        report or end."""
+        """Its decode worker ended it, its pages freed: it goes again (`requeuing`), or ends as
+        reported once its prefill worker reported (its record holds those times) or ended."""
         held = self._open[item.request_id]
         held.admitted, held.finished = False, item
         if held.assignment and item.phases and not (item.error or item.fell_back
@@ -239,8 +238,8 @@ class Router:
                                                     held.suffix_beside, item.suffix_queued)
         if held.status == Status.REQUEUING:
             self._requeue(held, now_s)
-        elif not (item.error and held.status in HANDING_OFF and not held.prefill_done):
-            self._end(held, ending(None if item.error else item.finish_reason), now_s)
+        elif held.prefill_done or held.assignment.prefill_worker not in self._live[PREFILL]:
+            self._end(held, ending(item), now_s)
         self._pages_back(decode, held.pages, now_s)
 
     def _prefilled(self, item: Prefilled, now_s: float) -> None:
@@ -255,12 +254,11 @@ class Router:
 
     def _prefill_done(self, item: PrefillDone, now_s: float) -> None:
         """Its prefill worker's report: its handoff was sent (`sent`), or it failed there."""
-        held = self._open.get(item.request_id)
-        if held is None:
+        if (held := self._open.get(item.request_id)) is None:
             return  # it ended (its decode worker gives its pages back)
         held.prefill_done, a = item, held.assignment
-        if held.finished is not None:  # its decode worker failed it first
-            return self._end(held, Status.ERROR, now_s)
+        if held.finished is not None:  # its decode worker ended it first
+            return self._end(held, ending(held.finished), now_s)
         if item.error is not None:
             if not held.admitted:  # ahead of its pages: its decode worker never heard of it
                 self._ahead[a.decode_worker].remove(held)
@@ -285,6 +283,8 @@ class Router:
                 self._stop(held, now_s, error=f"decode worker {index} ended: {how}")
             elif held.status in HANDING_OFF:
                 self._retry(held, now_s)
+            elif held.finished is not None:  # it waited for this worker's report
+                self._end(held, ending(held.finished), now_s)
         if role == DECODE:
             self._ended = {i: e for i, e in self._ended.items() if e[0] != index}
         self._assign(now_s)
