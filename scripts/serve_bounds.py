@@ -26,6 +26,14 @@ import json
 import numpy as np
 
 
+def compute_ms(r: dict) -> float:
+    """A full prefill's compute (ms): its prefill side's report, else its phases' (the same
+    time, carried with the handoff; a record may lack the report where its request ended first,
+    which the router no longer lets happen)."""
+    side = r.get("prefill_side")
+    return side["compute_ms"] if side else r["phases_ms"]["prefill"]
+
+
 def link_free_ttft_ms(records: list[dict]) -> list[float]:
     """Each request's TTFT (ms), in arrival order, if its prompt were the only thing it waited
     for: the prefill device serves the prompts in arrival order, each for its measured
@@ -33,7 +41,7 @@ def link_free_ttft_ms(records: list[dict]) -> list[float]:
     free_s, out = 0.0, []
     for r in sorted(records, key=lambda r: r["arrival_s"]):
         start = max(r["arrival_s"], free_s)
-        free_s = start + r["prefill_side"]["compute_ms"] / 1e3
+        free_s = start + compute_ms(r) / 1e3
         out.append((free_s - r["arrival_s"]) * 1e3)
     return out
 
@@ -87,10 +95,10 @@ def main() -> None:
             "ratio_bound": {k: round(float(np.percentile(measured, v) / np.percentile(bound, v)), 2)
                             for k, v in q.items()},
             "utilization": {
-                "prefill": round(rate * np.mean([r["prefill_side"]["compute_ms"] / 1e3
-                                                 for r in records]), 3),
+                "prefill": round(rate * np.mean([compute_ms(r) / 1e3 for r in records]), 3),
                 "link": round(rate * np.mean([r["prefill_side"]["sent_bytes"]
-                                              / (args.link_gbps * 1e9) for r in records]), 3)},
+                                              / (args.link_gbps * 1e9) for r in records
+                                              if r.get("prefill_side")]), 3)},
             "decode_busy": round(decode_busy(records), 3)}))
 
 

@@ -28,6 +28,9 @@ def test_the_link_free_ttft_is_a_fifo_queue_of_the_prompt_computes():
     # the third finds the device idle
     records = [_record(0.5, 500.0), _record(0.0, 800.0), _record(5.0, 100.0)]
     assert serve_bounds.link_free_ttft_ms(records) == pytest.approx([800.0, 800.0, 100.0])
+    # a record without its prefill side's report: its phases carry the same compute
+    records[0] = {"arrival_s": 0.5, "prefill_side": None, "phases_ms": {"prefill": 500.0}}
+    assert serve_bounds.link_free_ttft_ms(records) == pytest.approx([800.0, 800.0, 100.0])
 
 
 def test_covered_is_the_length_of_a_union():
