@@ -160,6 +160,40 @@ def test_pipelined_transfer_and_recompute(action):
     assert not check_cache(kv, action, result, name).startswith("MISMATCH")
 
 
+@pytest.mark.parametrize("action", ["q8:r=1", "bf16:r=2", "q8:full"])
+def test_pipelined_sender_computes_the_next_chunk_while_it_sends(action, monkeypatch):
+    """Chunk k+1 is dispatched before chunk k's messages are handed to the link (the device
+    computes while the host sends), and the intervals it times are the prefill side's times."""
+    import rekv_jax.handoff.sender as sender_module
+
+    cfg = dataclasses.replace(small_config("llama", layers=3), head_dim=64)
+    params = random_params(cfg, jnp.bfloat16)
+    tokens = tokens_for(cfg, 1, 12)
+    events = []
+    run = sender_module.run_chunk
+
+    def logged_run(cfg, params, x, kv, first, start):
+        events.append(("compute", start))
+        return run(cfg, params, x, kv, first, start)
+
+    monkeypatch.setattr(sender_module, "run_chunk", logged_run)
+    sender, receiver = LocalTransport.pair()
+    send = sender.send
+    monkeypatch.setattr(sender, "send", lambda tag, *a: (events.append(("send", tag)),
+                                                         send(tag, *a))[1])
+    mode = Mode.of(Action.parse(action, cfg.num_layers), "chunked", "pipelined", 3)
+    sending = sender_module.start_prompt(sender, cfg, params, tokens, mode, "t", go=False)
+    starts = [a for a, _ in token_chunks(12, 3)]
+    assert [e for e in events if e[0] == "compute"] == [("compute", a) for a in starts]
+    for k, a in enumerate(starts[1:]):
+        sent_k = [i for i, e in enumerate(events) if e[0] == "send" and e[1] in
+                  (f"t/prefix{k}" if k else "t/prefix", f"t/boundary{k}" if k else "t/boundary")]
+        assert sent_k and events.index(("compute", a)) < min(sent_k)
+    times = sending.times
+    assert times.prefill_ms > 0 and (times.quantize_ms > 0) == (mode.action.bits < 16)
+    sending.abandon()
+
+
 def test_schedules_and_prefills_that_do_not_go_together():
     joint = Action(8, 4, 6)
     Mode.of(joint, "chunked", "full", 4)

@@ -7,7 +7,8 @@ the token ids with `h_c` first (H), then the prefix payload. Timed from the prom
 and then hands off as above; a split one runs layers 0..c-1 one program per layer and sends each
 layer's payload as it is computed, `h_c` the moment layer c-1 is; a pipelined one runs each token
 chunk through layers 0..c-1 (a chunked prefill with its own prefix cache) and sends the chunk's
-`h_c`, then its prefix. Either way the link moves a message while the next one computes.
+`h_c`, then its prefix, the next chunk dispatched before they are sent. Either way the link moves
+a message while the next one computes.
 
 Sends complete asynchronously: `start_prompt` (and `Prepared.send`, for a full prefill computed
 earlier by `prepare_prompt`) returns once every message is handed to the link, with a `Sending`
@@ -186,6 +187,7 @@ class _Sent:
     def __init__(self, codec: PrefixCodec) -> None:
         self.codec = codec
         self.prefill_ms = self.quantize_ms = self.boundary_at_ms = 0.0
+        self.mark = 0.0  # time.perf_counter(): the end of the last interval `awaited` timed
         self.link: Transport | None = None
         self.t0, self.bytes_before = 0.0, 0
         self.first_sent: float | None = None  # time.monotonic(), as verdicts are timed
@@ -199,16 +201,29 @@ class _Sent:
 
     def timed(self, what: str, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)`, awaited, with its time added to `what` (prefill_ms or quantize_ms)."""
-        start = time.perf_counter()
-        out = jax.block_until_ready(fn(*args))
-        setattr(self, what, getattr(self, what) + elapsed_ms(start, time.perf_counter()))
+        self.mark = time.perf_counter()
+        return self.awaited(what, fn(*args))
+
+    def awaited(self, what: str, out: T) -> T:
+        """`out`, dispatched earlier, awaited, the time since the last `mark` added to `what`
+        (awaited in dispatch order, the intervals sum to the device's span)."""
+        out = jax.block_until_ready(out)
+        now = time.perf_counter()
+        setattr(self, what, getattr(self, what) + elapsed_ms(self.mark, now))
+        self.mark = now
         return out
 
     def pack(self, prefix: KVCache, backend: str | None, message: Message) -> list[jax.Array]:
         """The payload of `message`'s prefix (Q: quantize, timed; BF16 buffers as they are)."""
-        args = (prefix, self.codec, backend, message.layers[0], message.tokens[0])
-        payload, nonfinite = (self.timed("quantize_ms", pack_prefix, *args)
-                              if self.codec.bits != 16 else pack_prefix(*args))
+        self.mark = time.perf_counter()
+        payload = self.dispatch_pack(prefix, backend, message)
+        return payload if self.codec.bits == 16 else self.awaited("quantize_ms", payload)
+
+    def dispatch_pack(self, prefix: KVCache, backend: str | None, message: Message
+                      ) -> list[jax.Array]:
+        """The payload of `message`'s prefix, dispatched, not awaited (`awaited` times it)."""
+        payload, nonfinite = pack_prefix(prefix, self.codec, backend, message.layers[0],
+                                         message.tokens[0])
         self.nonfinite += nonfinite
         return payload
 
@@ -343,45 +358,82 @@ def _send_layers(cfg: ModelConfig, params: Params, tokens: jax.Array, mode: Mode
         while done < need:
             x, layer_kv = sent.timed("prefill_ms", _layer_step, cfg, params, tokens, x, done)
             done += 1
-        sent.send(tag, message, _streamed(message, tokens, x, layer_kv, cfg, params, sent,
-                                          backend, first), timeout)
+        payload = functools.partial(sent.pack, layer_kv, backend, message)
+        sent.send(tag, message, _streamed(message, tokens, lambda x=x: x, payload, cfg, params,
+                                          sent, first), timeout)
     return sent.handed(tag, timeout)
 
 
 def _send_chunks(cfg: ModelConfig, params: Params, tokens: jax.Array, mode: Mode, tag: str,
                  backend: str | None, timeout: float, sent: _Sent, first: FirstDraw
                  ) -> Sending:
-    """A pipelined prefill: compute the token chunks each message needs through layers 0..c-1
-    (a chunked prefill with its own prefix cache), then send it (a chunk's h_c, then its
-    prefix; transfer-only, the first token before the last chunk's prefix)."""
-    B, S = tokens.shape
-    kv = new_cache(cfg, mode.action.cut, B, S, params["embed"].dtype)  # [B, S, K, H] per layer
-    ranges = token_chunks(S, mode.chunks)
-    x, done = tokens, 0  # the residual of the last computed chunk; chunks computed
-    for message in mode.messages(S, cfg.num_layers):
-        while message.parts != (Part.TOKENS,) and done <= message.chunk:
-            a, b = ranges[done]
-            x, kv = sent.timed("prefill_ms", run_chunk, cfg, params, tokens[:, a:b], kv, 0, a)
-            done += 1
-        prefix = kv.span(*message.tokens) if message.parts == (Part.PREFIX,) else None
-        sent.send(tag, message, _streamed(message, tokens, x, prefix, cfg, params, sent,
-                                          backend, first), timeout)
+    """A pipelined prefill: token chunks through layers 0..c-1 dispatched one ahead (`_Ahead`),
+    each message sent once what it carries is computed (a chunk's h_c, then its prefix;
+    transfer-only, the first token before the last chunk's prefix)."""
+    messages = mode.messages(tokens.shape[1], cfg.num_layers)
+    ahead = _Ahead(cfg, params, tokens, mode, sent, backend, messages)
+    for message in messages:
+        x, payload = (functools.partial(f, message.chunk) for f in (ahead.residual, ahead.prefix))
+        sent.send(tag, message, _streamed(message, tokens, x, payload, cfg, params, sent, first),
+                  timeout)
     return sent.handed(tag, timeout)
 
 
-def _streamed(message: Message, tokens: jax.Array, x: jax.Array, prefix: KVCache | None,
-              cfg: ModelConfig, params: Params, sent: _Sent, backend: str | None,
-              first: FirstDraw) -> list[jax.Array]:
-    """The buffers of one message of a streamed prefill: the ids, h_c (`x`), the first token
-    drawn from `x` after the last layer, or the payload of `prefix`."""
+class _Ahead:
+    """A pipelined prefill's chunks through layers 0..c-1, chunk k+1 dispatched once chunk k is
+    computed and its prefix packed (the cache donated): it computes while chunk k is sent."""
+
+    def __init__(self, cfg: ModelConfig, params: Params, tokens: jax.Array, mode: Mode,
+                 sent: _Sent, backend: str | None, messages: list[Message]) -> None:
+        B, S = tokens.shape
+        self._run = functools.partial(run_chunk, cfg, params)
+        self._tokens, self._sent, self._backend = tokens, sent, backend
+        self._ranges = token_chunks(S, mode.chunks)
+        self._prefixes = {m.chunk: m for m in messages if m.parts == (Part.PREFIX,)}
+        self._kv = new_cache(cfg, mode.action.cut, B, S, params["embed"].dtype)  # [B, S, K, H]
+        self._done: list[tuple[jax.Array, list[jax.Array]]] = []  # per chunk: h_c, payload
+        self._next: jax.Array | None = None  # the residual of the chunk in flight
+        sent.mark = time.perf_counter()
+        self._dispatch(0)
+
+    def _dispatch(self, k: int) -> None:
+        if self._prefixes:  # else no layer runs here (a recomputation sends only the ids)
+            a, b = self._ranges[k]
+            self._next, self._kv = self._run(self._tokens[:, a:b], self._kv, 0, a)
+
+    def residual(self, k: int) -> jax.Array:
+        """Chunk k's residual after layer c-1 [B, T, D], awaited (then its prefix dispatched)."""
+        while len(self._done) <= k:
+            i = len(self._done)
+            x = self._sent.awaited("prefill_ms", self._next)
+            message = self._prefixes[i]
+            payload = self._sent.dispatch_pack(self._kv.span(*message.tokens), self._backend,
+                                               message)
+            if i + 1 < len(self._ranges):
+                self._dispatch(i + 1)
+            self._done.append((x, payload))
+        return self._done[k][0]
+
+    def prefix(self, k: int) -> list[jax.Array]:
+        """Chunk k's prefix payload, awaited (a Q8/Q4 one timed as its quantize)."""
+        self.residual(k)
+        what = "prefill_ms" if self._sent.codec.bits == 16 else "quantize_ms"
+        return self._sent.awaited(what, self._done[k][1])
+
+
+def _streamed(message: Message, tokens: jax.Array, x: Callable[[], jax.Array],
+              payload: Callable[[], list[jax.Array]], cfg: ModelConfig, params: Params,
+              sent: _Sent, first: FirstDraw) -> list[jax.Array]:
+    """The buffers of one message of a streamed prefill: the ids, h_c (`x()`), the first token
+    drawn from `x()` after the last layer, or the prefix's `payload()`."""
     part, = message.parts
     if part == Part.TOKENS:
         return [tokens]
     if part == Part.BOUNDARY:
-        return [x]
+        return [x()]
     if part == Part.FIRST:
-        return list(sent.timed("prefill_ms", _first_token, cfg, params, x, first))
-    return sent.pack(prefix, backend, message)
+        return list(sent.timed("prefill_ms", _first_token, cfg, params, x(), first))
+    return payload()
 
 
 def _layer_step(cfg: ModelConfig, params: Params, tokens: jax.Array, x: jax.Array, layer: int
