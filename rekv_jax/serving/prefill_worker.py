@@ -42,7 +42,8 @@ import jax.numpy as jnp
 
 from rekv_jax.config import ModelConfig
 from rekv_jax.errors import TransportError, TransportTimeout, first_line, one_line
-from rekv_jax.handoff.sender import Prepared, Sending, SendReport, prepare_prompt, start_prompt
+from rekv_jax.handoff.sender import Prepared, prepare_prompt, start_prompt
+from rekv_jax.handoff.sending import Sending, SendReport
 from rekv_jax.launch.child import Member
 from rekv_jax.model.transformer import Params
 from rekv_jax.serving.compile_clock import compiled_ms
