@@ -14,7 +14,9 @@ import time
 import numpy as np
 
 from rekv_jax.action import Action
+from rekv_jax.handoff import sender
 from rekv_jax.handoff.sender import Prepared
+from rekv_jax.mode import Mode
 from rekv_jax.serving import prefill_worker
 from rekv_jax.serving.engine import DecodeEngine, EngineConfig
 from rekv_jax.serving.inbox import LocalInbox
@@ -135,6 +137,65 @@ def test_a_full_prefill_is_computed_before_its_admission_and_held_until_it(monke
     while not run.engine.idle:
         finished += [i for i in run.engine.step() if isinstance(i, Finished)]
     assert finished[0].error is None and len(finished[0].tokens) == 3
+    run.close()
+
+
+def streamed(i: int, admitted: bool):
+    """(Admit, Prefill) of request i as a pipelined q8:r=2 prefill in 3 chunks; the `Prefill`
+    says whether its `Admit` went with it."""
+    admit, prefill = records(i)
+    mode = Mode.of(Action.parse("q8:r=2", model().cfg.num_layers), "chunked", "pipelined", 3)
+    return (dataclasses.replace(admit, mode=mode),
+            dataclasses.replace(prefill, mode=mode, admitted=admitted))
+
+
+def spy_streamed(monkeypatch, run: Serving) -> tuple[list[int], list[str]]:
+    """The chunks the worker computed (their first positions) and the tags it handed over."""
+    chunks, tags = [], []
+    run_chunk, send = sender.run_chunk, run.prefill_end.send
+
+    def computing(cfg, params, x, kv, first, start):
+        chunks.append(start)
+        return run_chunk(cfg, params, x, kv, first, start)
+
+    monkeypatch.setattr(sender, "run_chunk", computing)
+    monkeypatch.setattr(run.prefill_end, "send", lambda tag, *a: (tags.append(tag),
+                                                                  send(tag, *a))[1])
+    return chunks, tags
+
+
+def test_a_streamed_prefill_whose_admit_went_with_it_computes_before_its_admission(monkeypatch):
+    """Marked admitted, every chunk of the prompt is computed at once and nothing is handed to
+    the link until the decode side admits it; unmarked, nothing is computed until then. Both
+    then complete; a refusal that comes while it computes is its one report."""
+    warm(monkeypatch)
+    run = Serving(monkeypatch, None)
+    chunks, tags = spy_streamed(monkeypatch, run)
+    admit, prefill = streamed(0, admitted=True)
+    run.inbox.put(prefill)
+    run.wait(lambda: len(chunks) == 3)
+    time.sleep(0.3)
+    assert not tags and not run.done  # computed, held
+    run.engine.admit(admit)
+    run.wait(lambda: 0 in run.done)
+    assert run.done[0][0][1].error is None and tags[0] == "req/0/tokens"
+
+    admit, prefill = streamed(1, admitted=False)
+    run.inbox.put(prefill)
+    time.sleep(0.3)
+    assert len(chunks) == 3  # not computed before its admission
+    run.engine.admit(admit)
+    run.wait(lambda: 1 in run.done)
+    assert run.done[1][0][1].error is None and len(chunks) == 6
+
+    _, prefill = streamed(2, admitted=True)
+    run.inbox.put(prefill)
+    run.wait(lambda: len(chunks) == 9)
+    run.decode_end.send_meta("req/2/admitted", {"refused": "it could never fit"})
+    run.wait(lambda: 2 in run.done)
+    time.sleep(0.1)
+    (_, done), = run.done[2]
+    assert done.error == "it could never fit" and not any(t.startswith("req/2/") for t in tags)
     run.close()
 
 

@@ -90,9 +90,12 @@ def test_admits_what_the_pages_hold_and_the_rest_waits_in_order():
     assert PREFILL_AHEAD == 2  # the next two are prefilled ahead of their pages
     assert [m.request_id for m in w.to("prefill-0", Prefill)] == [0, 1, 2, 3]
     assert w.to("prefill-0", Prefill)[0].tokens == request(0).tokens
+    # a `Prefill` says whether its `Admit` went with it (its streamed prefill computes at once)
+    assert [m.admitted for m in w.to("prefill-0", Prefill)] == [True, True, False, False]
     finish(r, 1)
     assert [m.request_id for m in w.to("decode-0", Admit)] == [0, 1, 2]
     assert [m.request_id for m in w.to("prefill-0", Prefill)] == [0, 1, 2, 3, 4]
+    assert not w.to("prefill-0", Prefill)[4].admitted  # 3 is ahead of it
     for i in (0, 2, 3, 4):
         finish(r, i)
     assert r.done and sorted(s.request.id for s in r.served) == [0, 1, 2, 3, 4]

@@ -51,6 +51,10 @@ from rekv_jax.sizes import token_chunks
 from rekv_jax.transport import Transport, checksums
 
 T = TypeVar("T")
+ADMISSION_POLL_S = 0.005  # how often a handoff computed before its admission asks for it
+# When the decode side admitted a handoff (time.perf_counter()), None while it has not: a
+# `start_prompt` gate (it raises why it never will)
+Gate = Callable[[], float | None]
 # How the prefill side draws a handoff's first token from its logits [B, V] f32: the buffers its
 # first-token part carries, the token [B] int32 first (what else rides with it is the caller's,
 # e.g. the serving layer's log probabilities; the decode side expects the same, `Reception`)
@@ -115,14 +119,18 @@ class _Sent:
         self.mark = 0.0  # time.perf_counter(): the end of the last interval `awaited` timed
         self.link: Transport | None = None
         self.t0, self.bytes_before = 0.0, 0
+        self.gate: Gate | None = None  # the messages wait until it opens (`start`)
+        self.held: list[tuple[Message, list[jax.Array]]] = []  # computed, not yet sent
         self.first_sent: float | None = None  # time.monotonic(), as verdicts are timed
         self.tags: list[str] = []
         self.buffers: list[jax.Array] = []
         self.nonfinite: list[jax.Array] = []
 
-    def start(self, link: Transport, t0: float) -> None:
-        """Send on `link` from now on; `t0` (time.perf_counter) starts the interval."""
+    def start(self, link: Transport, t0: float, gate: Gate | None = None) -> None:
+        """Send on `link` from now on; `t0` (time.perf_counter) starts the interval. `gate`: the
+        messages wait, in order, until it opens, and its time starts the interval instead."""
         self.link, self.t0, self.bytes_before = link, t0, link.sent_bytes
+        self.gate = gate
 
     def timed(self, what: str, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)`, awaited, with its time added to `what` (prefill_ms or quantize_ms)."""
@@ -153,16 +161,37 @@ class _Sent:
         return payload
 
     def send(self, tag: str, message: Message, buffers: list[jax.Array], timeout: float) -> None:
-        if {Part.BOUNDARY, Part.FIRST} & set(message.parts) and not self.boundary_at_ms:
-            self.boundary_at_ms = elapsed_ms(self.t0, time.perf_counter())
-        self.first_sent = self.first_sent or time.monotonic()
-        self.link.send(f"{tag}/{message.name}", buffers, timeout)
-        self.tags.append(message.name)
-        self.buffers += buffers
+        """Hand `message` to the link after those held before it, once the gate is open."""
+        self.held.append((message, buffers))
+        if not self._opened():
+            return
+        for message, buffers in self.held:
+            if {Part.BOUNDARY, Part.FIRST} & set(message.parts) and not self.boundary_at_ms:
+                self.boundary_at_ms = elapsed_ms(self.t0, time.perf_counter())
+            self.first_sent = self.first_sent or time.monotonic()
+            self.link.send(f"{tag}/{message.name}", buffers, timeout)
+            self.tags.append(message.name)
+            self.buffers += buffers
+        self.held = []
+
+    def _opened(self, poll_s: float | None = None) -> bool:
+        """Whether the gate is open (none is); `poll_s`: ask every `poll_s` s until it is."""
+        while self.gate is not None:
+            if (t0 := self.gate()) is not None:
+                self.gate, self.t0 = None, t0
+            elif poll_s is None:
+                return False
+            else:
+                time.sleep(poll_s)
+        return True
 
     def handed(self, tag: str, timeout: float, suffix_sums: tuple[int, ...] = ()) -> Sending:
         """Post the prefill side's times and bytes; the handoff, on the link until its verdicts
-        (the decode side's errors surface there). A non-finite scale is an error at once."""
+        (the decode side's errors surface there), once the gate opened and the messages held
+        were sent. A non-finite scale is an error at once."""
+        if self.held:
+            self._opened(ADMISSION_POLL_S)
+            self.send(tag, *self.held.pop(), timeout)
         check_finite(self.nonfinite, self.codec.bits)
         times = PrefillTimes(self.prefill_ms, self.quantize_ms, self.boundary_at_ms,
                              self.link.sent_bytes - self.bytes_before, suffix_sums)
@@ -251,21 +280,24 @@ def send_prompt(link: Transport, cfg: ModelConfig, params: Params, tokens: jax.A
 
 def start_prompt(link: Transport, cfg: ModelConfig, params: Params, tokens: jax.Array,
                  mode: Mode, tag: str, backend: str | None = None, timeout: float = 60.0,
-                 go: bool = True, first: FirstDraw = argmax_first, t0: float | None = None
-                 ) -> Sending:
+                 go: bool = True, first: FirstDraw = argmax_first, t0: float | None = None,
+                 gate: Gate | None = None) -> Sending:
     """Compute one handoff from the prompt and hand its messages to the link; returns once all
     are handed (the verdicts come through the `Sending`). `go`: start both sides' clocks
     together first (`TAG/go`, agreed with `receive_handoff`); a serving prefill worker sends
     without it (the decode side's clock starts at its admission; `t0`, time.perf_counter,
-    when this side saw it; None: now). `first`: how it draws the first token it sends."""
+    when this side saw it; None: now; or a streamed prefill's `gate`, which holds its messages
+    until then while it computes). `first`: how it draws the first token it sends."""
     if go:
         link.agree(f"{tag}/go", {}, timeout)
     t0 = time.perf_counter() if t0 is None else t0
     if not mode.streams:
+        if gate is not None:
+            raise ValueError(f"{mode.label} is sent once computed: it takes no gate")
         return prepare_prompt(cfg, params, tokens, mode, backend, first).send(link, tag,
                                                                                timeout, t0)
     sent = _Sent(PrefixCodec.of(cfg, params, mode.action))
-    sent.start(link, t0)
+    sent.start(link, t0, gate)
     send = _send_layers if mode.streams_layers else _send_chunks
     return send(cfg, params, tokens, mode, tag, backend, timeout, sent, first)
 

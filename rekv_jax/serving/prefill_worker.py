@@ -18,8 +18,9 @@ bounded; each turn it
      it, nothing more is sent until the oldest handoffs' verdicts come);
   4. computes the next queued prompt. A full prefill is computed at once, before its decode
      side has pages for it, and held until it is admitted (at most `HELD` prompts at once). A
-     split or pipelined prefill sends as it computes, so it waits at the head of the queue
-     until it is admitted and the link has room.
+     split or pipelined prefill sends as it computes, once the link has room: one whose `Admit`
+     went with it (`Prefill.admitted`) computes at once, its messages held until its admission
+     (which comes within a decode iteration); another waits at the head of the queue for it.
 Every request taken is told to the router twice: `Prefilled` once this device is done with its
 prompt (computed, or dropped before it was), then `PrefillDone` once its handoff's verdicts came
 (or it failed); the router's ledger starts the next prompt on this device at the first.
@@ -57,6 +58,10 @@ HELD = 4  # prompts computed and waiting for their admission at once
 POLL_S = 0.005  # the longest the loop sleeps while only verdicts or admissions are awaited
 
 T = TypeVar("T")
+
+
+class _Refused(Exception):
+    """A streamed job's admission was refused or failed while it computed (reported)."""
 
 
 @dataclasses.dataclass
@@ -242,7 +247,7 @@ class PrefillWorker:
         if (any(h.request.decode_worker == request.decode_worker for h in self._held)
                 or not self._has_room()):
             return False
-        admitted = self._admission(job, emit)
+        admitted = True if request.admitted else self._admission(job, emit)
         if admitted is None:
             return False
         self._queue.pop(0)
@@ -250,7 +255,8 @@ class PrefillWorker:
             link = self._links[request.decode_worker]
             self._start(job, emit, functools.partial(
                 start_prompt, link, self._cfg, self._params, tokens, request.mode, job.name,
-                timeout=self._timeout, go=False, first=first, t0=job.admitted_at))
+                timeout=self._timeout, go=False, first=first,
+                gate=functools.partial(self._admitted_at, job, emit)))
         return True
 
     # -- helpers ------------------------------------------------------------------------------
@@ -279,11 +285,21 @@ class PrefillWorker:
         job.admitted_at = job.admitted_at or time.perf_counter()
         return True
 
+    def _admitted_at(self, job: _Job, emit: Callable[[object], None]) -> float | None:
+        """A streamed job's gate: when its admission was seen (time.perf_counter), None while
+        it has not come, `_Refused` once it never will (reported)."""
+        admitted = self._admission(job, emit)
+        if admitted is False:
+            raise _Refused(job.name)
+        return job.admitted_at if admitted else None
+
     def _start(self, job: _Job, emit: Callable[[object], None],
                send: Callable[[], Sending]) -> None:
         """Put the job's handoff on its link (`send`), or report why it could not be."""
         try:
             job.sending = job.timed(send)
+        except _Refused:
+            return  # reported where it was refused
         except (TransportError, ValueError) as e:
             return self._fail(job, one_line(e), emit)
         t = job.sending.times

@@ -127,6 +127,9 @@ class Prefill:
     mode: Mode
     decode_worker: int
     sampling: Sampling = Sampling()  # of its first token, where the prefill side draws it
+    # its `Admit` went with it (its pages are taken): a streamed prefill computes at once and
+    # holds its messages until its admission, which comes within a decode iteration
+    admitted: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,9 +7,9 @@ live pair can take it. The router is the one owner of every decode worker's page
 each worker's free pages (taken when it sends the request's `Admit`, given back when the worker
 reports the request `Finished`, after the worker freed them), so every `Admit` it sends fits.
 The policy chooses the mode and the pair among the live pairs whose decode worker has the pages
-(the router sends the `Prefill`, then the `Admit`); when none has them, among those whose decode
-worker has fewer than `PREFILL_AHEAD` requests prefilled ahead of their pages (the `Prefill` only:
-the prefill worker holds the prompt until admitted; `Admit`s follow in order as pages return).
+(the router sends the `Prefill`, marked admitted, then the `Admit`); when none has them, among
+those whose decode worker has fewer than `PREFILL_AHEAD` requests prefilled ahead of their pages
+(the `Prefill` only; `Admit`s follow in order as pages return).
 
 `abort` ends one request wherever it is (a queued one is never prefilled) and `abort_all` every
 one: each worker holding it is sent an `Abort`, and its pages come back with its decode worker's
@@ -75,8 +75,7 @@ class Router:
         self._open: dict[int, OpenRequest] = {}  # every request held, by id
         # requests the router ended before their decode worker did: (decode worker, pages)
         self._ended: dict[int, tuple[int, int]] = {}
-        self._arrived = 0
-        self.served: list[Served] = []
+        self._arrived, self.served = 0, list[Served]()
 
     @property
     def done(self) -> bool:
@@ -139,8 +138,9 @@ class Router:
         r = held.request
         a = self._policy.choose(r, self._ledger, now_s, pairs)
         p, d = a.prefill_worker, a.decode_worker
+        fits = not self._ahead[d] and self._free[d] >= held.pages
         if not self._send(member_name(PREFILL, p), Prefill(r.id, r.tokens, a.mode, d,
-                                                           r.sampling)):
+                                                           r.sampling, fits)):
             self._live[PREFILL].discard(p)
             return self._waiting.insert(0, held)
         held.assignment = a
@@ -148,10 +148,10 @@ class Router:
         if self._on_assigned is not None:
             self._on_assigned(a)
         self._ledger = self._ledger.assigned(a, now_s, r.prompt_len)
-        if self._ahead[d] or self._free[d] < held.pages:
-            self._ahead[d].append(held)
-        else:
+        if fits:
             self._admit(held, now_s)
+        else:
+            self._ahead[d].append(held)
 
     def _admit(self, held: OpenRequest, now_s: float) -> None:
         """Take the request's pages on its decode worker and send its `Admit` (it fits: the

@@ -52,7 +52,7 @@ class Ask:
         """What its decode side and its prefill side are handed, on workers 0 and 0."""
         r, mode = self.request, self.mode(num_layers)
         return (Admit(r.id, r.prompt_len, r.max_new_tokens, mode, 0, 0.0, r.sampling, r.stops),
-                Prefill(r.id, r.tokens, mode, 0, r.sampling))
+                Prefill(r.id, r.tokens, mode, 0, r.sampling, admitted=True))
 
 
 @dataclasses.dataclass(frozen=True)
