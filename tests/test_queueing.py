@@ -88,7 +88,7 @@ def test_the_lately_timed_stretches_scale_each_devices_compute():
     assert timed.after.decode_free_ms == pytest.approx(3 * plain.after.decode_free_ms)
     assert timed.decode_busy_ms == plain.decode_busy_ms  # the compute itself, unstretched
     piped = Mode.of(Action.parse("q8:r=14", 28), "chunked", "pipelined", 2)
-    queues = qm.Queues(prefill_stretch=0.5, streamed_stretch=2)  # a streamed prompt's own
+    queues = qm.Queues(prefill_stretch=0.5, pipelined_stretch=2)  # a streamed prompt's own
     assert qm.served(p, piped, queues, COSTS).prefill_busy_ms == pytest.approx(
         2 * qm.served(p, piped, qm.Queues(), COSTS).prefill_busy_ms)
     assert qm.served(p, mode, queues, COSTS).prefill_stretch == 0.5

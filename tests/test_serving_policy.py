@@ -107,6 +107,29 @@ def test_the_prefill_device_is_timed_apart_alone_and_beside_decodes():
             > policy.choose(REQUEST, ledger, 1.0).why.predicted.ttft_ms)
 
 
+def test_split_and_pipelined_prompts_are_timed_apart():
+    """One program per layer and one per token chunk err from their price each its own way:
+    a pipelined prompt that took half its price stretches the pipelined prompts after it, not
+    the split ones (nor full prefills)."""
+    profile, a = _tiny7b_profile(), Action.parse("q8:full", 28)
+    modes = {0: Mode.of(a, None, "pipelined", 4, Interval.PROMPT),
+             1: Mode.of(a, None, "split", 1, Interval.PROMPT), 2: served_mode(a)}
+    policy, idle = Asked(_context(profile), modes), Ledger.idle(1, 1, 0.01)
+    first = policy.choose(REQUEST, idle, 0.0)
+    ledger = idle.assigned(first, 0.0, 256).prefilled(0, 1.0,
+                                                      0.5 * first.why.predicted.prefill_busy_ms)
+    queues = ledger.queues(0, 0, 1.0, 256)
+    assert (queues.pipelined_stretch, queues.split_stretch, queues.prefill_stretch) == (
+        pytest.approx(0.5), 1.0, 1.0)
+    for i, stretch in ((0, 0.5), (1, 1.0), (2, 1.0)):
+        request = dataclasses.replace(REQUEST, id=i)
+        before = policy.choose(request, idle, 1.0).why.predicted
+        after = policy.choose(request, ledger, 1.0).why.predicted
+        assert after.prefill_stretch == pytest.approx(stretch)
+        assert after.prefill_busy_ms - after.overhead_ms == pytest.approx(
+            stretch * before.prefill_busy_ms)
+
+
 def test_a_streamed_prompt_is_priced_with_what_streamed_prompts_held_their_worker():
     """A split or pipelined prompt waits at the head of its worker's queue for its admission
     and sends between its steps: the ledger learns that hold (from the prompt's turn to its
@@ -178,7 +201,7 @@ def test_a_compute_estimate_keeps_its_window_and_ignores_untimed_prompts():
     assert e.samples == (Timed(Setting.ALONE, 8, 4.0, 2.0), Timed(beside, 8, 10.0, 10.0),
                          Timed(beside, 8, 30.0, 15.0))
     assert e.stretch(beside) == 25 / 40 and e.stretch(Setting.ALONE) == 0.5
-    assert e.stretch(Setting.STREAMED) == 1.0  # untimed
+    assert e.stretch(Setting.SPLIT) == 1.0  # untimed
 
 
 def test_a_compute_estimate_times_each_octave_of_prompt_length_apart():

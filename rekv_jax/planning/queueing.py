@@ -31,7 +31,8 @@ what such prompts have lately held their worker beyond their compute
 (`Queues.streamed_overhead_ms`). A full prefill computes before its admission, so its own wait
 for pages is the link's and the decode worker's queue. The prefill device's steps run
 `Queues.prefill_stretch` times the profile's cost
-(`streamed_stretch` for a split or pipelined prefill, whose handoff crosses as it computes),
+(`pipelined_stretch` or `split_stretch` for a pipelined or split prefill, whose handoff crosses
+as it computes: one program per token chunk or per layer, each apart from its price its own way),
 and the decode device's `Queues.decode_stretch` times `k R`: what each device has lately
 taken against its price (`serving.ledger.ComputeEstimate`; on a host whose devices share
 memory and power, each computes slower while the other side computes too).
@@ -73,7 +74,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from rekv_jax.mode import Mode
+from rekv_jax.mode import Mode, PrefillMode
 from rekv_jax.planning.costmodel import (
     Contention,
     Profile,
@@ -122,7 +123,8 @@ class Queues:
     arrival_rate: float = 0  # λ: requests per second arriving lately (0: unknown)
     prefill_stretch: float = 1  # the prefill device's compute per ms of the profile's, lately
     decode_stretch: float = 1  # the decode device's suffix time per ms of its price, lately
-    streamed_stretch: float = 1  # prefill_stretch of a streamed prompt (split or pipelined)
+    pipelined_stretch: float = 1  # prefill_stretch of a pipelined prompt
+    split_stretch: float = 1  # ... of a split prompt
     link_gbps: float | None = None  # the link's bandwidth as lately measured; None: the profile's
     streamed_overhead_ms: float = 0  # O: a streamed prompt's hold on its worker beyond compute
     tail_ms: float = 0  # the first token's lag after the link beyond its price, lately
@@ -135,8 +137,8 @@ class Queues:
     def __post_init__(self) -> None:
         if min(self.prefill_free_ms, self.link_free_ms, self.decode_free_ms, self.running,
                self.arrival_rate, self.streamed_overhead_ms) < 0 or min(
-                   self.prefill_stretch, self.decode_stretch, self.streamed_stretch,
-                   self.link_gbps or 1) <= 0:
+                   self.prefill_stretch, self.decode_stretch, self.pipelined_stretch,
+                   self.split_stretch, self.link_gbps or 1) <= 0:
             raise ValueError(f"queues cannot be negative, got {self}")
 
 
@@ -199,7 +201,8 @@ def served(profile: Profile, mode: Mode, queues: Queues, decode: DecodeCosts, id
         raise ValueError(f"a served request is timed from its prompt's arrival; {mode} is timed "
                          "from the ready prefill state")
     k = decode.stretch(queues.running) * queues.decode_stretch
-    f = queues.streamed_stretch if mode.streams else queues.prefill_stretch
+    f = {PrefillMode.FULL: queues.prefill_stretch, PrefillMode.SPLIT: queues.split_stretch,
+         PrefillMode.PIPELINED: queues.pipelined_stretch}[mode.prefill]
     o = queues.streamed_overhead_ms if mode.streams else 0
     wait, start = queues.prefill_free_ms, queues.prefill_free_ms + o
     seen = Contention(max(0, queues.link_free_ms - start), max(0, queues.decode_free_ms - start),

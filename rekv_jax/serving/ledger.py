@@ -20,6 +20,7 @@ import statistics
 from collections.abc import Callable, Hashable, Sequence
 from typing import TypeVar
 
+from rekv_jax.mode import PrefillMode
 from rekv_jax.planning.queueing import DecodeCosts, Queues
 from rekv_jax.serving.requests import Assignment, Load
 
@@ -61,7 +62,10 @@ class Setting(enum.StrEnum):
 
     ALONE = "alone"  # no device of the other side busy
     BESIDE = "beside"  # a busy device of the other side
-    STREAMED = "streamed"  # a streamed prompt: its own handoff crosses as it computes
+    # a streamed prompt, its own handoff crossing as it computes: one program per token chunk
+    # (pipelined) or per layer (split), each apart from its price its own way
+    PIPELINED = "pipelined"
+    SPLIT = "split"
 
 
 def octave(tokens: int) -> int:
@@ -146,7 +150,7 @@ class Queued:
 
     busy_ms: float  # its predicted device time
     priced_ms: float  # its price at the profile's costs
-    streams: bool  # a streamed prefill
+    prefill: PrefillMode  # how it computes (split and pipelined ones stream)
     tokens: int  # its length
 
 
@@ -233,12 +237,13 @@ class Ledger:
             return max(0.0, (at_s - now_s) * 1e3)
         queue, decode = self.prefill[p], self.decode[d]
         setting = (Setting.BESIDE if queue.queued  # beside the handoffs before it
-                   else self._prompt_setting(False, now_s))
+                   else self._prompt_setting(PrefillMode.FULL, now_s))
         return Queues(wait(queue.free_at()), wait(self.link(p, d).free_at_s),
                       wait(decode.free_at_s), decode.running, self.arrival_rate,
                       queue.estimate.stretch(setting, tokens),
                       decode.estimate.stretch(self._decode_setting(), tokens),
-                      queue.estimate.stretch(Setting.STREAMED, tokens),
+                      queue.estimate.stretch(Setting.PIPELINED, tokens),
+                      queue.estimate.stretch(Setting.SPLIT, tokens),
                       self.link(p, d).estimate.gbps, queue.overhead.ms(),
                       decode.tail.ms((False, octave(tokens), decode.running > 0)),
                       decode.tail.ms((True, octave(tokens), decode.running > 0)),
@@ -253,10 +258,10 @@ class Ledger:
         """Whether some prefill worker's device is computing a prompt."""
         return any(q.queued for q in self.prefill)
 
-    def _prompt_setting(self, streams: bool, now_s: float) -> Setting:
-        """Where a prompt starting at `now_s` computes."""
-        if streams:
-            return Setting.STREAMED
+    def _prompt_setting(self, prefill: PrefillMode, now_s: float) -> Setting:
+        """Where a prompt computed as `prefill` asks, starting at `now_s`, computes."""
+        if prefill != PrefillMode.FULL:
+            return Setting(prefill.value)
         return Setting.BESIDE if self.decoding(now_s) else Setting.ALONE
 
     def _decode_setting(self) -> Setting:
@@ -273,9 +278,9 @@ class Ledger:
         after, queue = predicted.after, self.prefill[p]
         if not queue.queued:  # an idle worker starts the prompt now
             queue = dataclasses.replace(queue, started_s=now_s,
-                                        setting=self._prompt_setting(a.mode.streams, now_s))
+                                        setting=self._prompt_setting(a.mode.prefill, now_s))
         queue = dataclasses.replace(queue, queued=(*queue.queued, Queued(
-            predicted.prefill_busy_ms, predicted.prefill_priced_ms, a.mode.streams, tokens)))
+            predicted.prefill_busy_ms, predicted.prefill_priced_ms, a.mode.prefill, tokens)))
         link = dataclasses.replace(self.link(p, d), free_at_s=now_s + after.link_free_ms / 1e3)
         decode = self.decode[d]
         # FIFO prompts: the requests assigned before it decode by the time its suffix starts,
@@ -321,11 +326,12 @@ class Ledger:
         estimate, overhead = queue.estimate, queue.overhead
         if compute_ms is not None:
             estimate = estimate.observed(done.priced_ms, compute_ms, queue.setting, done.tokens)
-            if done.streams:
+            if done.prefill != PrefillMode.FULL:
                 overhead = overhead.observed(
                     max(0.0, (now_s - queue.started_s) * 1e3 - compute_ms))
         return self._with(prefill_worker=worker, prefill=PrefillQueue(
-            rest, now_s, self._prompt_setting(bool(rest) and rest[0].streams, now_s), estimate,
+            rest, now_s, self._prompt_setting(rest[0].prefill if rest else PrefillMode.FULL,
+                                              now_s), estimate,
             overhead))
 
     def loaded(self, load: Load, now_s: float, costs: DecodeCosts) -> Ledger:
