@@ -25,8 +25,9 @@ later than `T` priced, for handoffs of the same kind (streamed or not), prompt o
 (decodes running or not; `Queues.tail_ms`, `streamed_tail_ms`; the first token never before
 the link's end): the decode side's work after the last message runs beside the engine's
 iteration and the other side's compute, which the profile, measured alone, does not price.
-A streamed prompt (split or pipelined) waits at the head of its worker's queue until its
-decode side admits it, and its messages leave on the worker's thread between its steps: `O` is
+A streamed prompt (split or pipelined) prefilled ahead of its pages waits at the head of its
+worker's queue until its decode side admits it (one sent with its `Admit` computes at once), and
+its messages leave on the worker's thread between its steps: `O` is
 what such prompts have lately held their worker beyond their compute
 (`Queues.streamed_overhead_ms`). A full prefill computes before its admission, so its own wait
 for pages is the link's and the decode worker's queue. The prefill device's steps run

@@ -125,11 +125,12 @@ class Extra:
     of the key's latest `window`; 0 until the key is timed. A prefill worker's `overhead` is
     what its streamed prompts held it beyond their compute: from a prompt's turn (its arrival at
     an idle worker, or the `Prefilled` of the one before it) to its own `Prefilled`, less its
-    compute; such a prompt waits at the head of the queue for its decode side's admission, and
-    its messages leave on the worker's thread between its steps. A decode worker's `tail` is by
-    how much its first tokens have lately come after their link's end later than priced (by
-    `(streams, octave, beside decodes)`: the decode side's work after the last message differs
-    by schedule and length, and by whether it runs inside the iterations of running decodes)."""
+    compute; such a prompt prefilled ahead of its pages waits at the head of the queue for its
+    decode side's admission, and its messages leave on the worker's thread between its steps. A
+    decode worker's `tail` is by how much its first tokens have lately come after their link's
+    end later than priced (by `(streams, octave, beside decodes)`: the decode side's work after
+    the last message differs by schedule and length, and by whether it runs inside the
+    iterations of running decodes)."""
 
     samples: tuple[tuple[Hashable, float], ...] = ()  # (key, ms), oldest first
     window: int = WINDOW
