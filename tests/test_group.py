@@ -89,11 +89,11 @@ def test_cpu_members_share_the_cores_where_there_are_too_few(cpus, words):
 
 
 def test_gpu_members_get_one_each_or_share_them_all():
-    envs = group_environments(["5", "6", "7", "8"], {}, 2, 1)
+    envs = group_environments(["5", "6", "7", "8"], {}, 2, 1, None)
     assert {n: e["CUDA_VISIBLE_DEVICES"] for n, e in envs.items()} == {
         "decode-0": "5", "prefill-0": "6", "prefill-1": "7"}
     assert not any("XLA_PYTHON_CLIENT_MEM_FRACTION" in e for e in envs.values())
-    envs = group_environments(["5", "6"], {}, 2, 1)
+    envs = group_environments(["5", "6"], {}, 2, 1, None)
     for env in envs.values():
         assert env["CUDA_VISIBLE_DEVICES"] == "5,6"
         assert 3 * float(env["XLA_PYTHON_CLIENT_MEM_FRACTION"]) <= SHARED_MEMORY
@@ -103,7 +103,7 @@ def test_a_group_of_other_names_is_refused_before_anything_starts():
     with pytest.raises(ValueError, match="decode first"):
         Group(serve, (), {"prefill-0": {}, "decode-0": {}}, key=None)
     with pytest.raises(ValueError, match="a prefill and a decode member"):
-        group_environments([], {}, 0, 2)
+        group_environments([], {}, 0, 2, None)
 
 
 # ------------------------------------------------------------------ a member's inbox

@@ -10,6 +10,7 @@ from rekv_jax.planning.costmodel import Profile
 from rekv_jax.planning.queueing import TPOT_STRETCH
 from rekv_jax.serving import serve as serving
 from rekv_jax.serving import serve_config as run_config
+from rekv_jax.transport.cores import CPUS_ENV, HOST_CPUS_ENV
 
 FAKE = Profile.for_config(ModelConfig.preset("tiny"), 64, hardware="test", link="test",
                           link_gbps=0.25, source="analytic", quantize_ms={16: 0, 8: 0.1},
@@ -140,3 +141,23 @@ def test_role_auto_maps_the_clusters_rank_router_first_then_decode_then_prefill(
     monkeypatch.setenv("SLURM_NTASKS", "4")
     with pytest.raises(ValueError, match="the cluster runs 4 processes; .* need 5: router, "):
         across_nodes(parse(auto))
+
+
+@pytest.mark.parametrize("cores, pinned", [([0, 1], True), ([0, 1], False), ([3], True)])
+def test_each_cpu_worker_computes_on_its_own_core_unless_no_pin(monkeypatch, cores, pinned):
+    """As each worker of a GPU run has its own GPU: pinned (the default), each CPU member's
+    device is its own core, its host threads may use every core; `--no-pin`, or one core for
+    two workers, and they share."""
+    monkeypatch.setattr(run_config, "usable_cpus", lambda: cores)
+    monkeypatch.setattr(run_config, "visible_gpus", lambda: [])
+    workers = _config(["--rate", "1", *["--no-pin"] * (not pinned)]).workers
+    envs = workers.environments()
+    assert list(envs) == ["decode-0", "prefill-0"]
+    if pinned and len(cores) == 2:
+        assert {name: env[CPUS_ENV] for name, env in envs.items()} == {
+            "prefill-0": "0", "decode-0": "1"}
+        assert all(env[HOST_CPUS_ENV] == "0,1" for env in envs.values())
+        assert workers.pinning() == "pinned: prefill-0 cpu 0, decode-0 cpu 1"
+    else:
+        assert not any(CPUS_ENV in env or HOST_CPUS_ENV in env for env in envs.values())
+        assert workers.pinning().startswith("cores shared")

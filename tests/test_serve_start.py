@@ -24,6 +24,7 @@ from rekv_jax.cli.serve import serve_config
 from rekv_jax.model.loader import SHIPPED_MODEL, load_config, load_model, load_tokenizer
 from rekv_jax.planning.costmodel import Profile, load_profiles
 from rekv_jax.serving.shutdown import ABORTED
+from rekv_jax.transport.cores import usable_cpus
 
 REPO = Path(__file__).resolve().parents[1]
 FOLDER = "rekv_jax/assets/wt2-tiny"  # the shipped model's folder, relative to the repository
@@ -245,6 +246,8 @@ def test_a_newcomers_start_serves_text_and_ctrl_c_stops_it(tmp_path):
         assert answer.choices[0].text and answer.usage.completion_tokens >= 1
         assert answer.usage.prompt_tokens == len(TOKENIZER.encode(PROMPT).ids)
         assert "measuring the cost model's profiles" in server.tail()
+        pinned = "pinned: prefill-0 cpu 0, decode-0 cpu 1" if len(usable_cpus()) == 2 else ""
+        assert f"rekv serve: workers {pinned or 'pinned'}" in server.tail()
         server.stop(signal.SIGINT, whole_group=True)
     finally:
         server.close()

@@ -204,6 +204,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
                                                                         link_gbps=link))
     progress = Progress(sum(len(s.requests) for s in config.streams) * len(config.policies),
                         sys.stderr)
+    pinning = config.workers.pinning()
+    if pinning:  # the cores each CPU worker computes on, as its own GPU
+        print(f"rekv serve: workers {pinning}", file=sys.stderr, flush=True)
     if node is not None:
         workers = config.workers
         print(f"rekv serve: the router takes {workers.prefill} prefill and {workers.decode} "

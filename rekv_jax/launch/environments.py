@@ -110,11 +110,13 @@ def pair_environments(gpus: Sequence[str], env: Mapping[str, str],
 
 
 def group_environments(gpus: Sequence[str], env: Mapping[str, str], prefill: int, decode: int,
-                       cpus: Sequence[int] | None = None) -> dict[str, dict[str, str]]:
+                       cpus: Sequence[int] | None) -> dict[str, dict[str, str]]:
     """The environment of each member of a group of `prefill` + `decode` processes on one
     machine, by name in process-id order (`child.member_names`), from the `gpus` visible there
     and the parent's environment `env`. No GPU: each its own run of `cpus` where there is a core
-    each (`cores.split_cpus`, the prefill members' first), else all share them. A GPU each:
+    each (`cores.split_cpus`, the prefill members' first), else all share them (`cpus` None:
+    unpinned; there is no default, as a group left unpinned on CPUs computes each member on
+    every core, not as the GPUs it emulates). A GPU each:
     each its own, whole, in process-id order (decode-0 the first). Fewer: all see every GPU and
     take SHARED_MEMORY / (prefill + decode) of their memory each. On a GPU all get
     GPU_XLA_FLAGS."""

@@ -31,6 +31,7 @@ from rekv_jax.serving.requests import Admit, Finished, Prefill, ServeRequest
 from rekv_jax.serving.router import Router, Scheduled, drive
 from rekv_jax.serving.server import ESTIMATED_LENGTH, decode_costs, ready
 from rekv_jax.transport import JobKey
+from rekv_jax.transport.cores import usable_cpus
 
 OnItem = Callable[[object], None]
 
@@ -85,7 +86,7 @@ class Pair:
             self._costs = decode_costs([{1: 0.0}], profiles, setup.suffix_budget)
         else:
             member = dataclasses.replace(setup, cost_position=0)  # its timed steps: short rows
-            envs = group_environments(visible_gpus(), os.environ, 1, 1)
+            envs = group_environments(visible_gpus(), os.environ, 1, 1, usable_cpus())
             self._workers = Group(serving_member, (member,), envs, key=JobKey.new())
             try:
                 self._costs = ready(self._workers, setup, profiles)

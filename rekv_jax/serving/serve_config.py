@@ -25,6 +25,7 @@ from rekv_jax.serving.metrics import Slo
 from rekv_jax.serving.pages import PoolConfig
 from rekv_jax.serving.requests import ServeRequest
 from rekv_jax.transport import JobKey
+from rekv_jax.transport.cores import PINNING_ENV, usable_cpus
 
 Members = Group | NodeGroup  # a run's workers, as the router's loop drives them
 POOL_REQUESTS = 16  # a decode worker's pool holds this many of the run's longest requests
@@ -105,11 +106,18 @@ class Workers:
                          self.timeout)
 
     def environments(self) -> dict[str, dict[str, str]]:
-        """Each member's environment (`group_environments`; unpinned: all share the cores)."""
-        if not self.pin and not visible_gpus():
-            names = group_environments([], os.environ, self.prefill, self.decode)
-            return {name: dict(os.environ) for name in names}
-        return group_environments(visible_gpus(), os.environ, self.prefill, self.decode)
+        """Each member's environment (`group_environments`): on CPUs, each member its own
+        cores where `pin` and there is a core each, as each has its own GPU; else all share
+        them."""
+        cpus = usable_cpus() if self.pin else None
+        return group_environments(visible_gpus(), os.environ, self.prefill, self.decode, cpus)
+
+    def pinning(self) -> str | None:
+        """How the members started here share this machine's cores, in words (None on GPUs
+        and for members joined from their own nodes)."""
+        if self.rendezvous is not None:
+            return None
+        return next(iter(self.environments().values())).get(PINNING_ENV)
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:
