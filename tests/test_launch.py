@@ -38,7 +38,13 @@ from rekv_jax.study import experiment
 from rekv_jax.study.experiment import Experiment, run_local
 from rekv_jax.study.records import Rep, Summary, serializes
 from rekv_jax.transport import ROLES, JobKey, TransportError
-from rekv_jax.transport.cores import CPUS_ENV, PINNING_ENV, children_on, usable_cpus
+from rekv_jax.transport.cores import (
+    CPUS_ENV,
+    PINNING_ENV,
+    THREADS_ENV,
+    children_on,
+    usable_cpus,
+)
 from rekv_jax.transport.secret import key_of
 from rekv_jax.transport.transfer_server import _uuid, pull_key
 
@@ -71,6 +77,15 @@ def test_cpu_sides_get_disjoint_halves_of_the_cores(cpus, prefill, decode, words
     assert (envs["prefill"][CPUS_ENV], envs["decode"][CPUS_ENV]) == (prefill, decode)
     for env in envs.values():
         assert env[PINNING_ENV] == words and env["PATH"] == "/usr/bin"
+        # XLA's threads: one more than the side's cores, so a copy runs beside a program
+        assert env[THREADS_ENV] == str(len(env[CPUS_ENV].split(",")) + 1)
+
+
+@pytest.mark.parametrize("own", [{THREADS_ENV: "7"}, {"NPROC": "5"}])
+def test_a_users_own_xla_thread_count_wins(own):
+    for env in pair_environments([], {**PARENT, **own}, cpus=[0, 1]).values():
+        assert {k: env[k] for k in own} == own  # kept
+        assert env.get(THREADS_ENV) == own.get(THREADS_ENV)  # none added beside NPROC
 
 
 def test_gpu_sides_are_not_pinned():

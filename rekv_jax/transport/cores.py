@@ -22,6 +22,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from rekv_jax.transport.base import ROLES, Role
 
 CPUS_ENV = "REKV_CPUS"  # the CPU ids this side computes on (its device), a comma list
+# XLA:CPU sizes its client's pools by this (else by the cores it may use). With a thread per
+# core, a transfer server's copy of a buffer waits behind the program the device runs (a pinned
+# prefill side would hold a handoff's bytes until its next prompt is computed); one thread more
+# than the side's cores lets a copy run beside a program, as a GPU's copy engines run beside
+# its SMs. A value the user sets is kept.
+THREADS_ENV = "PJRT_NPROC"
 HOST_CPUS_ENV = "REKV_HOST_CPUS"  # the CPU ids its host threads may use: every process's
 PINNING_ENV = "REKV_PINNING"  # the pair's split in words, for the header and the records
 SHARED = "cores shared"
@@ -53,7 +59,8 @@ def split_cpus(env: Mapping[str, str], names: Sequence[str], cpus: Sequence[int]
     """Each process's environment, by name: `env` with its own run of `cpus` in CPUS_ENV, runs
     in the order of `names` (q = len(cpus) // n cores each, the last len(cpus) % n processes
     one more: a decode process, named last, runs the receive thread too), every core in
-    HOST_CPUS_ENV, the split in words in PINNING_ENV. `cpus` None (`--no-pin`) or fewer than
+    HOST_CPUS_ENV, XLA's threads in THREADS_ENV (one more than its cores, unless `env` sets
+    it), the split in words in PINNING_ENV. `cpus` None (`--no-pin`) or fewer than
     one core each: all share the cores."""
     base = {k: v for k, v in env.items() if k not in (CPUS_ENV, HOST_CPUS_ENV)}
     n = len(names)
@@ -67,7 +74,9 @@ def split_cpus(env: Mapping[str, str], names: Sequence[str], cpus: Sequence[int]
         stop = start + q + (i >= n - extra)
         mine[name], start = list(cpus[start:stop]), stop
     split = "pinned: " + ", ".join(f"{name} {cpu_text(mine[name])}" for name in names)
-    return {name: {**base, CPUS_ENV: ",".join(map(str, mine[name])),
+    own = bool({THREADS_ENV, "NPROC"} & base.keys())  # the user's (XLA reads NPROC after it)
+    return {name: {**({} if own else {THREADS_ENV: str(len(mine[name]) + 1)}), **base,
+                   CPUS_ENV: ",".join(map(str, mine[name])),
                    HOST_CPUS_ENV: ",".join(map(str, cpus)), PINNING_ENV: split}
             for name in names}
 
