@@ -294,9 +294,15 @@ def test_a_tpot_slack_bounds_the_suffix_compute_chosen_beside_its_request():
     assert chosen(adaptive, Slack(7, 0.0, ends_s=1.0)).why.predicted.tpot_room_ms is None
     assert chosen(fixed, Slack(7, 0.0)).why.predicted.decode_busy_ms > 0  # none fits: its own
 
-    slack = tpot_slack_ms(COSTS, 1, REQUEST.max_new_tokens, 1.25)
-    assert free.why.tpot_slack_ms == slack == 0.25 * 31 * (6.0 + 2 * 4.0)
+    # f bounds its TPOT at f d(1); the batch it decodes in takes its share of that first
+    alone = tpot_slack_ms(COSTS, 0, REQUEST.max_new_tokens, 1.25)
+    assert alone == 31 * (1.25 * 10.0 - 10.0)
+    assert tpot_slack_ms(COSTS, 1, REQUEST.max_new_tokens, 1.5) == 31 * (1.5 * 10.0 - 14.0)
+    assert tpot_slack_ms(COSTS, 1, REQUEST.max_new_tokens, 1.25) == 0  # d(2) > 1.25 d(1)
+    assert free.why.tpot_slack_ms == 0  # request 7 decodes beside it
+    assert chosen(adaptive, Slack(7, 1e9, ends_s=1.0)).why.tpot_slack_ms == alone  # ended
     assert chosen(unbounded).why.tpot_slack_ms is None
+    slack = free.why.tpot_slack_ms
     ledger = _ledger(profile.link_gbps, decode=DecodeQueue(running=1, slack=(
         Slack(7, 1e9), Slack(8, 5.0, ends_s=starts_s - 0.5))))
     booked = ledger.assigned(free, 0.0, 256)

@@ -132,8 +132,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adaptive-bits", default="16,8",
                    help="the prefix precisions adaptive weighs, e.g. 16,8,4")
     p.add_argument("--tpot-stretch", type=_stretch, default=TPOT_STRETCH, metavar="F|none",
-                   help="a request's suffix compute may stretch each decoding request's TPOT "
-                        f"by at most this factor (default {TPOT_STRETCH}; none: no bound)")
+                   help="the suffix compute chosen beside a decoding request, with the batch "
+                        "it decodes in, may stretch its TPOT to at most this factor of its step "
+                        f"alone (default {TPOT_STRETCH}; none: no bound)")
     p.add_argument("--profile", default=None,
                    help="cost-model profiles (JSON/JSONL, e.g. `rekv profile --json`; one per "
                         "prompt length); default: measured when the workers start")

@@ -63,11 +63,13 @@ running decodes and a light load, I and J are 0 and the fastest handoff wins.
 
 J weighs those delays against TTFT, summed; it does not bound what one request's TPOT takes. A
 request that decodes for n tokens beside suffix work of S ms in all has its TPOT stretched by
-`S / (n - 1)`, whoever chose that work. A policy with a TPOT stretch f gives each request a slack
-of `(f - 1) (n - 1) d(B + 1)` (`tpot_slack_ms`). Every suffix chosen on its decode worker before
-its decode ends spends R of it, and a mode whose R exceeds the least slack left among the
-requests still decoding when its suffix starts (`ServedPrediction.tpot_room_ms`) is chosen only
-where no mode fits.
+`S / (n - 1)`, whoever chose that work. A policy with a TPOT stretch f bounds each request's
+TPOT at f times its step's price alone, `f d(1)`: the batch it decodes in takes its share of
+that first, so a request with B others decoding beside it once its first token comes has a
+slack of `(n - 1) max(0, f d(1) - d(B + 1))` (`tpot_slack_ms`) for suffix compute. Every
+suffix chosen on its decode worker before its decode ends spends R of it, and a mode whose R
+exceeds the least slack left among the requests still decoding when its suffix starts
+(`ServedPrediction.tpot_room_ms`) is chosen only where no mode fits.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ from rekv_jax.planning.costmodel import (
     prefill_busy_ms,
 )
 
-TPOT_STRETCH = 1.25  # a policy's default f: how far suffix compute may stretch a request's TPOT
+TPOT_STRETCH = 1.25  # a policy's default f: a request's TPOT over its step's price alone, at most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,15 +232,17 @@ def served(profile: Profile, mode: Mode, queues: Queues, decode: DecodeCosts, id
                          default=None))
 
 
-def tpot_slack_ms(decode: DecodeCosts, running: int, new_tokens: int, tpot_stretch: float
+def tpot_slack_ms(decode: DecodeCosts, beside: int, new_tokens: int, tpot_stretch: float
                   ) -> float:
     """What suffix compute (ms, at its price) may run beside the decode of a request of
-    `new_tokens` tokens joining `running` others, if its TPOT is to stay within `tpot_stretch`
-    times its steps' price: every ms of suffix compute on its decode worker while it decodes
-    delays its later tokens by that ms, so over its `new_tokens - 1` steps of `d(B + 1)` the
-    delays may add up to `(tpot_stretch - 1)` of them."""
+    `new_tokens` tokens with `beside` others decoding beside it, if its TPOT is to stay within
+    `tpot_stretch` times its step's price alone, `d(1)`: its steps of `d(beside + 1)` take
+    their part of that bound first, and every ms of suffix compute on its decode worker while it
+    decodes delays its later tokens by that ms, so over its `new_tokens - 1` steps the delays
+    may add up to what is left (none, where its batch alone exceeds the bound)."""
     check_tpot_stretch(tpot_stretch)
-    return (tpot_stretch - 1) * max(0, new_tokens - 1) * decode.step_ms(running + 1)
+    per_step = tpot_stretch * decode.step_ms(1) - decode.step_ms(beside + 1)
+    return max(0.0, per_step) * max(0, new_tokens - 1)
 
 
 def check_tpot_stretch(tpot_stretch: float) -> None:

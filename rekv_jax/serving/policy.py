@@ -158,8 +158,11 @@ class Policy(abc.ABC):
         pred = served(profile, mode, queues, ctx.decode)
         others = [Weighed(m.label, w.ttft_ms, w.cost_ms, wp, wd)
                   for *_, w, m, wp, wd in weighed[1:ctx.runners_up + 1]]
+        # those assigned to its decode worker before it (`Queues.tpot_slack`) whose decode has
+        # not ended by its first token decode beside it
+        beside = sum(ends_ms > pred.ttft_ms for _, ends_ms in queues.tpot_slack)
         slack = None if ctx.tpot_stretch is None else tpot_slack_ms(
-            ctx.decode, queues.running, request.max_new_tokens, ctx.tpot_stretch)
+            ctx.decode, beside, request.max_new_tokens, ctx.tpot_stretch)
         why = Why(self.name, pred, queues.link_gbps, ctx.quality(mode.action, mode.chunks, n),
                   tuple(others), slack)
         return Assignment(request.id, mode, p, d, why)
