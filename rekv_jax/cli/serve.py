@@ -153,10 +153,15 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _http_flags(p: argparse.ArgumentParser) -> None:
-    """`--http` and its API key."""
+    """`--http`, its API key and its body limit."""
+    from rekv_jax.serving.serve_config import MAX_BODY_BYTES
+
     p.add_argument("--http", type=_host_port, default=None, metavar="HOST:PORT",
                    help="answer the OpenAI API (completions, chat, /metrics) here instead of a "
                         "generated load")
+    p.add_argument("--max-body-bytes", type=_positive(int), default=None, metavar="N",
+                   help="with --http: a larger request body is refused with a 413 before it is "
+                        f"read (default {MAX_BODY_BYTES})")
     api_key = p.add_mutually_exclusive_group()
     api_key.add_argument("--api-key-file", default=None, metavar="PATH",
                          help="with --http: clients send Authorization: Bearer KEY, KEY the "
@@ -324,14 +329,17 @@ def serve_config(args: argparse.Namespace, rendezvous: Rendezvous | None = None)
     from rekv_jax.model.loader import SHIPPED_MODEL, load_config
     from rekv_jax.serving.metrics import Slo
     from rekv_jax.serving.policy import check_policy_names
-    from rekv_jax.serving.serve_config import HttpBind, ServeConfig, Workers
+    from rekv_jax.serving.serve_config import MAX_BODY_BYTES, HttpBind, ServeConfig, Workers
 
     model = args.model or str(SHIPPED_MODEL)  # one that takes text, as `rekv generate`'s
     cfg = load_config(model)
-    http = None if args.http is None else HttpBind(*args.http, _api_key(args))
+    http = None if args.http is None else HttpBind(*args.http, _api_key(args),
+                                                   args.max_body_bytes or MAX_BODY_BYTES)
     if http is None and (args.api_key or args.api_key_file) is not None:
         flag = "--api-key" if args.api_key is not None else "--api-key-file"
         raise ValueError(f"{flag} guards the HTTP API: give --http HOST:PORT")
+    if http is None and args.max_body_bytes is not None:
+        raise ValueError("--max-body-bytes bounds the HTTP API's requests: give --http HOST:PORT")
     policies = check_policy_names(args.policy or (DEFAULT_POLICIES if http is None
                                                   else HTTP_POLICY), cfg.num_layers)
     bits = _adaptive_bits(args.adaptive_bits)

@@ -10,18 +10,26 @@ API key every `/v1` route and `/metrics` want `Authorization: Bearer KEY` (401 o
 bind beyond loopback needs one (`serve_config.check_bind`).
 
 Every bad request gets a 4xx with an OpenAI-style error body and the server keeps serving: a body
-that is not JSON or not a request of its route (400), a parameter this server cannot honour
-(400, naming it), an unknown model (404), a prompt that leaves no room for `max_tokens` in the
-model's context (400), chat on a model without a tokenizer or chat template (400, saying which).
+larger than `max_body_bytes` (413, before it is read: `limits`), a body that is not JSON or not a
+request of its route (400), a parameter this server cannot honour (400, naming it), an unknown
+model (404), a prompt longer than the model's context or that leaves no room for `max_tokens` in
+it (400, naming the lengths), chat on a model without a tokenizer or chat template (400, saying
+which). The event loop never waits on a request's own work: its body is parsed, its messages
+rendered and its prompt tokenized on a worker thread (the default executor's, bounded). A
+request ends when its client goes (a whole answer's disconnect is watched; a stream's is
+Starlette's) or when its client's deadline passes (`X-Request-Timeout` seconds: a 504 holding
+the text so far, or a stream's error event), and has no deadline of the server's own.
 A model without a tokenizer takes token ids only and answers with its ids as text
 (space-separated).
 
 The backend is anything with `submit(ServeRequest)` yielding the request's `Token`s then one
-`Ended` (`Backend`): the router (`serve.Clients`), or a fake in tests.
+`Ended` (`Backend`): the router (`serve.Clients`), or a fake in tests. Closing a request's stream
+before its end aborts it there.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import secrets
@@ -35,6 +43,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 
 from rekv_jax.model.loader import chat_template_of, tokenizer_of
+from rekv_jax.serving.limits import deadline_of, read_body, while_connected
 from rekv_jax.serving.openai_answer import Answer, Reply, pieces
 from rekv_jax.serving.openai_request import (
     ApiError,
@@ -48,7 +57,7 @@ from rekv_jax.serving.openai_request import (
 )
 from rekv_jax.serving.prometheus import ServingMetrics
 from rekv_jax.serving.requests import Ended, ServeRequest, Token
-from rekv_jax.serving.serve_config import http_context
+from rekv_jax.serving.serve_config import MAX_BODY_BYTES, http_context
 
 LOOPBACK = "127.0.0.1"
 GUARDED = ("/v1", "/metrics")  # the paths an API key guards
@@ -82,10 +91,11 @@ class Closing:
 
 
 def build_app(backend: Backend, model: ModelInfo, api_key: str | None = None,
-              metrics: ServingMetrics | None = None, ids: Iterator[int] | None = None
-              ) -> FastAPI:
+              metrics: ServingMetrics | None = None, ids: Iterator[int] | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI application of the module docstring; `/metrics` shows `metrics` (None: a
-    fresh, empty set); each request's id is the next of `ids` (None: its own count)."""
+    fresh, empty set); each request's id is the next of `ids` (None: its own count); a body
+    past `max_body_bytes` is refused (413)."""
     app = FastAPI(title="rekv serve", docs_url=None, redoc_url=None, openapi_url=None)
     ids, start = ids or itertools.count(), time.monotonic()
     metrics = metrics or ServingMetrics()
@@ -120,29 +130,43 @@ def build_app(backend: Backend, model: ModelInfo, api_key: str | None = None,
         return {"object": "list", "data": [{"id": model.id, "object": "model",
                                             "created": 0, "owned_by": "rekv"}]}
 
+    async def answer(request: Request, kind: type[Body]) -> Any:
+        taken_s = time.monotonic()
+        deadline_s = deadline_of(request, taken_s)
+        raw = await read_body(request, max_body_bytes)
+        body, req = await asyncio.to_thread(_parsed, raw, kind, model, next(ids), taken_s - start)
+        return await _answer(backend, model, request, body, req, deadline_s)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        body = parse(await request.body(), CompletionBody)
-        return await _answer(backend, model, body, next(ids), time.monotonic() - start)
+        return await answer(request, CompletionBody)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
-        body = parse(await request.body(), ChatBody)
-        return await _answer(backend, model, body, next(ids), time.monotonic() - start)
+        return await answer(request, ChatBody)
 
     return app
 
 
-async def _answer(backend: Backend, model: ModelInfo, body: Body, request_id: int,
-                  arrival_s: float) -> Any:
-    """Serve `body` through `backend`: the whole answer, or its stream."""
-    req = request_of(body, model, request_id, arrival_s)
+def _parsed(raw: bytes, kind: type[Body], model: ModelInfo, request_id: int, arrival_s: float
+            ) -> tuple[Body, ServeRequest]:
+    """The body `raw` holds and the request it asks for (a worker thread's work: parsing,
+    templating and tokenizing take time in proportion to the body)."""
+    body = parse(raw, kind)
+    return body, request_of(body, model, request_id, arrival_s)
+
+
+async def _answer(backend: Backend, model: ModelInfo, request: Request, body: Body,
+                  req: ServeRequest, deadline_s: float | None) -> Any:
+    """Serve `req` through `backend`: the whole answer (its request aborted if its client
+    disconnects first), or its stream; each ended at `deadline_s` (None: no deadline)."""
     answer = Answer.of(body, model, req)
-    replied = pieces(backend.submit(req), Reply(model, req, body.skip_special_tokens))
+    replied = pieces(backend.submit(req), Reply(model, req, body.skip_special_tokens),
+                     deadline_s)
     if body.stream:
         return StreamingResponse(answer.events(replied, body.stream_options),
                                  media_type="text/event-stream")
-    return await answer.whole(replied)
+    return await while_connected(request, answer.whole(replied))
 
 
 @contextlib.contextmanager

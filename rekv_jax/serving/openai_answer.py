@@ -15,12 +15,14 @@ the client gave none), so any answer can be replayed.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
+from fastapi.responses import JSONResponse
 from tokenizers import Tokenizer
 
 from rekv_jax.serving.ends import first_stop
@@ -28,6 +30,7 @@ from rekv_jax.serving.openai_request import ApiError, Body, ChatBody, ModelInfo,
 from rekv_jax.serving.requests import Ended, ServeRequest, Token
 
 LOGPROB_FLOOR = -9999.0  # a log probability of -inf is written as this (JSON has no infinity)
+DEADLINE = "deadline"  # a reply's finish when its client's deadline passed first (`pieces`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,13 +98,18 @@ class Reply:
     def add(self, item: Token | Ended) -> Piece | None:
         """The piece `item` adds (None: wait for the next item)."""
         if isinstance(item, Ended):
-            stop = self._extend(self._detok.flush())
-            return self._piece(item.finish_reason if stop is None else "stop")
+            return self.end(item.finish_reason)
         self.count += 1
         self._pending.append(item)
         if self._extend(self._detok.add(item.token)) is not None:
             return self._piece("stop")
         return None if self.count == self._max else self._piece(None)
+
+    def end(self, finish: str) -> Piece:
+        """The last piece: the text still held, finished `finish` ("stop" if that text
+        completes a stop string)."""
+        stop = self._extend(self._detok.flush())
+        return self._piece(finish if stop is None else "stop")
 
     def _extend(self, new: str) -> str | None:
         """Append `new`; the stop string it completes, if any (the text is cut before it)."""
@@ -128,19 +136,44 @@ class Reply:
         return piece
 
 
-async def pieces(items: AsyncGenerator[Token | Ended, None], reply: Reply
-                 ) -> AsyncIterator[Piece]:
+async def pieces(items: AsyncGenerator[Token | Ended, None], reply: Reply,
+                 deadline_s: float | None = None) -> AsyncIterator[Piece]:
     """`reply`'s pieces as the backend's items come, to the finish; the backend's stream is
-    closed then (a reply that stops early drops what the backend sends after)."""
+    closed then (a reply that stops early drops what the backend sends after). Past
+    `deadline_s` (on `time.monotonic()`'s clock; None: none) the stream is closed, which aborts
+    the request, and the last piece holds the text still held, its finish `DEADLINE`."""
     try:
-        async for item in items:
+        while (item := await _next(items, deadline_s)) is not None:
             if (piece := reply.add(item)) is not None:
                 yield piece
                 if piece.finish is not None:
                     return
         raise RuntimeError("the backend ended the request without saying how")
+    except _Late:
+        yield reply.end(DEADLINE)
     finally:
         await items.aclose()
+
+
+class _Late(Exception):
+    """The client's deadline passed before the backend's next item."""
+
+
+async def _next(items: AsyncGenerator[Token | Ended, None], deadline_s: float | None
+                ) -> Token | Ended | None:
+    """The backend's next item (None: its stream ended); `_Late` past `deadline_s`, the wait
+    for it cancelled (and with it the backend's stream). Whether the deadline passed is the
+    timeout's own verdict: the loop's clock may fire it a little before `time.monotonic()`
+    reaches `deadline_s`, and a backend may raise a TimeoutError of its own."""
+    if deadline_s is None:
+        return await anext(items, None)
+    try:
+        async with asyncio.timeout(deadline_s - time.monotonic()) as scope:
+            return await anext(items, None)
+    except TimeoutError:
+        if scope.expired():
+            raise _Late from None
+        raise
 
 
 class _Logprobs:
@@ -211,36 +244,55 @@ class Answer:
         return {"index": 0, **said, "logprobs": self.logprobs.of(tokens),
                 "finish_reason": finish}
 
-    async def whole(self, replied: AsyncIterator[Piece]) -> dict[str, Any]:
-        """The whole answer: its text, finish reason, usage and logprobs."""
+    async def whole(self, replied: AsyncIterator[Piece]) -> dict[str, Any] | JSONResponse:
+        """The whole answer: its text, finish reason, usage and logprobs; past its deadline, a
+        504 whose body holds the text so far beside the error."""
         try:
             got = [p async for p in replied]
         except Exception as e:  # the backend failed this request; the server goes on
             raise ApiError(500, f"the request failed: {e}", kind="server_error") from None
         tokens = tuple(t for p in got for t in p.tokens)
-        choice = self._choice("".join(p.text for p in got), tokens, got[-1].finish, "whole")
-        return self._body([choice], False) | {"usage": self.usage(len(tokens))}
+        late = got[-1].finish == DEADLINE
+        choice = self._choice("".join(p.text for p in got), tokens,
+                              None if late else got[-1].finish, "whole")
+        body = self._body([choice], False) | {"usage": self.usage(len(tokens))}
+        if late:
+            return JSONResponse(body | _late(len(tokens)).body(), 504)
+        return body
 
     async def events(self, replied: AsyncIterator[Piece], options: StreamOptions | None
                      ) -> AsyncIterator[str]:
         """Server-sent events: a chunk per piece (chat: the first with the role), the last
-        with the finish reason, usage if asked, then [DONE]; a failure ends the stream with
-        an error event."""
-        options, count, first = options or StreamOptions(), 0, True
+        with the finish reason, usage if asked, then [DONE]. A failure, or the deadline passing
+        (after a chunk of the text still held), sends an error event, then [DONE]."""
+        options, count, first, late = options or StreamOptions(), 0, True, False
         try:
             async for p in replied:
                 count += len(p.tokens)
-                choice = self._choice(p.text, p.tokens, p.finish, "first" if first else "next")
-                usage = {"usage": self.usage(count)} if options.continuous_usage_stats else {}
-                yield _event(self._body([choice], True) | usage)
+                late = p.finish == DEADLINE
+                if not late or p.text or p.tokens:
+                    yield _event(self._chunk(p, first, count, options, None if late else p.finish))
                 first = False
+            if late:
+                yield _event(_late(count).body())
+            elif options.include_usage:
+                yield _event(self._body([], True) | {"usage": self.usage(count)})
         except Exception as e:  # the backend failed this request; the server goes on
-            yield _event({"error": {"message": f"the request failed: {e}",
-                                    "type": "server_error"}})
-            return
-        if options.include_usage:
-            yield _event(self._body([], True) | {"usage": self.usage(count)})
+            yield _event(ApiError(500, f"the request failed: {e}", kind="server_error").body())
         yield "data: [DONE]\n\n"
+
+    def _chunk(self, p: Piece, first: bool, count: int, options: StreamOptions,
+               finish: str | None) -> dict[str, Any]:
+        choice = self._choice(p.text, p.tokens, finish, "first" if first else "next")
+        usage = {"usage": self.usage(count)} if options.continuous_usage_stats else {}
+        return self._body([choice], True) | usage
+
+
+def _late(tokens: int) -> ApiError:
+    """The error of a request its client's deadline ended, after `tokens` tokens."""
+    return ApiError(504, f"the request's deadline passed after {tokens} tokens (the text so far "
+                         "is sent; the request was aborted)", kind="timeout",
+                    code="deadline_exceeded")
 
 
 def _event(data: dict[str, Any]) -> str:

@@ -55,9 +55,12 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.kind, self.param, self.code = status, kind, param, code
 
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": str(self), "type": self.kind,
-                                       "param": self.param, "code": self.code}}, self.status)
+        return JSONResponse(self.body(), self.status)
 
 
 class StreamOptions(BaseModel):
@@ -195,6 +198,10 @@ def request_of(body: Body, model: ModelInfo, request_id: int, arrival_s: float
 
 
 def _check_room(prompt_len: int, max_tokens: int, model: ModelInfo) -> None:
+    if prompt_len >= model.context_len:  # named alone: a chat's default max_tokens is negative
+        raise ApiError(400, f"the prompt has {prompt_len} tokens; this model's context holds "
+                            f"{model.context_len} (the prompt and at least one new token)",
+                       param="prompt", code="context_length_exceeded")
     if prompt_len + max(max_tokens, 1) > model.context_len:
         raise ApiError(400, f"this model's context holds {model.context_len} tokens; the "
                             f"prompt has {prompt_len} and max_tokens asks for {max_tokens}",
@@ -244,7 +251,7 @@ def _prompt_ids(prompt: str | list, model: ModelInfo) -> tuple[int, ...]:
         if model.tokenizer is None:
             raise ApiError(400, f"{model.id} has no tokenizer: send the prompt as token ids",
                            param="prompt")
-        ids = model.tokenizer.encode(prompt).ids
+        ids = encode(model.tokenizer, prompt, True)
     else:
         ids = list(prompt)
         vocab = model.tokenizer.get_vocab_size() if model.tokenizer else None
@@ -253,6 +260,13 @@ def _prompt_ids(prompt: str | list, model: ModelInfo) -> tuple[int, ...]:
     if not ids:
         raise ApiError(400, "the prompt holds no tokens", param="prompt")
     return tuple(ids)
+
+
+def encode(tokenizer: Tokenizer, text: str, special: bool) -> tuple[int, ...]:
+    """`text`'s ids (`special`: with the tokenizer's added tokens, e.g. BOS). Through
+    `encode_batch`, which releases the GIL while it runs (`encode` holds it): a long prompt
+    tokenized on a worker thread leaves the event loop's thread running."""
+    return tuple(tokenizer.encode_batch([text], add_special_tokens=special)[0].ids)
 
 
 def _chat_ids(body: ChatBody, model: ModelInfo) -> tuple[int, ...]:
@@ -273,7 +287,7 @@ def _chat_ids(body: ChatBody, model: ModelInfo) -> tuple[int, ...]:
                                           body.chat_template_kwargs)
     except ValueError as e:
         raise ApiError(400, str(e), param="messages") from None
-    ids = model.tokenizer.encode(text, add_special_tokens=False).ids
+    ids = encode(model.tokenizer, text, False)
     if not ids:
         raise ApiError(400, "the rendered messages hold no tokens", param="messages")
     return tuple(ids)

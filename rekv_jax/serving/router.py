@@ -13,10 +13,10 @@ those whose decode worker has fewer than `PREFILL_AHEAD` requests prefilled ahea
 
 `abort` ends one request wherever it is (a queued one is never prefilled) and `abort_all` every
 one: each worker holding it is sent an `Abort`, and its pages come back with its decode worker's
-`Finished`. A request past `timeout` s since its arrival fails (its deadline; no run waits
-forever). A decode worker that ends fails the requests assigned to it; a prefill worker that
-ends puts its requests whose handoff it had not completed back in the queue (after their decode
-worker's `Finished` for them, once it was sent an `Abort`). Every request ends once, `Served`.
+`Finished`. With a `timeout`, a request past it since its arrival fails (clients' have none).
+A decode worker that ends fails the requests assigned to it; a prefill worker that ends puts
+its requests whose handoff it had not completed back in the queue (after their decode worker's
+`Finished` for them, once it was sent an `Abort`). Every request ends once, `Served`.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class Router:
     each `Assignment` goes to `on_assigned` once its `Prefill` is sent (again if reassigned)."""
 
     def __init__(self, policy: Policy, ledger: Ledger, pool: PoolConfig, costs: DecodeCosts,
-                 send: Callable[[str, object], bool], rate: float, timeout: float,
+                 send: Callable[[str, object], bool], rate: float, timeout: float | None,
                  on_served: Callable[[Served], None] | None = None,
                  on_assigned: Callable[[Assignment], None] | None = None) -> None:
         self._policy, self._ledger, self._pool, self._costs = policy, ledger, pool, costs
@@ -313,9 +313,9 @@ class Router:
         self._waiting.insert(at, held)
 
     def expire(self, now_s: float) -> None:
-        """Fail the requests past their deadline: `timeout` s since their arrival."""
-        for held in [h for h in self._open.values()
-                     if now_s - h.lifecycle[0].t_s > self._timeout]:
+        """Fail the requests past their deadline: `timeout` s since their arrival (None: none)."""
+        for held in [h for h in self._open.values() if self._timeout is not None
+                     and now_s - h.lifecycle[0].t_s > self._timeout]:
             self._stop(held, now_s, error=f"past its deadline, {self._timeout:g} s after its "
                                           "arrival")
         self._assign(now_s)

@@ -43,7 +43,7 @@ from rekv_jax.serving.server import (
     make_router,
     ready,
 )
-from rekv_jax.serving.shutdown import GRACE_S, Grace, stopped_by_signals
+from rekv_jax.serving.shutdown import DRAIN_S, GRACE_S, Grace, stopped_by_signals
 
 WARMUP = 8  # requests of each prompt length in a policy's warm-up burst
 
@@ -88,7 +88,8 @@ def serve(config: ServeConfig, on_event: OnEvent | None = None,
 
 def _router(group: Members, config: ServeConfig, setup: MemberSetup, policy: Policy,
             costs: DecodeCosts, rate: float) -> Router:
-    return make_router(group, config, setup, policy, costs, rate, config.profiles[0].link_gbps)
+    return make_router(group, config, setup, policy, costs, rate, config.profiles[0].link_gbps,
+                       deadline_s=config.workers.timeout)
 
 
 def _serve_streams(group: Members, config: ServeConfig, setup: MemberSetup,
@@ -162,10 +163,11 @@ def _programs(mode: Mode) -> tuple[object, ...]:
 
 def _serve_http(config: ServeConfig, stop: threading.Event) -> None:
     """Answer the OpenAI API at `config.http` until SIGINT or SIGTERM or `stop`, then stop as
-    `shutdown` says: no request taken, those in flight given `GRACE_S`, the rest aborted, and
-    the group closed within `CLOSE_S` (killed after an abort: its decode members would run the
-    aborted requests to their ends). With `config.json`, stdout holds a record of the server,
-    then each request's record as it ends (before its client hears of the end)."""
+    `shutdown` says: new requests refused (503) while those in flight are given `GRACE_S`, the
+    rest aborted, then the HTTP server stopped and the group closed within `CLOSE_S` (killed
+    after an abort: its decode members would run the aborted requests to their ends). With
+    `config.json`, stdout holds a record of the server, then each request's record as it ends
+    (before its client hears of the end)."""
     # the HTTP layer (FastAPI, pydantic, uvicorn) loads only here: a generated load, the Python
     # API and the doctor run on a machine that holds the compute stack alone
     from rekv_jax.serving.http import Closing, build_app, http_model, running
@@ -177,10 +179,12 @@ def _serve_http(config: ServeConfig, stop: threading.Event) -> None:
     with Server(config, stop, Grace(stop, GRACE_S), on_served=served) as server:
         model, clients = http_model(config.model), server.clients
         app = build_app(Closing(clients, stop), model, config.http.api_key, clients.metrics,
-                        server.ids)
+                        server.ids, config.http.max_body_bytes)
         with running(app, config.http.host, config.http.port) as url, stopped_by_signals(stop):
             _announce(url, model.id, config.policies[0], config.json)
             server.wait()
+            # the front end answers until the requests in flight ended, refusing new ones
+            server.drain(GRACE_S + DRAIN_S)
 
 
 def _announce(url: str, model: str, policy: str, as_json: bool) -> None:

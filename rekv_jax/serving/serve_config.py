@@ -30,6 +30,7 @@ from rekv_jax.transport.cores import PINNING_ENV, usable_cpus
 Members = Group | NodeGroup  # a run's workers, as the router's loop drives them
 POOL_REQUESTS = 16  # a decode worker's pool holds this many of the run's longest requests
 HTTP_CONTEXT = 2048  # the most positions (prompt and tokens) a client's request may take
+MAX_BODY_BYTES = 4 * 2**20  # a request body's default limit: far beyond any prompt of a context
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,15 +72,19 @@ def check_bind(host: str, api_key: str | None) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class HttpBind:
-    """Where the OpenAI API listens, and the key clients must send (None: none)."""
+    """Where the OpenAI API listens, the key clients must send (None: none), and the largest
+    request body it takes (larger: a 413)."""
 
     host: str
     port: int
     api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--http {self.host}:{self.port}: a port is 0..65535")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"--max-body-bytes must be positive, got {self.max_body_bytes}")
         check_bind(self.host, self.api_key)
         check_http_stack()
 

@@ -107,12 +107,14 @@ def make_policies_for(config: ServeConfig, profiles: Sequence[Profile],
 def make_router(group: Members, config: ServeConfig, setup: MemberSetup, policy: Policy,
                 costs: DecodeCosts, rate: float, link_gbps: float,
                 on_served: Callable[[Served], None] | None = None,
-                on_assigned: Callable[[Assignment], None] | None = None) -> Router:
+                on_assigned: Callable[[Assignment], None] | None = None,
+                deadline_s: float | None = None) -> Router:
     """A router of one stream (`rate`: its arrival rate, 0 for clients) over the group;
-    `link_gbps`: what its ledger assumes of an unpaced link."""
+    `link_gbps`: what its ledger assumes of an unpaced link; `deadline_s`: how long after its
+    arrival a request fails (None: never; a client's own deadline is the front end's)."""
     w = config.workers
     return Router(policy, Ledger.idle(w.prefill, w.decode, setup.link_gbps or link_gbps),
-                  setup.pool, costs, group.send, rate, w.timeout, on_served, on_assigned)
+                  setup.pool, costs, group.send, rate, deadline_s, on_served, on_assigned)
 
 
 def close_group(group: Members, timeout: float) -> None:
@@ -336,6 +338,11 @@ class Server:
         """Block until `stop` is set or the router's loop ended."""
         while not self.stop.wait(0.2) and self._thread.is_alive():
             pass
+
+    def drain(self, timeout: float) -> None:
+        """Block until the router's loop ended (once `stop` is set: when every open request
+        ended, or the `abort` ended them), at most `timeout` s."""
+        self._thread.join(timeout)
 
     def request(self, prompt: str | Sequence[int], max_new_tokens: int = 16,
                 sampling: Sampling = GREEDY, stops: Stops = EOS) -> ServeRequest:

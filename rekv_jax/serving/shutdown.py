@@ -1,8 +1,9 @@
 """How `rekv serve --http` stops: SIGINT or SIGTERM (`stopped_by_signals`), or its caller's
-`stop` event, sets `stop`; from then on the front end refuses every request (`http.Closing`, a 503),
-the requests in flight have `GRACE_S` to end before the router's loop fails them as `ABORTED`
-(`Grace`), and the workers have `CLOSE_S` to close before they are killed. A stop thus ends the
-server within `GRACE_S + CLOSE_S` and a few seconds more for the HTTP server and the process.
+`stop` event, sets `stop`; from then on the front end, still listening, refuses every new request
+(`http.Closing`, a 503), the requests in flight have `GRACE_S` to end before the router's loop
+fails them as `ABORTED` (`Grace`); once the loop ended (`DRAIN_S` more at most) the HTTP server
+stops, and the workers have `CLOSE_S` to close before they are killed. A stop thus ends the
+server within `GRACE_S + DRAIN_S + CLOSE_S` and a few seconds more for the process.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 
 ABORTED = "aborted by shutdown"  # the error of a request the stop ended
 GRACE_S = 3.0  # after a stop, the requests in flight have this long to end
+DRAIN_S = 1.0  # then the router's loop has this long to end them, its clients to hear of it
 CLOSE_S = 5.0  # then the workers have this long to close
 
 
