@@ -482,7 +482,33 @@ def test_a_backend_failure_fails_that_request_only(server):
                                                      max_tokens=3, stream=True):
             chunks.append(chunk)
     assert len(chunks) == 1  # the first token came before the failure
+    raw = _raw(f"{url}/v1/completions", json.dumps({"model": "wt2-tiny", "prompt": [13, 1],
+                                                   "max_tokens": 3, "stream": True}).encode())[1]
+    events = [e.removeprefix("data: ") for e in raw.split("\n\n") if e]
+    assert len(events) == 3 and events[-1] == "[DONE]", events  # a chunk, the error, [DONE]
+    assert "decode worker failed" in json.loads(events[1])["error"]["message"]
     assert _client(url).completions.create(model="wt2-tiny", prompt=[1], max_tokens=2)
+
+
+def test_a_body_past_the_limit_is_413_counted_as_it_comes():
+    """A body past `max_body_bytes` is a 413 whether its Content-Length says so or, sent in
+    chunks without one, its bytes pass the limit as they are read; one within it is served."""
+    from http.client import HTTPConnection
+
+    with http.running(http.build_app(Fake(), MODEL, max_body_bytes=200)) as url:
+        body = json.dumps({"model": "wt2-tiny", "prompt": "x" * 300, "max_tokens": 1}).encode()
+        assert _raw(f"{url}/v1/completions", body)[0] == 413
+        connection = HTTPConnection(url.removeprefix("http://"), timeout=10)
+        try:
+            connection.request("POST", "/v1/completions", iter([body[:150], body[150:]]),
+                               {"Content-Type": "application/json"}, encode_chunked=True)
+            answer = connection.getresponse()
+            assert answer.status == 413 and "200 bytes" in json.loads(answer.read())[
+                "error"]["message"]
+        finally:
+            connection.close()
+        small = json.dumps({"model": "wt2-tiny", "prompt": "x", "max_tokens": 1}).encode()
+        assert _raw(f"{url}/v1/completions", small)[0] == 200
 
 
 def test_a_model_without_a_tokenizer_takes_ids_and_answers_ids():

@@ -247,7 +247,7 @@ def test_the_checks_find_planted_command_lines_and_private_imports(tmp_path):
 
 HTTP_STACK = ("fastapi", "pydantic", "starlette", "uvicorn")
 HTTP_FRONT_END = {"rekv_jax.serving.http", "rekv_jax.serving.openai_request",
-                  "rekv_jax.serving.openai_answer"}
+                  "rekv_jax.serving.openai_answer", "rekv_jax.serving.limits"}
 
 
 def test_only_the_http_front_end_needs_the_http_stack():
