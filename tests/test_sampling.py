@@ -37,6 +37,14 @@ NEW = 8
 SAMPLED = Sampling(temperature=1.0, top_p=0.95, top_k=200, seed=2**40 + 7, logprobs=3)
 
 
+def seeds(n: int, key: int) -> list[int]:
+    """n distinct seeds drawn at random, none of them a slot index (0..n-1): a draw keyed by its
+    slot rather than its seed would not pass for one keyed by its seed."""
+    drawn = np.random.default_rng(key).integers(n, 2**63, n).tolist()
+    assert len(set(drawn)) == n
+    return drawn
+
+
 @functools.cache
 def model():
     """The shipped model without its EOS (the ends' tests give it one where they need it)."""
@@ -96,10 +104,10 @@ def test_seeds_change_the_tokens_and_temperature_zero_is_greedy():
     """Five seeds of one prompt at temperature 1 give five token streams; at temperature 0
     (whatever its seed, top_p and top_k) the engine's tokens are single-process greedy
     decoding's, and each token's log probability is the raw logits' log-softmax."""
-    seeds = [Sampling(1.0, seed=s) for s in range(5)]
+    samplings = [Sampling(1.0, seed=s) for s in seeds(5, 1)]
     greedy = Sampling(0.0, top_p=0.5, top_k=3, seed=99, logprobs=TOP_LOGPROBS)
     out = serve([Ask(ServeRequest(i, ids(1), NEW, 0.02 * i, s), a) for i, (s, a) in
-                 enumerate(zip([*seeds, greedy], BF16 * 2, strict=True))])
+                 enumerate(zip([*samplings, greedy], BF16 * 2, strict=True))])
     assert len({f.tokens for f in out.finished[:5]}) == 5
     cfg, params = model().cfg, model().params
     prompt = jnp.asarray([ids(1)], jnp.int32)
@@ -119,7 +127,7 @@ def test_draws_follow_the_softmax_cut_to_top_p():
     cfg, params = model().cfg, model().params
     logits = prefill(cfg, params, jnp.asarray([ids(0)], jnp.int32))[1].astype(jnp.float32)
     n, temperature, top_p = 2000, 1.5, 0.9
-    rows = rows_of([(Sampling(temperature, top_p, seed=s), 0) for s in range(n)])
+    rows = rows_of([(Sampling(temperature, top_p, seed=s), 0) for s in seeds(n, 2)])
     drawn = np.asarray(draw(jnp.tile(logits, (n, 1)), rows).token)
     scaled = np.asarray(logits[0], np.float64) / temperature
     p = np.exp(scaled - scaled.max())
@@ -141,7 +149,8 @@ def test_top_k_keeps_the_likeliest():
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(1, 64)), jnp.float32)
     n = 300
     drawn = np.asarray(draw(jnp.tile(logits, (n, 1)),
-                            rows_of([(Sampling(2.0, top_k=4, seed=s), 3) for s in range(n)])).token)
+                            rows_of([(Sampling(2.0, top_k=4, seed=s), 3)
+                                     for s in seeds(n, 3)])).token)
     assert set(drawn.tolist()) == set(np.argsort(-np.asarray(logits[0]))[:4].tolist())
 
 
