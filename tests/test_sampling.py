@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rekv_jax.model.loader import SHIPPED_MODEL, eos_ids
-from rekv_jax.model.transformer import greedy_decode, prefill
+from rekv_jax.model.transformer import attention_width, decode_step, greedy_decode, prefill
 from rekv_jax.serving.engine import DecodeEngine, EngineConfig
 from rekv_jax.serving.member import MemberSetup
 from rekv_jax.serving.pages import PoolConfig
@@ -118,6 +118,38 @@ def test_seeds_change_the_tokens_and_temperature_zero_is_greedy():
     first = jax.nn.log_softmax(logits[0].astype(jnp.float32))
     assert np.isclose(logprobs[0], first[want[0]], rtol=1e-5)
     assert top[0][0] == (int(want[0]), float(logprobs[0])) and len(top[0]) == TOP_LOGPROBS
+
+
+def reference_logprobs(prompt: tuple[int, ...], tokens: np.ndarray) -> np.ndarray:
+    """The log-softmax of the raw logits at each position of `tokens` [N] after `prompt` ([N, V]),
+    computed here: the prompt's prefill, then the dense cache's decode steps teacher-forced on
+    `tokens` (padded as `greedy_tokens` pads, so the steps attend as a paged step does)."""
+    cfg, params = model().cfg, model().params
+    kv, logits = prefill(cfg, params, jnp.asarray([prompt], jnp.int32))
+    S, n = len(prompt), len(tokens)
+    kv = kv.pad(attention_width(S + n, 2 * (S + n))).held_as_bits()
+    rows = [logits[0]]
+    for i in range(n - 1):
+        logits, kv = decode_step(cfg, params, kv, jnp.asarray(tokens[i:i + 1], jnp.int32), S + i)
+        rows.append(logits[0])
+    return np.asarray(jax.nn.log_softmax(jnp.stack(rows).astype(jnp.float32), axis=-1))
+
+
+def test_a_sampled_tokens_logprob_is_its_own_at_its_position():
+    """Each sampled token's reported log probability is the log-softmax of the raw logits at
+    its position, taken at that token (not at the likeliest one, nor at a neighbour's
+    position); its top log probabilities are the likeliest of that same row."""
+    tokens, logprobs, top = alone(SAMPLED)
+    want = reference_logprobs(ids(0), tokens)
+    mine = want[np.arange(len(tokens)), tokens]
+    assert np.array_equal(logprobs, mine), (logprobs, mine)
+    # the property has power here: some sampled tokens are not the likeliest, and a position's
+    # log probability of its token differs from the previous position's
+    assert (tokens != want.argmax(-1)).sum() >= 2
+    assert not np.allclose(mine[1:], want[np.arange(len(tokens) - 1), tokens[1:]], rtol=1e-3)
+    for i, row in enumerate(top):
+        assert [t for t, _ in row] == np.argsort(-want[i], kind="stable")[:3].tolist()
+        assert np.array_equal(np.float32([lp for _, lp in row]), np.sort(want[i])[::-1][:3])
 
 
 def test_draws_follow_the_softmax_cut_to_top_p():
