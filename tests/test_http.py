@@ -11,11 +11,13 @@ import urllib.request
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from rekv_jax.model.loader import SHIPPED_MODEL, chat_template_of, load_tokenizer
 from rekv_jax.serving import http, serve_config
 from rekv_jax.serving.openai_request import ModelInfo
-from rekv_jax.serving.requests import Ended, Token
+from rekv_jax.serving.prometheus import ServingMetrics
+from rekv_jax.serving.requests import Ended, Load, Token
 from rekv_jax.serving.sampling import Sampling, Stops
 
 TOKENIZER = load_tokenizer(SHIPPED_MODEL)
@@ -39,6 +41,7 @@ class Fake:
     def __init__(self):
         self.seen = []
         self.closed_early = 0  # streams closed before their end
+        self.metrics = ServingMetrics()  # the app's `/metrics`, fed by the tests
 
     def tokens(self, request):
         if "Go on" in TOKENIZER.decode(list(request.tokens)):
@@ -73,7 +76,7 @@ class Fake:
 def server():
     before = set(threading.enumerate())
     fake = Fake()
-    with http.running(http.build_app(fake, MODEL, api_key=KEY)) as url:
+    with http.running(http.build_app(fake, MODEL, api_key=KEY, metrics=fake.metrics)) as url:
         yield url, fake
     assert set(threading.enumerate()) <= before  # no thread outlives the server
 
@@ -454,7 +457,7 @@ def test_malformed_bodies_are_400(server, body, words):
 
 
 def test_a_missing_or_wrong_key_is_401(server):
-    url, _ = server
+    url, fake = server
     with pytest.raises(openai.AuthenticationError, match="API key"):
         _client(url, "wrong").completions.create(model="wt2-tiny", prompt="x", max_tokens=1)
     assert _raw(f"{url}/v1/completions", b"{}", key=None)[0] == 401  # no key at all
@@ -462,8 +465,11 @@ def test_a_missing_or_wrong_key_is_401(server):
     assert _raw(f"{url}/v1/models", key=None)[0] == 401
     assert _raw(f"{url}/metrics", key=None)[0] == 401
     assert _raw(f"{url}/metrics", key="wrong")[0] == 401
+    fake.metrics.emitted(Load(0, 1, 0.0, 37))  # a decode worker's pool, as it reports it
     status, text = _raw(f"{url}/metrics")
-    assert status == 200 and "rekv_requests_total" in text
+    samples = {(s.name, tuple(s.labels.items())): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert status == 200 and samples[("rekv_kv_pages_free", (("worker", "0"),))] == 37
 
 
 def test_models_and_health(server):
