@@ -305,15 +305,31 @@ def test_chat_logprobs_have_the_chat_shape(server):
     content = whole.choices[0].logprobs.content
     assert [e.logprob for e in content] == [logprob(i) for i in range(n)]
     for e in content:
-        assert e.bytes == list(e.token.encode()) and len(e.top_logprobs) == 3
-        assert e.top_logprobs[0].logprob == e.logprob and e.top_logprobs[0].token == e.token
+        assert len(e.top_logprobs) == 3
+        first = e.top_logprobs[0]  # the backend's likeliest is the token itself
+        assert (first.logprob, first.token, first.bytes) == (e.logprob, e.token, e.bytes)
     assert "".join(e.token for e in content) == whole.choices[0].message.content
+    assert bytes(b for e in content for b in e.bytes).decode() == whole.choices[0].message.content
     chunks = list(_client(url).chat.completions.create(
         model="wt2-tiny", messages=[{"role": "user", "content": "x"}], max_tokens=n,
         logprobs=True, stream=True))
     streamed = [e for c in chunks for e in c.choices[0].logprobs.content]
     assert [e.token for e in streamed] == [e.token for e in content]
     assert all(e.top_logprobs == [] for e in streamed)  # logprobs without top_logprobs
+
+
+def test_a_token_that_splits_a_character_has_its_own_bytes(server):
+    """A token that ends inside a UTF-8 character reads U+FFFD as text, but its bytes are its
+    own: all the tokens' bytes together are the reply's text in UTF-8."""
+    url, _ = server
+    whole = _client(url).chat.completions.create(
+        model="wt2-tiny", messages=[{"role": "user", "content": "Go on"}],
+        max_tokens=len(SCRIPT), logprobs=True)
+    content, text = whole.choices[0].logprobs.content, whole.choices[0].message.content
+    assert text == TOKENIZER.decode(SCRIPT) and "ù" in text
+    split = [e for e in content if e.token == "\ufffd"]
+    assert split and all(e.bytes != list("\ufffd".encode()) for e in split)
+    assert bytes(b for e in content for b in e.bytes) == text.encode()
 
 
 NEUTRAL = [
