@@ -1,7 +1,8 @@
 """The OpenAI API on loopback, driven by the official `openai` client against a fake backend that
 yields deterministic tokens: completions and chat, whole and streamed, the fields each maps to
 the request's `Sampling` and `Stops`, stop strings cut from the text, usage, logprobs in each
-API's shape, and every refusal a clear 4xx that leaves the server serving."""
+API's shape, and every refusal a clear 4xx that leaves the server serving (logprobs, stops,
+seeds, EOS and usage through the real engine: tests/test_http_engine.py)."""
 
 import asyncio
 import json
