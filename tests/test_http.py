@@ -1,7 +1,8 @@
 """The OpenAI API on loopback, driven by the official `openai` client against a fake backend that
 yields deterministic tokens: completions and chat, whole and streamed, the fields each maps to
 the request's `Sampling` and `Stops`, stop strings cut from the text, usage, logprobs in each
-API's shape, and every refusal a clear 4xx that leaves the server serving."""
+API's shape, and every refusal a clear 4xx that leaves the server serving (logprobs, stops,
+seeds, EOS and usage through the real engine: tests/test_http_engine.py)."""
 
 import asyncio
 import json
@@ -11,11 +12,13 @@ import urllib.request
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from rekv_jax.model.loader import SHIPPED_MODEL, chat_template_of, load_tokenizer
 from rekv_jax.serving import http, serve_config
 from rekv_jax.serving.openai_request import ModelInfo
-from rekv_jax.serving.requests import Ended, Token
+from rekv_jax.serving.prometheus import ServingMetrics
+from rekv_jax.serving.requests import Ended, Load, Token
 from rekv_jax.serving.sampling import Sampling, Stops
 
 TOKENIZER = load_tokenizer(SHIPPED_MODEL)
@@ -39,6 +42,7 @@ class Fake:
     def __init__(self):
         self.seen = []
         self.closed_early = 0  # streams closed before their end
+        self.metrics = ServingMetrics()  # the app's `/metrics`, fed by the tests
 
     def tokens(self, request):
         if "Go on" in TOKENIZER.decode(list(request.tokens)):
@@ -73,7 +77,7 @@ class Fake:
 def server():
     before = set(threading.enumerate())
     fake = Fake()
-    with http.running(http.build_app(fake, MODEL, api_key=KEY)) as url:
+    with http.running(http.build_app(fake, MODEL, api_key=KEY, metrics=fake.metrics)) as url:
         yield url, fake
     assert set(threading.enumerate()) <= before  # no thread outlives the server
 
@@ -302,15 +306,31 @@ def test_chat_logprobs_have_the_chat_shape(server):
     content = whole.choices[0].logprobs.content
     assert [e.logprob for e in content] == [logprob(i) for i in range(n)]
     for e in content:
-        assert e.bytes == list(e.token.encode()) and len(e.top_logprobs) == 3
-        assert e.top_logprobs[0].logprob == e.logprob and e.top_logprobs[0].token == e.token
+        assert len(e.top_logprobs) == 3
+        first = e.top_logprobs[0]  # the backend's likeliest is the token itself
+        assert (first.logprob, first.token, first.bytes) == (e.logprob, e.token, e.bytes)
     assert "".join(e.token for e in content) == whole.choices[0].message.content
+    assert bytes(b for e in content for b in e.bytes).decode() == whole.choices[0].message.content
     chunks = list(_client(url).chat.completions.create(
         model="wt2-tiny", messages=[{"role": "user", "content": "x"}], max_tokens=n,
         logprobs=True, stream=True))
     streamed = [e for c in chunks for e in c.choices[0].logprobs.content]
     assert [e.token for e in streamed] == [e.token for e in content]
     assert all(e.top_logprobs == [] for e in streamed)  # logprobs without top_logprobs
+
+
+def test_a_token_that_splits_a_character_has_its_own_bytes(server):
+    """A token that ends inside a UTF-8 character reads U+FFFD as text, but its bytes are its
+    own: all the tokens' bytes together are the reply's text in UTF-8."""
+    url, _ = server
+    whole = _client(url).chat.completions.create(
+        model="wt2-tiny", messages=[{"role": "user", "content": "Go on"}],
+        max_tokens=len(SCRIPT), logprobs=True)
+    content, text = whole.choices[0].logprobs.content, whole.choices[0].message.content
+    assert text == TOKENIZER.decode(SCRIPT) and "ù" in text
+    split = [e for e in content if e.token == "\ufffd"]
+    assert split and all(e.bytes != list("\ufffd".encode()) for e in split)
+    assert bytes(b for e in content for b in e.bytes) == text.encode()
 
 
 NEUTRAL = [
@@ -454,7 +474,7 @@ def test_malformed_bodies_are_400(server, body, words):
 
 
 def test_a_missing_or_wrong_key_is_401(server):
-    url, _ = server
+    url, fake = server
     with pytest.raises(openai.AuthenticationError, match="API key"):
         _client(url, "wrong").completions.create(model="wt2-tiny", prompt="x", max_tokens=1)
     assert _raw(f"{url}/v1/completions", b"{}", key=None)[0] == 401  # no key at all
@@ -462,8 +482,11 @@ def test_a_missing_or_wrong_key_is_401(server):
     assert _raw(f"{url}/v1/models", key=None)[0] == 401
     assert _raw(f"{url}/metrics", key=None)[0] == 401
     assert _raw(f"{url}/metrics", key="wrong")[0] == 401
+    fake.metrics.emitted(Load(0, 1, 0.0, 37))  # a decode worker's pool, as it reports it
     status, text = _raw(f"{url}/metrics")
-    assert status == 200 and "rekv_requests_total" in text
+    samples = {(s.name, tuple(s.labels.items())): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert status == 200 and samples[("rekv_kv_pages_free", (("worker", "0"),))] == 37
 
 
 def test_models_and_health(server):

@@ -1,12 +1,12 @@
 """A reply's text as tokens come, against the tokenizer's own decode of them all: the pieces add
 up to it (characters split across byte-level tokens included), and a stop string ends it at its
-first occurrence, no piece holding any of it."""
+first occurrence, no piece holding any of it. Each token's own bytes add up to it too."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rekv_jax.model.loader import SHIPPED_MODEL, load_tokenizer
-from rekv_jax.serving.openai_answer import Detokenizer, Reply
+from rekv_jax.serving.openai_answer import Detokenizer, Reply, token_bytes
 from rekv_jax.serving.openai_request import ModelInfo
 from rekv_jax.serving.requests import Ended, ServeRequest, Token
 from rekv_jax.serving.sampling import Stops
@@ -47,9 +47,9 @@ def _replay(ids, stops, ended):
 @SETTINGS
 @given(IDS, st.data())
 def test_a_stop_string_cuts_the_text_at_its_first_occurrence(ids, data):
+    ids = ids + TOKENIZER.encode(" end").ids  # some text to cut, whatever the drawn ids hold
     text = TOKENIZER.decode(ids)
-    if not text:
-        return
+    assert text.endswith("end")
     start = data.draw(st.integers(0, len(text) - 1))
     stop = text[start:start + data.draw(st.integers(1, 6))]
     pieces = _replay(ids, Stops((stop,)), Ended("length"))
@@ -66,3 +66,19 @@ def test_without_a_stop_the_text_is_all_of_it_and_the_end_is_the_backends(ids):
     assert "".join(p.text for p in pieces) == TOKENIZER.decode(ids)
     assert [p.finish for p in pieces] == [None] * (len(pieces) - 1) + ["stop"]
     assert sum(len(p.tokens) for p in pieces) == len(ids) == len(pieces)  # a token a piece
+
+
+@SETTINGS
+@given(IDS)
+def test_the_tokens_bytes_add_up_to_the_tokenizers_text(ids):
+    """The tokens' bytes, joined, are the bytes the tokenizer decodes (special tokens
+    included): a token that ends inside a character holds that character's first bytes."""
+    joined = bytes(b for t in ids for b in token_bytes(TOKENIZER, t))
+    assert joined.decode("utf-8", "replace") == TOKENIZER.decode(ids, False)
+
+
+def test_a_token_inside_a_character_holds_its_bytes():
+    ids = TOKENIZER.encode("Où €").ids
+    assert [TOKENIZER.decode([t]) for t in ids[1:3]] == ["\ufffd"] * 2  # ù split in two
+    assert [token_bytes(TOKENIZER, t) for t in ids[1:3]] == [[0xC3], [0xB9]]
+    assert bytes(b for t in ids for b in token_bytes(TOKENIZER, t)) == "Où €".encode()

@@ -93,7 +93,8 @@ def _scrape(url):
 
 
 def _by(metrics, name, label):
-    return {dict(k)[label]: v for (n, k), v in metrics.items() if n == name and v}
+    """Each `label` value's sample of `name`, zeros included (a gauge set to 0 is not unset)."""
+    return {dict(k)[label]: v for (n, k), v in metrics.items() if n == name}
 
 
 def _wait_for(url, holds, timeout=30.0):
@@ -141,9 +142,9 @@ def test_metrics_during_and_after_a_run_equal_the_served_records():
             during = _wait_for(url, lambda m: sum(_by(m, "rekv_queue_depth", "stage").values())
                                == len(prompts))
             assert _by(during, "rekv_queue_depth", "stage") == {  # 2 admitted, 2 ahead of pages
-                "prefill": 2 + PREFILL_AHEAD, "waiting": 4 - PREFILL_AHEAD}
+                "prefill": 2 + PREFILL_AHEAD, "waiting": 4 - PREFILL_AHEAD, "decode": 0}
             assert _by(during, "rekv_kv_pages_used", "worker") == {"0": 2}
-            assert _by(during, "rekv_kv_pages_free", "worker") == {}  # 0: the pool is full
+            assert _by(during, "rekv_kv_pages_free", "worker") == {"0": 0}  # the pool is full
             assert not _by(during, "rekv_requests_total", "outcome")
             workers.gate.set()
             for t in asking:
@@ -175,7 +176,8 @@ def test_metrics_during_and_after_a_run_equal_the_served_records():
     assert after[("rekv_generation_tokens_total", ())] == sum(
         len(s.token_times_s) for s in served)
     assert after[("rekv_prompt_tokens_total", ())] == sum(s.request.prompt_len for s in served)
-    assert not _by(after, "rekv_queue_depth", "stage")  # nothing in flight
+    assert _by(after, "rekv_queue_depth", "stage") == dict.fromkeys(  # nothing in flight
+        ("waiting", "prefill", "decode"), 0)
     assert _by(after, "rekv_kv_pages_free", "worker") == {"0": POOL.usable_pages}
 
 

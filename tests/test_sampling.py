@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rekv_jax.model.loader import SHIPPED_MODEL, eos_ids
-from rekv_jax.model.transformer import greedy_decode, prefill
+from rekv_jax.model.transformer import attention_width, decode_step, greedy_decode, prefill
 from rekv_jax.serving.engine import DecodeEngine, EngineConfig
 from rekv_jax.serving.member import MemberSetup
 from rekv_jax.serving.pages import PoolConfig
@@ -35,6 +35,14 @@ PROMPTS = ("The game began development in 2010 , carrying over",
            "In 1997 , the band released their second album , which")
 NEW = 8
 SAMPLED = Sampling(temperature=1.0, top_p=0.95, top_k=200, seed=2**40 + 7, logprobs=3)
+
+
+def seeds(n: int, key: int) -> list[int]:
+    """n distinct seeds drawn at random, none of them a slot index (0..n-1): a draw keyed by its
+    slot rather than its seed would not pass for one keyed by its seed."""
+    drawn = np.random.default_rng(key).integers(n, 2**63, n).tolist()
+    assert len(set(drawn)) == n
+    return drawn
 
 
 @functools.cache
@@ -96,10 +104,10 @@ def test_seeds_change_the_tokens_and_temperature_zero_is_greedy():
     """Five seeds of one prompt at temperature 1 give five token streams; at temperature 0
     (whatever its seed, top_p and top_k) the engine's tokens are single-process greedy
     decoding's, and each token's log probability is the raw logits' log-softmax."""
-    seeds = [Sampling(1.0, seed=s) for s in range(5)]
+    samplings = [Sampling(1.0, seed=s) for s in seeds(5, 1)]
     greedy = Sampling(0.0, top_p=0.5, top_k=3, seed=99, logprobs=TOP_LOGPROBS)
     out = serve([Ask(ServeRequest(i, ids(1), NEW, 0.02 * i, s), a) for i, (s, a) in
-                 enumerate(zip([*seeds, greedy], BF16 * 2, strict=True))])
+                 enumerate(zip([*samplings, greedy], BF16 * 2, strict=True))])
     assert len({f.tokens for f in out.finished[:5]}) == 5
     cfg, params = model().cfg, model().params
     prompt = jnp.asarray([ids(1)], jnp.int32)
@@ -112,6 +120,38 @@ def test_seeds_change_the_tokens_and_temperature_zero_is_greedy():
     assert top[0][0] == (int(want[0]), float(logprobs[0])) and len(top[0]) == TOP_LOGPROBS
 
 
+def reference_logprobs(prompt: tuple[int, ...], tokens: np.ndarray) -> np.ndarray:
+    """The log-softmax of the raw logits at each position of `tokens` [N] after `prompt` ([N, V]),
+    computed here: the prompt's prefill, then the dense cache's decode steps teacher-forced on
+    `tokens` (padded as `greedy_tokens` pads, so the steps attend as a paged step does)."""
+    cfg, params = model().cfg, model().params
+    kv, logits = prefill(cfg, params, jnp.asarray([prompt], jnp.int32))
+    S, n = len(prompt), len(tokens)
+    kv = kv.pad(attention_width(S + n, 2 * (S + n))).held_as_bits()
+    rows = [logits[0]]
+    for i in range(n - 1):
+        logits, kv = decode_step(cfg, params, kv, jnp.asarray(tokens[i:i + 1], jnp.int32), S + i)
+        rows.append(logits[0])
+    return np.asarray(jax.nn.log_softmax(jnp.stack(rows).astype(jnp.float32), axis=-1))
+
+
+def test_a_sampled_tokens_logprob_is_its_own_at_its_position():
+    """Each sampled token's reported log probability is the log-softmax of the raw logits at
+    its position, taken at that token (not at the likeliest one, nor at a neighbour's
+    position); its top log probabilities are the likeliest of that same row."""
+    tokens, logprobs, top = alone(SAMPLED)
+    want = reference_logprobs(ids(0), tokens)
+    mine = want[np.arange(len(tokens)), tokens]
+    assert np.array_equal(logprobs, mine), (logprobs, mine)
+    # the property has power here: some sampled tokens are not the likeliest, and a position's
+    # log probability of its token differs from the previous position's
+    assert (tokens != want.argmax(-1)).sum() >= 2
+    assert not np.allclose(mine[1:], want[np.arange(len(tokens) - 1), tokens[1:]], rtol=1e-3)
+    for i, row in enumerate(top):
+        assert [t for t, _ in row] == np.argsort(-want[i], kind="stable")[:3].tolist()
+        assert np.array_equal(np.float32([lp for _, lp in row]), np.sort(want[i])[::-1][:3])
+
+
 def test_draws_follow_the_softmax_cut_to_top_p():
     """2,000 draws of one position (2,000 seeds, one batched call) over the shipped model's
     logits for a prompt, at temperature 1.5 and top_p 0.9: none falls outside the top-p set,
@@ -119,7 +159,7 @@ def test_draws_follow_the_softmax_cut_to_top_p():
     cfg, params = model().cfg, model().params
     logits = prefill(cfg, params, jnp.asarray([ids(0)], jnp.int32))[1].astype(jnp.float32)
     n, temperature, top_p = 2000, 1.5, 0.9
-    rows = rows_of([(Sampling(temperature, top_p, seed=s), 0) for s in range(n)])
+    rows = rows_of([(Sampling(temperature, top_p, seed=s), 0) for s in seeds(n, 2)])
     drawn = np.asarray(draw(jnp.tile(logits, (n, 1)), rows).token)
     scaled = np.asarray(logits[0], np.float64) / temperature
     p = np.exp(scaled - scaled.max())
@@ -141,7 +181,8 @@ def test_top_k_keeps_the_likeliest():
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(1, 64)), jnp.float32)
     n = 300
     drawn = np.asarray(draw(jnp.tile(logits, (n, 1)),
-                            rows_of([(Sampling(2.0, top_k=4, seed=s), 3) for s in range(n)])).token)
+                            rows_of([(Sampling(2.0, top_k=4, seed=s), 3)
+                                     for s in seeds(n, 3)])).token)
     assert set(drawn.tolist()) == set(np.argsort(-np.asarray(logits[0]))[:4].tolist())
 
 

@@ -130,7 +130,7 @@ def test_clients_that_disconnect_abort_their_requests_and_the_others_are_exact()
             # another's leave freed would otherwise be its before its own leave is heard)
             for k in reversed(range(len(go))):
                 go[k].set()
-                _until(lambda k=k: tuple(prompts[7 + k]) in served, 10.0)
+                assert _until(lambda k=k: tuple(prompts[7 + k]) in served, 10.0)
             release.set()  # then the 3 others leave mid-stream
             for client in [*stay, *leave, *queued]:
                 client.join(WAIT_S)

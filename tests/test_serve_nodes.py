@@ -8,17 +8,20 @@ router, two prefill workers (one late) and a decode worker serve the official `o
 streamed completions with single-process greedy tokens, while a fifth process with another key
 fails to join; a worker killed mid-run takes no more requests. A worker that never starts is
 named within the timeout and every process exits; a run across nodes without a key is refused
-in one line, exit 2."""
+in one line, exit 2. And the router's own check: a raw client that ignores the router's
+proof and sends one it cannot have made with the key is cut off before it says a name."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -32,9 +35,9 @@ from test_serve_start import QUICK, REPO, STOP_S, _analytic_profile, _env
 from rekv_jax.errors import TransportError
 from rekv_jax.launch.child import member_names
 from rekv_jax.launch.group import Emitted, MemberEnded, loopback
-from rekv_jax.launch.nodes import NodeGroup, Rendezvous, run_member
+from rekv_jax.launch.nodes import PURPOSE, Hello, NodeGroup, Refused, Rendezvous, run_member
 from rekv_jax.model.loader import load_model
-from rekv_jax.transport import JobKey
+from rekv_jax.transport import JobKey, control, secret
 from rekv_jax.transport.control import WrongKey
 
 WAIT_S = 60.0  # every process's --timeout (joining, links, any wait)
@@ -97,6 +100,79 @@ def test_members_join_in_any_order_and_no_stranger_or_double_joins():
     assert isinstance(ends["second"], TransportError)
     assert str(ends["second"]) == "decode-0: decode-0 has joined already"
     assert str(ends["prefill-0"]) == "prefill-0 exited with status 3"
+
+
+def _raw_join(address: str, proof_of, name: str) -> str:
+    """A client that speaks the connection's exchange by hand, never checking the router's
+    proof: it sends its nonce, reads the router's nonce and proof, sends `proof_of(nonces,
+    router's proof)`, then a `Hello` of `name`. How the router answered: "closed" (the
+    connection cut), "refused: WHY" (a `Refused`), or what else came."""
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + WAIT_S
+    while True:  # the router may not listen yet
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=5)
+            break
+        except OSError:
+            assert time.monotonic() < deadline, f"no router listened at {address}"
+            time.sleep(0.1)
+    try:
+        mine = secret.new_nonce()
+        sock.sendall(mine)
+        theirs = b""
+        while len(theirs) < secret.NONCE_BYTES + secret.PROOF_BYTES:
+            chunk = sock.recv(secret.NONCE_BYTES + secret.PROOF_BYTES - len(theirs))
+            assert chunk, "the router closed before it proved itself"
+            theirs += chunk
+        sock.sendall(proof_of(mine + theirs[:secret.NONCE_BYTES], theirs[secret.NONCE_BYTES:]))
+        sock.setblocking(True)
+        conn = Connection(sock.detach())
+        conn.send(Hello(name, 1))
+        answer = conn.recv() if conn.poll(WAIT_S) else "nothing"
+    except (OSError, EOFError):
+        return "closed"
+    return f"refused: {answer.why}" if isinstance(answer, Refused) else repr(answer)
+
+
+def test_the_router_refuses_a_client_that_cannot_prove_the_key():
+    """Raw clients that skip the check of the router's proof (so only the router's check of
+    theirs can stop them) send a random proof, the router's own proof back, one made with
+    another key, and one with the job's key derived for another purpose: the router cuts each
+    off before it reads the name. The same client with the right proof gets past the key to the
+    router's check of its name (not a member's), and the run's own members then join and are
+    served."""
+    key, address = JobKey.new(), loopback()
+    mine = key.derive(PURPOSE)
+    wrong = {
+        "random": lambda nonces, theirs: os.urandom(secret.PROOF_BYTES),
+        "replayed": lambda nonces, theirs: theirs,
+        "another key": lambda nonces, theirs: secret.prove(
+            JobKey.new().derive(PURPOSE), "connector", nonces),
+        "another purpose": lambda nonces, theirs: secret.prove(
+            key.derive(control.PURPOSE), "connector", nonces)}
+    outcomes = {}
+
+    def clients() -> None:  # the raw clients first, then the run's members
+        for what, proof_of in wrong.items():
+            outcomes[what] = _raw_join(address, proof_of, "stranger")
+        outcomes["right"] = _raw_join(
+            address, lambda nonces, theirs: secret.prove(mine, "connector", nonces), "stranger")
+        for name in ("decode-0", "prefill-0"):
+            threading.Thread(target=run_member, args=(name, Rendezvous(address, key), WAIT_S,
+                                                      os.environ), daemon=True).start()
+
+    thread = threading.Thread(target=clients, daemon=True)
+    thread.start()
+    with NodeGroup(echo, ("got ",), member_names(1, 1), Rendezvous(address, key),
+                   WAIT_S) as group:
+        assert group.send("prefill-0", "a")
+        assert _events(group, 1) == [Emitted("prefill-0", "got prefill-0 a")]
+        ended = group.close(WAIT_S)
+    thread.join(WAIT_S)
+    assert {what: outcomes[what] for what in wrong} == dict.fromkeys(wrong, "closed")
+    assert outcomes["right"] == ("refused: stranger is not a member of this run "
+                                 "(decode-0, prefill-0)")
+    assert ended["prefill-0"].ok and ended["prefill-0"].value == 1
 
 
 # ------------------------------------------------------------------ the CLI, one process a node

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
+import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi.responses import JSONResponse
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 
 from rekv_jax.serving.ends import first_stop
 from rekv_jax.serving.openai_request import ApiError, Body, ChatBody, ModelInfo, StreamOptions
@@ -46,6 +48,31 @@ class Piece:
 def token_text(tokenizer: Tokenizer | None, token: int) -> str:
     """One token's own text, special tokens included (its id as " 12" without a tokenizer)."""
     return f" {token}" if tokenizer is None else tokenizer.decode([token], False)
+
+
+@functools.cache
+def _byte_of_char() -> dict[str, int]:
+    """The byte each character of a byte-level BPE vocabulary stands for (GPT-2's alphabet:
+    printable bytes as themselves, the other 68 as the characters from U+0100 on)."""
+    shown = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+             *range(ord("®"), ord("ÿ") + 1)]
+    hidden = [b for b in range(256) if b not in shown]
+    return {chr(c): b for c, b in zip([*shown, *range(256, 256 + len(hidden))],
+                                      [*shown, *hidden], strict=True)}
+
+
+def token_bytes(tokenizer: Tokenizer | None, token: int) -> list[int]:
+    """One token's own bytes, as the OpenAI API reports them: a byte-level BPE token's bytes
+    from its vocabulary entry and a byte-fallback token's (<0xHH>) its byte, so that a token
+    ending inside a UTF-8 character gives that character's first bytes (its text would be
+    U+FFFD); any other token's, and an added token's, are its text in UTF-8."""
+    if tokenizer is not None and token not in tokenizer.get_added_tokens_decoder():
+        piece, byte_of = tokenizer.id_to_token(token), _byte_of_char()
+        if isinstance(tokenizer.decoder, decoders.ByteLevel) and all(c in byte_of for c in piece):
+            return [byte_of[c] for c in piece]
+        if fallback := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece):
+            return [int(fallback[1], 16)]
+    return list(token_text(tokenizer, token).encode())
 
 
 def _floor(logprob: float | None) -> float | None:
@@ -185,7 +212,7 @@ class _Logprobs:
 
     def _entry(self, token: int, logprob: float | None) -> dict[str, Any]:
         text = token_text(self._tok, token)
-        return {"token": text, "logprob": _floor(logprob), "bytes": list(text.encode())}
+        return {"token": text, "logprob": _floor(logprob), "bytes": token_bytes(self._tok, token)}
 
     def of(self, tokens: tuple[Token, ...]) -> dict[str, Any] | None:
         """Completions: tokens, token_logprobs, top_logprobs ({text: logprob}), text_offset;
