@@ -234,10 +234,12 @@ def test_a_trained_model_folder_has_one_name_however_it_is_read(shipped_profile,
         assert [p.model for p in serve_config(args).profiles] == [own]
 
 
-def test_a_newcomers_start_serves_text_and_ctrl_c_stops_it(tmp_path):
+def test_a_newcomers_start_serves_text_and_ctrl_c_stops_it(tmp_path, monkeypatch):
     """The command a newcomer types, every other flag its default: the shipped model (it takes
-    text), the profiles measured at the start, the paper's link calibrated, each side pinned.
-    Ctrl-C (SIGINT to the process group, as a terminal sends it) stops it."""
+    text), the profiles measured at the start (an empty cache folder: a newcomer's first),
+    the paper's link calibrated, each side pinned. Ctrl-C (SIGINT to the process group, as a
+    terminal sends it) stops it."""
+    monkeypatch.setenv("REKV_CACHE_DIR", str(tmp_path / "cache"))
     server = Server([], tmp_path)
     try:
         assert server.model == str(SHIPPED_MODEL)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from rekv_jax.cli.flags import PAPER_LINK
+from rekv_jax.cli.start_cache import use_caches
 
 if TYPE_CHECKING:
     from rekv_jax.launch.nodes import Rendezvous
@@ -196,6 +197,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     node = across_nodes(args)
     if node is not None and node[0] != ROUTER:
         return _run_worker(*node, args.timeout)
+    use_caches()
     config = serve_config(args, node and node[1])
     if args.api_key is not None:  # checked: the server will take it
         print("rekv serve: warning: --api-key is on the command line, which `ps` shows to every "
@@ -266,19 +268,11 @@ def _run_worker(name: str, rendezvous: Rendezvous, timeout: float) -> None:
 
 
 def measured_profiles(config, args: argparse.Namespace) -> tuple:
-    """The cost model's profiles, measured now (`rekv profile` at the shortest and the longest
-    prompt length), over the calibrated link when --link-gbps is `paper`."""
-    from rekv_jax.study import sweep
+    """The cost model's profiles at the shortest and the longest prompt length: cached, or
+    measured now and cached (`start_cache.start_profiles`)."""
+    from rekv_jax.cli.start_cache import start_profiles
 
-    lengths = sorted({r.prompt_len for s in config.streams for r in s.requests}) or [512]
-    lengths = sorted({lengths[0], lengths[-1]})
-    link = config.workers.link_gbps
-    if link == PAPER_LINK:
-        link = sweep.calibrate_pair_link(config.model, lengths[0], args.transport).link_gbps
-    print(f"rekv serve: measuring the cost model's profiles at {lengths} tokens "
-          "(give --profile to skip)", file=sys.stderr, flush=True)
-    return tuple(sweep.profile(config.model, n, args.transport, link, PROFILE_REPS)
-                 for n in lengths)
+    return start_profiles(config, args.transport, PROFILE_REPS)
 
 
 class Progress:

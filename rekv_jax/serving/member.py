@@ -1,7 +1,8 @@
 """What each process of a serving group runs (`launch.group.Group`'s job), built from one
 record, `MemberSetup`: a decode member is a `DecodeEngine` over its links to every prefill
 member; a prefill member is a `PrefillWorker` over its links to every decode member. Each opens
-its links first (before any other JAX work: they join jax.distributed), loads the model, agrees
+its links first (before any other JAX work: they join jax.distributed; only the persistent
+compilation cache is turned on before them, `compile_cache`), loads the model, agrees
 the runtime with each peer, warms what it can, tells the router it is `Ready`, then serves what
 the router sends until the group closes.
 """
@@ -13,6 +14,7 @@ import signal
 
 import jax.numpy as jnp
 
+from rekv_jax.compile_cache import use_compile_cache
 from rekv_jax.launch.child import Member
 from rekv_jax.launch.runtime import agree_runtime
 from rekv_jax.mode import Fallback
@@ -67,6 +69,7 @@ def serving_member(member: Member, setup: MemberSetup) -> int | None:
     requests still hold at its end (0: nothing leaked)."""
     # A terminal's Ctrl-C reaches the whole process group; the router ends the group in order
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    use_compile_cache()  # before this process compiles anything
     links = list(member.links(setup.transport, setup.link_gbps, setup.timeout).values())
     try:
         model = setup.load()

@@ -23,6 +23,7 @@ from typing import TextIO
 from tqdm import tqdm
 
 from rekv_jax import phases, sizes
+from rekv_jax.compile_cache import compile_cache_env
 from rekv_jax.config import ModelConfig
 from rekv_jax.launch.environments import pair_environments, visible_gpus
 from rekv_jax.launch.group import Job
@@ -107,16 +108,6 @@ def run_experiment(exp: Experiment, cache_dir: Path | None = None, timeout: floa
     """One experiment in a pair of its own; its summary records."""
     with Pair(cache_dir, timeout) as pair:
         return pair.run(exp)
-
-
-def compile_cache_env(cache_dir: Path | None) -> dict[str, str]:
-    """The environment that makes a child persist every program it compiles in `cache_dir`
-    (none: no change), so the processes of a sweep compile each one once."""
-    if cache_dir is None:
-        return {}
-    return {"JAX_COMPILATION_CACHE_DIR": str(cache_dir),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 def calibrate_pair_link(model: str, seq_len: int, transport: str, pin: bool = True,
